@@ -1,0 +1,132 @@
+"""Building blocks for RDD graphs on :class:`dask.bag.Bag`.
+
+Every RDD operation is one of four shapes: partition-wise (narrow), a selection of parent
+partitions (union, coalesce), an all-to-all shuffle (wide), or a tree reduction (actions).
+Tasks use dask's task-spec classes, so user data embedded in a graph is never mistaken for a
+task, and dask's bag optimizer fuses chains of narrow operations into one task per partition.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from dask._task_spec import Alias, DataNode, List, Task, TaskRef
+from dask.bag import Bag
+from dask.base import tokenize
+from dask.highlevelgraph import HighLevelGraph
+
+_counter = itertools.count()
+
+
+def _name(prefix: str, *token_args: Any) -> str:
+    # tokenize alone would merge identical graphs; the counter keeps each RDD's keys its own
+    return f"{prefix}-{tokenize(*token_args, next(_counter))}"
+
+
+def _bag(name: str, dsk: dict, parents: Sequence[Bag], npartitions: int) -> Bag:
+    graph = HighLevelGraph.from_collections(name, dsk, dependencies=list(parents))
+    return Bag(graph, name, npartitions)
+
+
+def _call_as_list(func: Callable[..., Iterable[Any]], *args: Any) -> list:
+    out = func(*args)
+    return out if isinstance(out, list) else list(out)
+
+
+def from_partitions(prefix: str, partitions: Sequence[list]) -> Bag:
+    """A bag whose partitions are the given lists, embedded in the graph."""
+    name = _name(prefix)
+    dsk = {(name, i): DataNode((name, i), part) for i, part in enumerate(partitions)}
+    return _bag(name, dsk, [], len(partitions))
+
+
+def from_calls(prefix: str, calls: Sequence[tuple[Callable[..., Iterable[Any]], tuple]]) -> Bag:
+    """A bag whose partition ``i`` is ``list(func(*args))`` for ``calls[i] = (func, args)``."""
+    name = _name(prefix)
+    dsk = {
+        (name, i): Task((name, i), _call_as_list, DataNode(None, func), *[DataNode(None, a) for a in args])
+        for i, (func, args) in enumerate(calls)
+    }
+    return _bag(name, dsk, [], len(calls))
+
+
+def partitionwise(prefix: str, func: Callable[..., Iterable[Any]], *parents: Bag) -> Bag:
+    """Partition ``i`` of the result is ``list(func(i, part_i_of_each_parent...))``."""
+    n = parents[0].npartitions
+    if any(p.npartitions != n for p in parents):
+        raise ValueError(
+            "partition-wise operations need the same number of partitions, got "
+            + ", ".join(str(p.npartitions) for p in parents)
+        )
+    name = _name(prefix)
+    fn = DataNode(None, func)
+    dsk = {
+        (name, i): Task((name, i), _call_as_list, fn, i, *[TaskRef((p.name, i)) for p in parents])
+        for i in range(n)
+    }
+    return _bag(name, dsk, parents, n)
+
+
+def _concat(*parts: Iterable[Any]) -> list:
+    return list(itertools.chain.from_iterable(parts))
+
+
+def select(prefix: str, sources: Sequence[Sequence[tuple[Bag, int]]], parents: Sequence[Bag]) -> Bag:
+    """Partition ``j`` of the result concatenates the parent partitions listed in ``sources[j]``."""
+    name = _name(prefix)
+    dsk: dict = {}
+    for j, refs in enumerate(sources):
+        key = (name, j)
+        if len(refs) == 1:
+            bag, i = refs[0]
+            dsk[key] = Alias(key, (bag.name, i))
+        else:
+            dsk[key] = Task(key, _concat, *[TaskRef((bag.name, i)) for bag, i in refs])
+    return _bag(name, dsk, parents, len(sources))
+
+
+def _pick(buckets: list, j: int) -> list:
+    return buckets[j]
+
+
+def shuffle(
+    prefix: str,
+    bag: Bag,
+    npartitions: int,
+    split: Callable[[int, Iterable[Any]], list],
+    merge: Callable[[int, list[list]], Iterable[Any]],
+) -> Bag:
+    """All-to-all exchange.
+
+    ``split(i, partition)`` returns ``npartitions`` lists (one per output partition);
+    ``merge(j, lists)`` turns the lists bound for output ``j`` into its elements. Only the
+    bucket bound for ``j`` travels to the task that builds output ``j``.
+    """
+    name = _name(prefix)
+    split_name = f"{name}-split"
+    pick_name = f"{name}-pick"
+    merge_fn = DataNode(None, merge)
+    dsk: dict = {}
+    for i in range(bag.npartitions):
+        dsk[(split_name, i)] = Task((split_name, i), split, i, TaskRef((bag.name, i)))
+        for j in range(npartitions):
+            dsk[(pick_name, i, j)] = Task((pick_name, i, j), _pick, TaskRef((split_name, i)), j)
+    for j in range(npartitions):
+        refs = List(*[TaskRef((pick_name, i, j)) for i in range(bag.npartitions)])
+        dsk[(name, j)] = Task((name, j), _call_as_list, merge_fn, j, refs)
+    return _bag(name, dsk, [bag], npartitions)
+
+
+def product(prefix: str, left: Bag, right: Bag, func: Callable[[list, list], Iterable[Any]]) -> Bag:
+    """Partition ``i * right.npartitions + j`` is ``list(func(left_i, right_j))``."""
+    name = _name(prefix)
+    fn = DataNode(None, func)
+    dsk = {}
+    for i in range(left.npartitions):
+        for j in range(right.npartitions):
+            key = (name, i * right.npartitions + j)
+            dsk[key] = Task(key, _call_as_list, fn, TaskRef((left.name, i)), TaskRef((right.name, j)))
+    return _bag(name, dsk, [left, right], left.npartitions * right.npartitions)
+

@@ -1,0 +1,232 @@
+"""Reading and writing RDDs on fsspec storage (local paths, ``file://``, ``s3://``, ``memory://``...)."""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import struct
+import uuid
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+from fsspec.utils import infer_compression, read_block
+
+from dlscale import _graph, _safe_pickle
+from dlscale.errors import CorruptDataError, OutputExistsError, StorageError, UnsafePickleError
+
+if TYPE_CHECKING:
+    from dlscale.context import SparkContext
+    from dlscale.rdd import RDD
+
+_MAX_SPLIT = 64 * 2**20
+_PICKLE_MAGIC = b"DLSPKL1\n"
+_LEN = struct.Struct("<Q")
+_CODECS = {
+    "org.apache.hadoop.io.compress.GzipCodec": "gzip",
+    "org.apache.hadoop.io.compress.BZip2Codec": "bz2",
+    "org.apache.hadoop.io.compress.Lz4Codec": "lz4",
+    "org.apache.hadoop.io.compress.ZStandardCodec": "zstd",
+}
+_EXTENSIONS = {"gzip": ".gz", "bz2": ".bz2", "lz4": ".lz4", "zstd": ".zst", "xz": ".xz", "lzma": ".xz"}
+
+
+def _hidden(path: str) -> bool:
+    return os.path.basename(path.rstrip("/")).startswith(("_", "."))
+
+
+def open_fs(url: str, storage_options: dict[str, Any] | None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem and path of ``url``; errors name the URL."""
+    try:
+        return fsspec.core.url_to_fs(url, **(storage_options or {}))
+    except (ImportError, ValueError) as e:
+        raise StorageError(f"cannot open {url!r}: {e}") from e
+
+
+def list_files(url: str, storage_options: dict[str, Any] | None) -> tuple[fsspec.AbstractFileSystem, list[str]]:
+    """Files named by ``url``: a file, a directory's visible files, a glob, or comma-separated URLs.
+
+    Names starting with ``_`` or ``.`` inside a directory are skipped, as Hadoop does.
+    """
+    files: list[str] = []
+    fs = None
+    for part in [u.strip() for u in url.split(",") if u.strip()]:
+        fs, path = open_fs(part, storage_options)
+        try:
+            if fs.isdir(path):
+                found = [p for p in fs.find(path, maxdepth=1) if not _hidden(p)]
+            else:
+                found = sorted(fs.glob(path)) if any(c in path for c in "*?[") else ([path] if fs.exists(path) else [])
+        except OSError as e:
+            raise StorageError(f"cannot list {part!r}: {e}") from e
+        if not found:
+            raise StorageError(f"Input path does not exist: {part}")
+        files.extend(sorted(found))
+    if fs is None:
+        raise StorageError(f"no path given: {url!r}")
+    return fs, files
+
+
+def atomic_write(fs: fsspec.AbstractFileSystem, path: str, write: Callable[[Any], None]) -> None:
+    """Write ``path`` so that a reader sees either nothing or the whole file.
+
+    Local files are written under a temporary name and renamed; object stores (S3 and the like)
+    publish an object only when its upload completes.
+    """
+    if isinstance(fs, LocalFileSystem):
+        fs.makedirs(fs._parent(path), exist_ok=True)
+        tmp = f"{fs._parent(path)}/.{os.path.basename(path)}.{uuid.uuid4().hex}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                write(f)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    else:
+        with fs.open(path, "wb") as f:
+            write(f)
+
+
+# -- text ----------------------------------------------------------------------------------
+def _read_lines(fs: fsspec.AbstractFileSystem, path: str, offset: int, length: int | None,
+                use_unicode: bool) -> list:
+    with fs.open(path, "rb", compression=infer_compression(path) if length is None else None) as f:
+        data = f.read() if length is None else read_block(f, offset, length, delimiter=b"\n")
+    lines = data.splitlines()
+    return [line.decode("utf-8") for line in lines] if use_unicode else lines
+
+
+def text_file(ctx: SparkContext, name: str, min_partitions: int | None, use_unicode: bool,
+              storage_options: dict[str, Any] | None) -> RDD:
+    from dlscale.rdd import RDD
+
+    fs, files = list_files(name, storage_options)
+    min_partitions = ctx.defaultMinPartitions if min_partitions is None else min_partitions
+    sizes = [fs.size(p) or 0 for p in files]
+    goal = max(1, math.ceil(sum(sizes) / max(1, min_partitions)))
+    split = min(goal, _MAX_SPLIT)
+    calls = []
+    for path, size in zip(files, sizes):
+        if infer_compression(path) is not None or size == 0:
+            calls.append((_read_lines, (fs, path, 0, None, use_unicode)))
+            continue
+        for offset in range(0, size, split):
+            calls.append((_read_lines, (fs, path, offset, min(split, size - offset), use_unicode)))
+    return RDD(_graph.from_calls("textFile", calls), ctx)
+
+
+def _read_whole(fs: fsspec.AbstractFileSystem, paths: list[str], text: bool, use_unicode: bool) -> Iterator:
+    for p in paths:
+        with fs.open(p, "rb", compression=infer_compression(p)) as f:
+            data = f.read()
+        yield fs.unstrip_protocol(p), (data.decode("utf-8") if text and use_unicode else data)
+
+
+def whole_files(ctx: SparkContext, path: str, min_partitions: int | None, storage_options: dict[str, Any] | None,
+                text: bool, use_unicode: bool = True) -> RDD:
+    from dlscale.rdd import RDD
+
+    fs, files = list_files(path, storage_options)
+    n = max(1, min(len(files), ctx.defaultMinPartitions if min_partitions is None else min_partitions))
+    groups = [files[i * len(files) // n : (i + 1) * len(files) // n] for i in range(n)]
+    calls = [(_read_whole, (fs, g, text, use_unicode)) for g in groups]
+    return RDD(_graph.from_calls("wholeFiles", calls), ctx)
+
+
+def _prepare_output(path: str, storage_options: dict[str, Any] | None) -> tuple[fsspec.AbstractFileSystem, str]:
+    fs, root = open_fs(path, storage_options)
+    if fs.exists(root):
+        raise OutputExistsError(f"Output directory {path} already exists")
+    fs.makedirs(root, exist_ok=True)
+    return fs, root.rstrip("/")
+
+
+def _write_text_part(fs: fsspec.AbstractFileSystem, root: str, ext: str, compression: str | None,
+                     i: int, items: Any) -> list[str]:
+    path = f"{root}/part-{i:05d}{ext}"
+
+    def write(raw: Any) -> None:
+        f = fsspec.core.compr[compression](raw, mode="wb") if compression else raw
+        for x in items:
+            f.write(x if isinstance(x, bytes) else str(x).encode("utf-8"))
+            f.write(b"\n")
+        if compression:
+            f.close()  # flushes the compressor; the file itself is closed by atomic_write
+
+    atomic_write(fs, path, write)
+    return [path]
+
+
+def save_as_text_file(rdd: RDD, path: str, codec: str | None, storage_options: dict[str, Any] | None) -> None:
+    compression = _CODECS.get(codec, codec) if codec else None
+    if compression is not None and compression not in fsspec.core.compr:
+        raise ValueError(f"compressionCodecClass {codec!r} is not available; known: {sorted(_CODECS)}")
+    fs, root = _prepare_output(path, storage_options)
+    ext = _EXTENSIONS.get(compression, "") if compression else ""
+    write = partial(_write_text_part, fs, root, ext, compression)
+    _finish_output(rdd, fs, root, write)
+
+
+def _finish_output(rdd: RDD, fs: fsspec.AbstractFileSystem, root: str, write: Callable) -> None:
+    if rdd.getNumPartitions():
+        rdd.ctx._compute(_graph.partitionwise("save", write, rdd._bag))
+    fs.pipe_file(f"{root}/_SUCCESS", b"")
+
+
+# -- pickle --------------------------------------------------------------------------------
+def _write_pickle_part(fs: fsspec.AbstractFileSystem, root: str, batch_size: int, i: int, items: Any) -> list[str]:
+    path = f"{root}/part-{i:05d}"
+
+    def write(f: Any) -> None:
+        f.write(_PICKLE_MAGIC)
+        items_list = list(items)
+        for start in range(0, len(items_list), batch_size):
+            blob = _safe_pickle.dumps(items_list[start : start + batch_size])
+            f.write(_LEN.pack(len(blob)))
+            f.write(blob)
+
+    atomic_write(fs, path, write)
+    return [path]
+
+
+def save_as_pickle_file(rdd: RDD, path: str, batch_size: int, storage_options: dict[str, Any] | None) -> None:
+    if batch_size < 1:
+        raise ValueError(f"batchSize must be at least 1, got {batch_size}")
+    fs, root = _prepare_output(path, storage_options)
+    _finish_output(rdd, fs, root, partial(_write_pickle_part, fs, root, batch_size))
+
+
+def _read_pickle_part(fs: fsspec.AbstractFileSystem, path: str, allowed: tuple[str, ...]) -> Iterator:
+    url = fs.unstrip_protocol(path)
+    data = memoryview(fs.cat_file(path))
+    if bytes(data[: len(_PICKLE_MAGIC)]) != _PICKLE_MAGIC:
+        raise CorruptDataError(f"{url} is not a dlscale pickle file (written by saveAsPickleFile)")
+    pos = len(_PICKLE_MAGIC)
+    while pos < len(data):
+        if pos + _LEN.size > len(data):
+            raise CorruptDataError(f"{url} is truncated at byte {pos}")
+        (n,) = _LEN.unpack_from(data, pos)
+        pos += _LEN.size
+        if pos + n > len(data):
+            raise CorruptDataError(f"{url} is truncated: a batch needs {n} bytes at byte {pos}")
+        try:
+            batch = _safe_pickle.loads(data[pos : pos + n], allowed, source=url)
+        except UnsafePickleError:
+            raise
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError) as e:
+            raise CorruptDataError(f"{url} has a corrupt batch at byte {pos}: {e}") from e
+        pos += n
+        yield from batch
+
+
+def pickle_file(ctx: SparkContext, name: str, min_partitions: int | None, allowed: tuple[str, ...],
+                storage_options: dict[str, Any] | None) -> RDD:
+    from dlscale.rdd import RDD
+
+    fs, files = list_files(name, storage_options)
+    calls = [(_read_pickle_part, (fs, p, allowed)) for p in files]
+    return RDD(_graph.from_calls("pickleFile", calls), ctx)

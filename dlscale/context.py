@@ -1,0 +1,319 @@
+"""``SparkContext``: the entry point, owning a Dask client and (by default) an embedded cluster."""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import distributed
+
+from dlscale import _graph, config
+from dlscale.conf import SparkConf, spark_size_to_bytes
+from dlscale.errors import ClusterConnectionError, MasterURLError
+
+if TYPE_CHECKING:
+    from dlscale.broadcast import Broadcast
+    from dlscale.rdd import RDD
+
+_LOCAL = re.compile(r"^local(?:\[(\d+|\*)\])?$")
+_ADDRESS = re.compile(r"^(tcp|tls|ws|wss|inproc)://.+")
+_SPARK_MANAGERS = ("spark://", "yarn", "mesos://", "k8s://")
+
+
+def _parse_local(master: str) -> int | None:
+    m = _LOCAL.match(master)
+    if not m:
+        return None
+    n = m.group(1)
+    if n is None:
+        return 1
+    return os.cpu_count() or 1 if n == "*" else int(n)
+
+
+class SparkContext:
+    """Connection to a Dask cluster, with PySpark's ``SparkContext`` methods.
+
+    ``master`` is ``local`` (one worker process), ``local[N]`` (N worker processes),
+    ``local[*]`` (one per core; the default) or the address of a running Dask scheduler
+    (``tcp://host:8786``, ``tls://...``). Alternatively pass ``client=`` (an existing
+    :class:`distributed.Client`) or ``cluster=`` (any Dask cluster object, such as a
+    dask-jobqueue ``SLURMCluster``). The context closes what it created on :meth:`stop` and
+    never what it was given.
+    """
+
+    _active: SparkContext | None = None
+    _lock = threading.RLock()
+
+    def __init__(
+        self,
+        master: str | None = None,
+        appName: str | None = None,
+        *,
+        client: distributed.Client | None = None,
+        cluster: Any = None,
+        conf: SparkConf | dict[str, Any] | None = None,
+    ) -> None:
+        if conf is not None and not isinstance(conf, (SparkConf, dict)):
+            raise TypeError(f"conf must be a SparkConf or a dict, not {type(conf).__name__}")
+        self._conf = conf if isinstance(conf, SparkConf) else SparkConf().setAll((conf or {}).items())
+        if sum(x is not None for x in (master, client, cluster)) > 1:
+            raise ValueError("give at most one of master, client and cluster")
+        if client is not None and not isinstance(client, distributed.Client):
+            raise TypeError(f"client must be a distributed.Client, not {type(client).__name__}")
+
+        self.appName = appName or self._conf.get("spark.app.name") or "dlscale"
+        self._owned_cluster: Any = None
+        self._owns_client = client is None
+        if client is not None:
+            self.master = client.scheduler.address
+            self._client = client
+        elif cluster is not None:
+            self.master = cluster.scheduler_address
+            self._client = distributed.Client(cluster)
+        else:
+            self.master = master or self._conf.get("spark.master") or "local[*]"
+            self._client = self._connect(self.master)
+        self._conf.set("spark.master", self.master).set("spark.app.name", self.appName)
+
+        self.startTime = int(time.time() * 1000)
+        self.applicationId = f"app-{time.strftime('%Y%m%d%H%M%S')}-{uuid.uuid4().hex[:8]}"
+        # key that authenticates blocks this application writes to disk (see dlscale.persist)
+        self._block_key = os.urandom(32)
+        self._rdd_ids = iter(range(1 << 62))
+        self._persisted: weakref.WeakValueDictionary[int, RDD] = weakref.WeakValueDictionary()
+        self._stopped = False
+        with SparkContext._lock:
+            SparkContext._active = self
+
+    # -- cluster ownership ---------------------------------------------------------------
+    def _connect(self, master: str) -> distributed.Client:
+        n = _parse_local(master)
+        if n is not None:
+            if n < 1:
+                raise MasterURLError(f"master {master!r} asks for {n} workers; use at least 1")
+            self._owned_cluster = distributed.LocalCluster(**self._local_cluster_kwargs(n))
+            return distributed.Client(self._owned_cluster)
+        if _ADDRESS.match(master):
+            timeout = config.get("connect-timeout")
+            try:
+                return distributed.Client(master, timeout=timeout)
+            except (OSError, TimeoutError) as e:
+                raise ClusterConnectionError(
+                    f"could not reach the Dask scheduler at {master} within {timeout} "
+                    f"(dlscale.connect-timeout): {e}"
+                ) from e
+        hint = ""
+        if master.startswith(_SPARK_MANAGERS):
+            hint = (
+                " dlscale runs on Dask, not on a Spark cluster manager: give the address of a"
+                " Dask scheduler (tcp://host:8786) or pass cluster= (e.g. a dask-jobqueue cluster)."
+            )
+        raise MasterURLError(
+            f"unknown master URL {master!r}; expected local, local[N], local[*], tcp://host:port "
+            f"or tls://host:port.{hint}"
+        )
+
+    def _local_cluster_kwargs(self, n: int) -> dict[str, Any]:
+        conf = self._conf
+        threads = int(conf.get("spark.executor.cores") or config.get("local.threads-per-worker"))
+        memory: Any = config.get("local.memory-limit")
+        if conf.contains("spark.executor.memory"):
+            memory = spark_size_to_bytes(conf.get("spark.executor.memory"), "spark.executor.memory")
+        workers = int(conf.get("spark.executor.instances") or n)
+        return dict(
+            n_workers=workers,
+            threads_per_worker=threads,
+            processes=True,
+            memory_limit=memory,
+            dashboard_address=config.get("local.dashboard-address"),
+        )
+
+    @property
+    def client(self) -> distributed.Client:
+        """The Dask client this context computes with."""
+        if self._stopped:
+            raise RuntimeError(f"the SparkContext {self.applicationId} has been stopped")
+        return self._client
+
+    def stop(self) -> None:
+        """Release every persisted RDD and close the client and cluster this context created."""
+        if self._stopped:
+            return
+        for rdd in list(self._persisted.values()):
+            rdd.unpersist(blocking=True)
+        self._stopped = True
+        if self._owns_client:
+            self._client.close()
+        if self._owned_cluster is not None:
+            self._owned_cluster.close()
+        with SparkContext._lock:
+            if SparkContext._active is self:
+                SparkContext._active = None
+
+    def __enter__(self) -> SparkContext:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @classmethod
+    def getOrCreate(cls, conf: SparkConf | None = None) -> SparkContext:
+        """The active context, or a new one from ``conf``."""
+        with cls._lock:
+            if cls._active is None:
+                cls(conf=conf)
+            assert cls._active is not None
+            return cls._active
+
+    def getConf(self) -> SparkConf:
+        return SparkConf().setAll(self._conf.getAll())
+
+    # -- properties ----------------------------------------------------------------------
+    @property
+    def defaultParallelism(self) -> int:
+        """Total worker threads (``spark.default.parallelism`` when set)."""
+        if self._conf.contains("spark.default.parallelism"):
+            return int(self._conf.get("spark.default.parallelism"))
+        info = self.client.scheduler_info(n_workers=-1)
+        return max(1, sum(w["nthreads"] for w in info["workers"].values()))
+
+    @property
+    def defaultMinPartitions(self) -> int:
+        return min(self.defaultParallelism, 2)
+
+    @property
+    def uiWebUrl(self) -> str | None:
+        """The Dask dashboard."""
+        return self.client.dashboard_link
+
+    @property
+    def version(self) -> str:
+        from dlscale import __version__
+
+        return __version__
+
+    def _new_rdd_id(self) -> int:
+        return next(self._rdd_ids)
+
+    def _default_reduce_partitions(self, rdd: RDD) -> int:
+        if self._conf.contains("spark.default.parallelism"):
+            return self.defaultParallelism
+        return rdd.getNumPartitions()
+
+    # -- creating RDDs -------------------------------------------------------------------
+    def parallelize(self, c: Iterable[Any], numSlices: int | None = None) -> RDD:
+        """Distribute a local collection, sliced by position exactly as PySpark slices it."""
+        from dlscale.rdd import RDD
+
+        n = self._check_slices(numSlices)
+        if isinstance(c, range):
+            return self.range(c.start, c.stop, c.step, n)
+        if not isinstance(c, Sequence) or isinstance(c, (str, bytes)):
+            try:
+                c = list(c)
+            except TypeError:
+                raise TypeError(f"parallelize needs an iterable collection, got {type(c).__name__}") from None
+        size = len(c)
+        parts = [list(c[i * size // n : (i + 1) * size // n]) for i in range(n)]
+        return RDD(_graph.from_partitions("parallelize", parts), self)
+
+    def range(self, start: int, end: int | None = None, step: int = 1, numSlices: int | None = None) -> RDD:
+        """Integers from ``start`` to ``end`` (exclusive); each partition is generated on its worker."""
+        from dlscale.rdd import RDD
+
+        if end is None:
+            start, end = 0, start
+        n = self._check_slices(numSlices)
+        r = range(start, end, step)
+        size = len(r)
+        calls = [(list, (r[i * size // n : (i + 1) * size // n],)) for i in range(n)]
+        return RDD(_graph.from_calls("range", calls), self)
+
+    def emptyRDD(self) -> RDD:
+        """An RDD with no partitions."""
+        from dlscale.rdd import RDD
+
+        return RDD(_graph.from_partitions("empty", []), self)
+
+    def union(self, rdds: Sequence[RDD]) -> RDD:
+        """The concatenation of the partitions of ``rdds``."""
+        from dlscale.rdd import RDD
+
+        rdds = list(rdds)
+        if not rdds:
+            raise ValueError("union needs at least one RDD")
+        sources = [[(r._bag, i)] for r in rdds for i in range(r.getNumPartitions())]
+        return RDD(_graph.select("union", sources, [r._bag for r in rdds]), self)
+
+    def broadcast(self, value: Any) -> Broadcast:
+        """Send ``value`` to every worker once; tasks read it through ``.value``."""
+        from dlscale.broadcast import Broadcast
+
+        return Broadcast(self, value)
+
+    def textFile(
+        self, name: str, minPartitions: int | None = None, use_unicode: bool = True, *,
+        storage_options: dict[str, Any] | None = None,
+    ) -> RDD:
+        """Lines of text files (a file, a directory, a glob, or comma-separated paths)."""
+        from dlscale import _io
+
+        return _io.text_file(self, name, minPartitions, use_unicode, storage_options)
+
+    def wholeTextFiles(
+        self, path: str, minPartitions: int | None = None, use_unicode: bool = True, *,
+        storage_options: dict[str, Any] | None = None,
+    ) -> RDD:
+        """``(url, content)`` for every file under ``path``."""
+        from dlscale import _io
+
+        return _io.whole_files(self, path, minPartitions, storage_options, text=True, use_unicode=use_unicode)
+
+    def binaryFiles(
+        self, path: str, minPartitions: int | None = None, *, storage_options: dict[str, Any] | None = None,
+    ) -> RDD:
+        """``(url, bytes)`` for every file under ``path``."""
+        from dlscale import _io
+
+        return _io.whole_files(self, path, minPartitions, storage_options, text=False)
+
+    def pickleFile(
+        self, name: str, minPartitions: int | None = None, *,
+        allowed: Iterable[str] = (), storage_options: dict[str, Any] | None = None,
+    ) -> RDD:
+        """Objects written by :meth:`RDD.saveAsPickleFile`.
+
+        Only plain data (built-in types, numpy arrays, torch tensors) is loaded; name further
+        classes as ``"module:QualName"`` in ``allowed``. Anything else is refused without running.
+        """
+        from dlscale import _io
+
+        return _io.pickle_file(self, name, minPartitions, tuple(allowed), storage_options)
+
+    def getRDDStorageInfo(self) -> list[Any]:
+        """What each persisted RDD holds in worker memory and on disk."""
+        from dlscale import persist
+
+        return persist.storage_info(self, list(self._persisted.values()))
+
+    def _check_slices(self, numSlices: int | None) -> int:
+        if numSlices is None:
+            return self.defaultParallelism
+        if isinstance(numSlices, bool) or not isinstance(numSlices, int):
+            raise TypeError(f"numSlices must be an int, not {type(numSlices).__name__}")
+        if numSlices < 1:
+            raise ValueError(f"numSlices must be at least 1, got {numSlices}")
+        return numSlices
+
+    def _compute(self, collection: Any) -> Any:
+        return self.client.compute(collection, sync=True)
+
+    def __repr__(self) -> str:
+        return f"<SparkContext master={self.master} appName={self.appName}>"
+

@@ -1,0 +1,33 @@
+"""Exception hierarchy: every dlscale error is a :class:`DlscaleError` and also the matching built-in."""
+
+from __future__ import annotations
+
+import pickle
+
+
+class DlscaleError(Exception):
+    """Base class of all errors raised by dlscale."""
+
+
+class MasterURLError(DlscaleError, ValueError):
+    """A master URL that dlscale does not understand."""
+
+
+class ClusterConnectionError(DlscaleError, ConnectionError):
+    """The Dask scheduler named by a master URL could not be reached."""
+
+
+class StorageError(DlscaleError, OSError):
+    """A storage location that is missing, unreadable or unwritable."""
+
+
+class UnsafePickleError(DlscaleError, pickle.UnpicklingError):
+    """A file on storage asked to load an object that is not on the allowed list."""
+
+
+class CorruptDataError(DlscaleError, ValueError):
+    """A stored block or file whose bytes do not match what was written."""
+
+
+class OutputExistsError(DlscaleError, FileExistsError):
+    """An output directory that already exists (RDDs are never written over existing output)."""

@@ -1,0 +1,922 @@
+"""``RDD``: PySpark's resilient distributed dataset API over a :class:`dask.bag.Bag`.
+
+Transformations are lazy and build a Dask graph; actions compute it on the context's cluster.
+Results follow PySpark (the reference for names, arguments, partitioning and return values);
+where they differ, ``docs/facade.md`` says how.
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import heapq
+import itertools
+import math
+import operator
+import random
+import sys
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial, reduce
+from typing import TYPE_CHECKING, Any
+
+from dlscale import _graph
+from dlscale._hash import portable_hash
+from dlscale._sampling import RangeSampler, Sampler, fraction_for_sample_size
+from dlscale.statcounter import StatCounter
+
+if TYPE_CHECKING:
+    from dask.bag import Bag
+
+    from dlscale.context import SparkContext
+    from dlscale.persist import StorageLevel
+
+__all__ = ["RDD", "Partitioner", "ResultIterable", "portable_hash"]
+
+
+class Partitioner:
+    """Assigns a key to one of ``numPartitions`` partitions with ``partitionFunc(key) % n``."""
+
+    def __init__(self, numPartitions: int, partitionFunc: Callable[[Any], int]) -> None:
+        self.numPartitions = numPartitions
+        self.partitionFunc = partitionFunc
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Partitioner)
+            and self.numPartitions == other.numPartitions
+            and self.partitionFunc == other.partitionFunc
+        )
+
+    def __call__(self, k: Any) -> int:
+        return self.partitionFunc(k) % self.numPartitions
+
+
+class ResultIterable(Iterable):
+    """The grouped values of one key (``groupByKey``, ``cogroup``): iterable and sized."""
+
+    def __init__(self, data: list) -> None:
+        self.data = data
+        self.maxindex = len(data)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.data)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __repr__(self) -> str:
+        return f"ResultIterable({self.data!r})"
+
+
+# -- per-partition functions (module level so that they pickle small) -----------------------
+def _check_callable(f: Any, name: str) -> None:
+    if not callable(f):
+        raise TypeError(f"{name} must be callable, got {type(f).__name__}")
+
+
+def _map(f: Callable, _i: int, it: Iterable) -> Iterator:
+    return map(f, it)
+
+
+def _flat_map(f: Callable, _i: int, it: Iterable) -> Iterator:
+    return itertools.chain.from_iterable(map(f, it))
+
+
+def _filter(f: Callable, _i: int, it: Iterable) -> Iterator:
+    return filter(f, it)
+
+
+def _map_partitions(f: Callable, _i: int, it: Iterable) -> Iterable:
+    return f(iter(it))
+
+
+def _map_partitions_with_index(f: Callable, i: int, it: Iterable) -> Iterable:
+    return f(i, iter(it))
+
+
+def _glom(_i: int, it: Iterable) -> list:
+    return [list(it)]
+
+
+def _zip(i: int, left: list, right: list) -> Iterable:
+    if len(left) != len(right):
+        raise ValueError(
+            "Can only zip RDDs with same number of elements in each partition "
+            f"(partition {i} has {len(left)} and {len(right)})"
+        )
+    return zip(left, right)
+
+
+def _pair(kv: Any) -> tuple[Any, Any]:
+    try:
+        k, v = kv
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"this operation needs (key, value) pairs, but an element is {kv!r} ({type(kv).__name__})"
+        ) from None
+    return k, v
+
+
+def _split_by_key(partitioner: Partitioner, _i: int, items: Iterable) -> list[list]:
+    buckets: list[list] = [[] for _ in range(partitioner.numPartitions)]
+    for kv in items:
+        buckets[partitioner(_pair(kv)[0])].append(kv)
+    return buckets
+
+
+def _split_round_robin(n: int, i: int, items: Iterable) -> list[list]:
+    buckets: list[list] = [[] for _ in range(n)]
+    for pos, x in enumerate(items, start=i):
+        buckets[pos % n].append(x)
+    return buckets
+
+
+def _merge_buckets(_j: int, lists: list[list]) -> Iterator:
+    return itertools.chain.from_iterable(lists)
+
+
+def _combine_values(create: Callable, merge_value: Callable, _i: int, it: Iterable) -> Iterable:
+    combined: dict = {}
+    for kv in it:
+        k, v = _pair(kv)
+        combined[k] = merge_value(combined[k], v) if k in combined else create(v)
+    return combined.items()
+
+
+def _combine_combiners(merge: Callable, _i: int, it: Iterable) -> Iterable:
+    combined: dict = {}
+    for k, c in it:
+        combined[k] = merge(combined[k], c) if k in combined else c
+    return combined.items()
+
+
+def _sort_partition(keyfunc: Callable, ascending: bool, _i: int, it: Iterable) -> list:
+    return sorted(it, key=lambda kv: keyfunc(kv[0]), reverse=not ascending)
+
+
+def _fold_partition(zero: Any, op: Callable, it: Iterable) -> list:
+    return [reduce(op, it, copy.deepcopy(zero))]
+
+
+def _aggregate_partition(zero: Any, seq_op: Callable, it: Iterable) -> Any:
+    return reduce(seq_op, it, copy.deepcopy(zero))
+
+
+def _reduce_partition(f: Callable, it: Iterable) -> list:
+    it = iter(it)
+    try:
+        first = next(it)
+    except StopIteration:
+        return []
+    return [reduce(f, it, first)]
+
+
+def _reduce_results(f: Callable, parts: list[list]) -> list:
+    return _reduce_partition(f, itertools.chain.from_iterable(parts))
+
+
+def _concat_lists(parts: list[list]) -> list:
+    return list(itertools.chain.from_iterable(parts))
+
+
+def _count(it: Iterable) -> int:
+    return sum(1 for _ in it)
+
+
+def _take(n: int, it: Iterable) -> list:
+    return list(itertools.islice(it, n))
+
+
+def _stat_counter(it: Iterable) -> StatCounter:
+    return StatCounter(it)
+
+
+def _merge_stats(counters: list[StatCounter]) -> StatCounter:
+    out = StatCounter()
+    for c in counters:
+        out.mergeStats(c)
+    return out
+
+
+def _count_values(it: Iterable) -> dict:
+    counts: dict = defaultdict(int)
+    for x in it:
+        counts[x] += 1
+    return counts
+
+
+def _merge_counts(dicts: list[dict]) -> dict:
+    out: dict = defaultdict(int)
+    for d in dicts:
+        for k, v in d.items():
+            out[k] += v
+    return out
+
+
+def _nlargest(num: int, key: Callable | None, it: Iterable) -> list:
+    return heapq.nlargest(num, it, key=key)
+
+
+def _nsmallest(num: int, key: Callable | None, it: Iterable) -> list:
+    return heapq.nsmallest(num, it, key=key)
+
+
+def _nlargest_merge(num: int, key: Callable | None, parts: list[list]) -> list:
+    return heapq.nlargest(num, itertools.chain.from_iterable(parts), key=key)
+
+
+def _nsmallest_merge(num: int, key: Callable | None, parts: list[list]) -> list:
+    return heapq.nsmallest(num, itertools.chain.from_iterable(parts), key=key)
+
+
+def _foreach(f: Callable, it: Iterable) -> int:
+    for x in it:
+        f(x)
+    return 0
+
+
+def _foreach_partition(f: Callable, it: Iterable) -> int:
+    f(iter(it))
+    return 0
+
+
+def _sum_ints(parts: list[int]) -> int:
+    return sum(parts)
+
+
+def _histogram_partition(buckets: list, even: bool, inc: Any, it: Iterable) -> list[int]:
+    minv, maxv = buckets[0], buckets[-1]
+    counters = [0] * len(buckets)
+    for x in it:
+        if x is None or (isinstance(x, float) and math.isnan(x)) or x > maxv or x < minv:
+            continue
+        t = int((x - minv) / inc) if even else bisect.bisect_right(buckets, x) - 1
+        counters[t] += 1
+    last = counters.pop()
+    counters[-1] += last
+    return counters
+
+
+def _add_counters(parts: list[list[int]]) -> list[int]:
+    return [sum(c) for c in zip(*parts)]
+
+
+def _comparable(x: Any) -> bool:
+    return x is not None and not (type(x) is float and math.isnan(x))
+
+
+def _plain(x: Any) -> Any:
+    """Turn numpy and torch scalars into Python numbers."""
+    if callable(getattr(x, "item", None)) and getattr(x, "shape", None) == ():
+        return x.item()
+    return x
+
+
+def _cogroup_values(n: int, values: Iterable) -> tuple[ResultIterable, ...]:
+    bufs: list[list] = [[] for _ in range(n)]
+    for i, v in values:
+        bufs[i].append(v)
+    return tuple(ResultIterable(b) for b in bufs)
+
+
+def _join_values(left_outer: bool, right_outer: bool, values: Iterable) -> Iterator:
+    vbuf, wbuf = [], []
+    for i, v in values:
+        (vbuf if i == 0 else wbuf).append(v)
+    if left_outer and not wbuf:
+        wbuf.append(None)
+    if right_outer and not vbuf:
+        vbuf.append(None)
+    return ((v, w) for v in vbuf for w in wbuf)
+
+
+def _cartesian(left: list, right: list) -> Iterator:
+    return itertools.product(left, right)
+
+
+class RDD:
+    """A partitioned collection, computed lazily on the cluster (PySpark's ``RDD``)."""
+
+    def __init__(self, bag: Bag, ctx: SparkContext, partitioner: Partitioner | None = None) -> None:
+        self._bag = bag
+        self.ctx = ctx
+        self.partitioner = partitioner
+        self._id = ctx._new_rdd_id()
+        self._name: str | None = None
+        self._stored: Any = None  # dlscale.persist.Stored when persisted
+
+    # -- identity ------------------------------------------------------------------------
+    @property
+    def context(self) -> SparkContext:
+        return self.ctx
+
+    def id(self) -> int:
+        """A number unique to this RDD within its context."""
+        return self._id
+
+    def name(self) -> str | None:
+        return self._name
+
+    def setName(self, name: str) -> RDD:
+        self._name = name
+        return self
+
+    def getNumPartitions(self) -> int:
+        return self._bag.npartitions
+
+    def to_bag(self) -> Bag:
+        """The underlying :class:`dask.bag.Bag` (reads the persisted copy when persisted)."""
+        return self._bag
+
+    def __repr__(self) -> str:
+        label = f"{self._name} " if self._name else ""
+        return f"{label}RDD[{self._id}] with {self.getNumPartitions()} partitions"
+
+    # -- building blocks -----------------------------------------------------------------
+    def _derive(self, bag: Bag, partitioner: Partitioner | None = None) -> RDD:
+        return RDD(bag, self.ctx, partitioner)
+
+    def _partitionwise(self, prefix: str, func: Callable, preserves: bool = False) -> RDD:
+        return self._derive(_graph.partitionwise(prefix, func, self._bag), self.partitioner if preserves else None)
+
+    def _reduce(self, per_partition: Callable, combine: Callable, split_every: int = 8) -> Any:
+        return self.ctx._compute(self._bag.reduction(per_partition, combine, split_every=split_every))
+
+    def _run_partitions(self, func: Callable, partitions: Iterable[int]) -> list:
+        """``func(partition)`` for the given partitions only (``SparkContext.runJob``)."""
+        import dask
+
+        parts = self._bag.to_delayed()
+        tasks = [dask.delayed(func)(parts[i]) for i in partitions]
+        return list(self.ctx._compute(tasks)) if tasks else []
+
+    # -- narrow transformations ----------------------------------------------------------
+    def map(self, f: Callable[[Any], Any], preservesPartitioning: bool = False) -> RDD:
+        _check_callable(f, "f")
+        return self._partitionwise("map", partial(_map, f), preservesPartitioning)
+
+    def flatMap(self, f: Callable[[Any], Iterable[Any]], preservesPartitioning: bool = False) -> RDD:
+        _check_callable(f, "f")
+        return self._partitionwise("flatMap", partial(_flat_map, f), preservesPartitioning)
+
+    def filter(self, f: Callable[[Any], bool]) -> RDD:
+        _check_callable(f, "f")
+        return self._partitionwise("filter", partial(_filter, f), True)
+
+    def mapPartitions(self, f: Callable[[Iterator[Any]], Iterable[Any]], preservesPartitioning: bool = False) -> RDD:
+        _check_callable(f, "f")
+        return self._partitionwise("mapPartitions", partial(_map_partitions, f), preservesPartitioning)
+
+    def mapPartitionsWithIndex(
+        self, f: Callable[[int, Iterator[Any]], Iterable[Any]], preservesPartitioning: bool = False
+    ) -> RDD:
+        _check_callable(f, "f")
+        return self._partitionwise("mapPartitionsWithIndex", partial(_map_partitions_with_index, f), preservesPartitioning)
+
+    def glom(self) -> RDD:
+        """Each partition as one list."""
+        return self._partitionwise("glom", _glom)
+
+    def keyBy(self, f: Callable[[Any], Any]) -> RDD:
+        _check_callable(f, "f")
+        return self.map(lambda x: (f(x), x))
+
+    def keys(self) -> RDD:
+        return self.map(lambda kv: _pair(kv)[0])
+
+    def values(self) -> RDD:
+        return self.map(lambda kv: _pair(kv)[1])
+
+    def mapValues(self, f: Callable[[Any], Any]) -> RDD:
+        _check_callable(f, "f")
+        return self.map(lambda kv: (_pair(kv)[0], f(kv[1])), preservesPartitioning=True)
+
+    def flatMapValues(self, f: Callable[[Any], Iterable[Any]]) -> RDD:
+        _check_callable(f, "f")
+        return self.flatMap(lambda kv: ((_pair(kv)[0], x) for x in f(kv[1])), preservesPartitioning=True)
+
+    def zip(self, other: RDD) -> RDD:
+        """Pairs of the i-th elements; both RDDs need equal partition counts and sizes."""
+        if self.getNumPartitions() != other.getNumPartitions():
+            raise ValueError(
+                "Can only zip with RDD which has the same number of partitions "
+                f"({self.getNumPartitions()} and {other.getNumPartitions()})"
+            )
+        return self._derive(_graph.partitionwise("zip", _zip, self._bag, other._bag))
+
+    def zipWithIndex(self) -> RDD:
+        """``(element, index)`` in partition order; runs one job to count the partitions."""
+        starts = [0]
+        if self.getNumPartitions() > 1:
+            counts = self.mapPartitions(lambda it: [_count(it)]).collect()
+            starts = list(itertools.accumulate(counts[:-1], initial=0))
+        return self.mapPartitionsWithIndex(lambda i, it: ((v, n) for n, v in enumerate(it, starts[i])))
+
+    def zipWithUniqueId(self) -> RDD:
+        """``(element, id)`` with ids ``k, n+k, 2n+k, ...`` in partition ``k`` of ``n``; no job runs."""
+        n = self.getNumPartitions()
+        return self.mapPartitionsWithIndex(lambda k, it: ((v, i * n + k) for i, v in enumerate(it)))
+
+    def union(self, other: RDD) -> RDD:
+        return self.ctx.union([self, other])
+
+    def __add__(self, other: RDD) -> RDD:
+        if not isinstance(other, RDD):
+            return NotImplemented
+        return self.union(other)
+
+    def coalesce(self, numPartitions: int, shuffle: bool = False) -> RDD:
+        """Fewer partitions by merging neighbours (or any number with ``shuffle=True``)."""
+        n = self._check_num_partitions(numPartitions, "numPartitions")
+        if shuffle:
+            bag = _graph.shuffle("repartition", self._bag, n, partial(_split_round_robin, n), _merge_buckets)
+            return self._derive(bag)
+        m = self.getNumPartitions()
+        if n >= m:
+            return self._derive(_graph.select("coalesce", [[(self._bag, i)] for i in range(m)], [self._bag]))
+        sources = [[(self._bag, i) for i in range(j * m // n, (j + 1) * m // n)] for j in range(n)]
+        return self._derive(_graph.select("coalesce", sources, [self._bag]))
+
+    def repartition(self, numPartitions: int) -> RDD:
+        """Exactly ``numPartitions`` partitions of balanced size (a shuffle)."""
+        return self.coalesce(numPartitions, shuffle=True)
+
+    def sample(self, withReplacement: bool, fraction: float, seed: int | None = None) -> RDD:
+        """A random subset: each element kept with probability ``fraction`` (or Poisson counts)."""
+        if fraction < 0:
+            raise ValueError(f"fraction must be nonnegative, got {fraction}")
+        seed = random.randint(0, sys.maxsize) if seed is None else seed
+        return self.mapPartitionsWithIndex(Sampler(withReplacement, fraction, seed), True)
+
+    def randomSplit(self, weights: list[float], seed: int | None = None) -> list[RDD]:
+        """Disjoint random splits with sizes proportional to ``weights``."""
+        if any(w < 0 for w in weights):
+            raise ValueError(f"weights must be nonnegative, got {weights}")
+        total = float(sum(weights))
+        if total <= 0:
+            raise ValueError(f"the sum of weights must be positive, got {weights}")
+        bounds = list(itertools.accumulate((w / total for w in weights), initial=0.0))
+        seed = random.randint(0, 2**32 - 1) if seed is None else seed
+        return [self.mapPartitionsWithIndex(RangeSampler(lo, hi, seed), True) for lo, hi in zip(bounds, bounds[1:])]
+
+    # -- wide transformations ------------------------------------------------------------
+    def _check_num_partitions(self, n: Any, name: str) -> int:
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"{name} must be an int, not {type(n).__name__}")
+        if n < 1:
+            raise ValueError(f"{name} must be positive, got {n}")
+        return n
+
+    def _reduce_partitions(self, numPartitions: int | None) -> int:
+        if numPartitions is None:
+            return self.ctx._default_reduce_partitions(self)
+        return self._check_num_partitions(numPartitions, "numPartitions")
+
+    def partitionBy(self, numPartitions: int | None, partitionFunc: Callable[[Any], int] = portable_hash) -> RDD:
+        """Pairs moved to partition ``partitionFunc(key) % numPartitions``."""
+        n = self._reduce_partitions(numPartitions)
+        partitioner = Partitioner(n, partitionFunc)
+        if self.partitioner == partitioner:
+            return self
+        bag = _graph.shuffle("partitionBy", self._bag, n, partial(_split_by_key, partitioner), _merge_buckets)
+        return self._derive(bag, partitioner)
+
+    def combineByKey(
+        self,
+        createCombiner: Callable[[Any], Any],
+        mergeValue: Callable[[Any, Any], Any],
+        mergeCombiners: Callable[[Any, Any], Any],
+        numPartitions: int | None = None,
+        partitionFunc: Callable[[Any], int] = portable_hash,
+    ) -> RDD:
+        """Per-key combination: combined within each partition first, then across partitions."""
+        for f, name in ((createCombiner, "createCombiner"), (mergeValue, "mergeValue"), (mergeCombiners, "mergeCombiners")):
+            _check_callable(f, name)
+        n = self._reduce_partitions(numPartitions)
+        local = self._partitionwise("combineLocally", partial(_combine_values, createCombiner, mergeValue), True)
+        shuffled = local.partitionBy(n, partitionFunc)
+        return shuffled._partitionwise("mergeCombiners", partial(_combine_combiners, mergeCombiners), True)
+
+    def reduceByKey(
+        self, func: Callable[[Any, Any], Any], numPartitions: int | None = None,
+        partitionFunc: Callable[[Any], int] = portable_hash,
+    ) -> RDD:
+        return self.combineByKey(lambda x: x, func, func, numPartitions, partitionFunc)
+
+    def aggregateByKey(
+        self, zeroValue: Any, seqFunc: Callable[[Any, Any], Any], combFunc: Callable[[Any, Any], Any],
+        numPartitions: int | None = None, partitionFunc: Callable[[Any], int] = portable_hash,
+    ) -> RDD:
+        return self.combineByKey(
+            lambda v: seqFunc(copy.deepcopy(zeroValue), v), seqFunc, combFunc, numPartitions, partitionFunc
+        )
+
+    def foldByKey(
+        self, zeroValue: Any, func: Callable[[Any, Any], Any], numPartitions: int | None = None,
+        partitionFunc: Callable[[Any], int] = portable_hash,
+    ) -> RDD:
+        return self.combineByKey(lambda v: func(copy.deepcopy(zeroValue), v), func, func, numPartitions, partitionFunc)
+
+    def groupByKey(self, numPartitions: int | None = None, partitionFunc: Callable[[Any], int] = portable_hash) -> RDD:
+        """``(key, ResultIterable of values)``."""
+        grouped = self.combineByKey(lambda v: [v], _append, _extend, numPartitions, partitionFunc)
+        return grouped.mapValues(ResultIterable)
+
+    def groupBy(
+        self, f: Callable[[Any], Any], numPartitions: int | None = None,
+        partitionFunc: Callable[[Any], int] = portable_hash,
+    ) -> RDD:
+        _check_callable(f, "f")
+        return self.map(lambda x: (f(x), x)).groupByKey(numPartitions, partitionFunc)
+
+    def distinct(self, numPartitions: int | None = None) -> RDD:
+        return self.map(lambda x: (x, None)).reduceByKey(lambda x, _: x, numPartitions).map(operator.itemgetter(0))
+
+    def _tagged_groups(self, others: list[RDD], numPartitions: int | None) -> RDD:
+        tagged = [rdd.mapValues(partial(_tag, i)) for i, rdd in enumerate([self, *others])]
+        return reduce(RDD.union, tagged).groupByKey(numPartitions)
+
+    def cogroup(self, other: RDD, numPartitions: int | None = None) -> RDD:
+        """``(key, (values in self, values in other))`` for every key in either."""
+        return self._tagged_groups([other], numPartitions).mapValues(partial(_cogroup_values, 2))
+
+    def groupWith(self, other: RDD, *others: RDD) -> RDD:
+        rdds = [other, *others]
+        return self._tagged_groups(rdds, None).mapValues(partial(_cogroup_values, len(rdds) + 1))
+
+    def _join(self, other: RDD, numPartitions: int | None, left: bool, right: bool) -> RDD:
+        return self._tagged_groups([other], numPartitions).flatMapValues(partial(_join_values, left, right))
+
+    def join(self, other: RDD, numPartitions: int | None = None) -> RDD:
+        return self._join(other, numPartitions, False, False)
+
+    def leftOuterJoin(self, other: RDD, numPartitions: int | None = None) -> RDD:
+        return self._join(other, numPartitions, True, False)
+
+    def rightOuterJoin(self, other: RDD, numPartitions: int | None = None) -> RDD:
+        return self._join(other, numPartitions, False, True)
+
+    def fullOuterJoin(self, other: RDD, numPartitions: int | None = None) -> RDD:
+        return self._join(other, numPartitions, True, True)
+
+    def subtractByKey(self, other: RDD, numPartitions: int | None = None) -> RDD:
+        """Pairs of ``self`` whose key is not in ``other``."""
+        return (
+            self.cogroup(other, numPartitions)
+            .filter(lambda kv: len(kv[1][0]) > 0 and len(kv[1][1]) == 0)
+            .flatMapValues(lambda groups: groups[0])
+        )
+
+    def subtract(self, other: RDD, numPartitions: int | None = None) -> RDD:
+        """Elements of ``self`` not in ``other`` (duplicates in ``self`` are kept)."""
+        return self.map(lambda x: (x, True)).subtractByKey(other.map(lambda x: (x, True)), numPartitions).keys()
+
+    def intersection(self, other: RDD) -> RDD:
+        """Distinct elements present in both."""
+        return (
+            self.map(lambda v: (v, None))
+            .cogroup(other.map(lambda v: (v, None)))
+            .filter(lambda kv: len(kv[1][0]) > 0 and len(kv[1][1]) > 0)
+            .keys()
+        )
+
+    def cartesian(self, other: RDD) -> RDD:
+        """Every pair ``(a, b)``; partition ``i * m + j`` pairs partition i of self with j of other."""
+        return self._derive(_graph.product("cartesian", self._bag, other._bag, _cartesian))
+
+    def sortByKey(
+        self, ascending: bool = True, numPartitions: int | None = None,
+        keyfunc: Callable[[Any], Any] = lambda x: x,
+    ) -> RDD:
+        """Sorted by key, range-partitioned with bounds from a sample (as PySpark)."""
+        n = self._reduce_partitions(numPartitions)
+        sort = partial(_sort_partition, keyfunc, ascending)
+        if n == 1:
+            src = self.coalesce(1) if self.getNumPartitions() > 1 else self
+            return src._partitionwise("sortPartition", sort, True)
+        size = self.count()
+        if not size:
+            return self
+        fraction = min(n * 20.0 / size, 1.0)
+        samples = sorted(self.sample(False, fraction, 1).map(lambda kv: _pair(kv)[0]).collect(), key=keyfunc)
+        bounds = [keyfunc(samples[int(len(samples) * (i + 1) / n)]) for i in range(n - 1)] if samples else []
+
+        def range_partitioner(k: Any) -> int:
+            p = bisect.bisect_left(bounds, keyfunc(k))
+            return p if ascending else n - 1 - p
+
+        return self.partitionBy(n, range_partitioner)._partitionwise("sortPartition", sort, True)
+
+    def sortBy(self, keyfunc: Callable[[Any], Any], ascending: bool = True, numPartitions: int | None = None) -> RDD:
+        _check_callable(keyfunc, "keyfunc")
+        return self.keyBy(keyfunc).sortByKey(ascending, numPartitions).values()
+
+    # -- actions -------------------------------------------------------------------------
+    def collect(self) -> list:
+        """Every element, in partition order, on the driver."""
+        if self.getNumPartitions() == 0:
+            return []
+        return list(self.ctx._compute(self._bag))
+
+    def count(self) -> int:
+        if self.getNumPartitions() == 0:
+            return 0
+        return int(self._reduce(_count, _sum_ints))
+
+    def take(self, num: int) -> list:
+        """The first ``num`` elements, computing as few partitions as possible (as PySpark)."""
+        items: list = []
+        total = self.getNumPartitions()
+        scanned = 0
+        while len(items) < num and scanned < total:
+            to_try = 1
+            if scanned > 0:
+                if not items:
+                    to_try = scanned * 4
+                else:
+                    to_try = min(max(int(1.5 * num * scanned / len(items)) - scanned, 1), scanned * 4)
+            left = num - len(items)
+            for part in self._run_partitions(partial(_take, left), range(scanned, min(scanned + to_try, total))):
+                items.extend(part)
+            scanned += to_try
+        return items[:num]
+
+    def first(self) -> Any:
+        rs = self.take(1)
+        if rs:
+            return rs[0]
+        raise ValueError("RDD is empty")
+
+    def isEmpty(self) -> bool:
+        return self.getNumPartitions() == 0 or len(self.take(1)) == 0
+
+    def reduce(self, f: Callable[[Any, Any], Any]) -> Any:
+        """Combine all elements with the associative, commutative ``f``."""
+        _check_callable(f, "f")
+        vals = self._reduce(partial(_reduce_partition, f), partial(_reduce_results, f)) if self.getNumPartitions() else []
+        if vals:
+            return vals[0]
+        raise ValueError("Can not reduce() empty RDD")
+
+    def fold(self, zeroValue: Any, op: Callable[[Any, Any], Any]) -> Any:
+        """Fold each partition from ``zeroValue``, then the partition results from ``zeroValue``."""
+        _check_callable(op, "op")
+        vals = self.mapPartitions(partial(_fold_partition, zeroValue, op)).collect()
+        return reduce(op, vals, zeroValue)
+
+    def aggregate(self, zeroValue: Any, seqOp: Callable[[Any, Any], Any], combOp: Callable[[Any, Any], Any]) -> Any:
+        _check_callable(seqOp, "seqOp")
+        _check_callable(combOp, "combOp")
+        vals = self.mapPartitions(lambda it: [_aggregate_partition(zeroValue, seqOp, it)]).collect()
+        return reduce(combOp, vals, zeroValue)
+
+    def treeAggregate(
+        self, zeroValue: Any, seqOp: Callable[[Any, Any], Any], combOp: Callable[[Any, Any], Any], depth: int = 2
+    ) -> Any:
+        """``aggregate`` with partial results combined in a tree of the given depth on the workers."""
+        if depth < 1:
+            raise ValueError(f"Depth cannot be smaller than 1 but got {depth}.")
+        n = self.getNumPartitions()
+        if n == 0:
+            return zeroValue
+        scale = max(int(math.ceil(n ** (1.0 / depth))), 2)
+        return self._reduce(
+            partial(_aggregate_partition, zeroValue, seqOp),
+            lambda parts: reduce(combOp, parts),
+            split_every=scale,
+        )
+
+    def treeReduce(self, f: Callable[[Any, Any], Any], depth: int = 2) -> Any:
+        if depth < 1:
+            raise ValueError(f"Depth cannot be smaller than 1 but got {depth}.")
+        n = self.getNumPartitions()
+        scale = max(int(math.ceil(max(n, 1) ** (1.0 / depth))), 2)
+        vals = self._reduce(partial(_reduce_partition, f), partial(_reduce_results, f), scale) if n else []
+        if vals:
+            return vals[0]
+        raise ValueError("Cannot reduce empty RDD.")
+
+    def max(self, key: Callable[[Any], Any] | None = None) -> Any:
+        return _plain(self.reduce(max if key is None else lambda a, b: max(a, b, key=key)))
+
+    def min(self, key: Callable[[Any], Any] | None = None) -> Any:
+        return _plain(self.reduce(min if key is None else lambda a, b: min(a, b, key=key)))
+
+    def sum(self) -> Any:
+        if self.getNumPartitions() == 0:
+            return 0
+        return _plain(self._reduce(sum, sum))
+
+    def stats(self) -> StatCounter:
+        """Count, mean, variance, min and max in one pass."""
+        if self.getNumPartitions() == 0:
+            return StatCounter()
+        return self._reduce(_stat_counter, _merge_stats)
+
+    def mean(self) -> float:
+        return self.stats().mean()
+
+    def variance(self) -> float:
+        return self.stats().variance()
+
+    def stdev(self) -> float:
+        return self.stats().stdev()
+
+    def sampleVariance(self) -> float:
+        return self.stats().sampleVariance()
+
+    def sampleStdev(self) -> float:
+        return self.stats().sampleStdev()
+
+    def histogram(self, buckets: int | list | tuple) -> tuple[list, list[int]]:
+        """Counts per bucket: ``buckets`` evenly spaced between min and max, or the given edges."""
+        if isinstance(buckets, bool):
+            raise TypeError("buckets should be a list or tuple or number(int or long)")
+        if isinstance(buckets, int):
+            if buckets < 1:
+                raise ValueError("number of buckets must be >= 1")
+            filtered = self.filter(_comparable)
+            try:
+                minv = filtered.min()
+                maxv = filtered.max()
+            except ValueError:
+                raise ValueError("can not generate buckets from empty RDD") from None
+            if minv == maxv or buckets == 1:
+                return [minv, maxv], [filtered.count()]
+            try:
+                inc = (maxv - minv) / buckets
+            except TypeError:
+                raise TypeError("Can not generate buckets with non-number in RDD") from None
+            if math.isinf(inc):
+                raise ValueError("Can not generate buckets with infinite value")
+            inc = int(inc)
+            if inc * buckets != maxv - minv:
+                inc = (maxv - minv) * 1.0 / buckets
+            edges = [i * inc + minv for i in range(buckets)]
+            edges.append(maxv)
+            even = True
+        elif isinstance(buckets, (list, tuple)):
+            if len(buckets) < 2:
+                raise ValueError("buckets should have more than one value")
+            if any(b is None or (isinstance(b, float) and math.isnan(b)) for b in buckets):
+                raise ValueError("can not have None or NaN in buckets")
+            if sorted(buckets) != list(buckets):
+                raise ValueError("buckets should be sorted")
+            if len(set(buckets)) != len(buckets):
+                raise ValueError("buckets should not contain duplicated values")
+            edges = list(buckets)
+            even, inc = False, None
+            try:
+                steps = [edges[i + 1] - edges[i] for i in range(len(edges) - 1)]
+            except TypeError:
+                pass
+            else:
+                if max(steps) - min(steps) < 1e-10:
+                    even = True
+                    inc = (edges[-1] - edges[0]) / (len(edges) - 1)
+        else:
+            raise TypeError("buckets should be a list or tuple or number(int or long)")
+        if self.getNumPartitions() == 0:
+            return edges, [0] * (len(edges) - 1)
+        counts = self._reduce(partial(_histogram_partition, edges, even, inc), _add_counters)
+        return (buckets if isinstance(buckets, (list, tuple)) else edges), counts
+
+    def countByValue(self) -> dict:
+        if self.getNumPartitions() == 0:
+            return defaultdict(int)
+        return self._reduce(_count_values, _merge_counts)
+
+    def countByKey(self) -> dict:
+        return self.map(lambda kv: _pair(kv)[0]).countByValue()
+
+    def collectAsMap(self) -> dict:
+        return dict(map(_pair, self.collect()))
+
+    def lookup(self, key: Any) -> list:
+        """Values of ``key``; only its partition is computed when the partitioner is known."""
+        values = self.filter(lambda kv: _pair(kv)[0] == key).values()
+        if self.partitioner is not None:
+            return values._run_partitions(list, [self.partitioner(key)])[0]
+        return values.collect()
+
+    def top(self, num: int, key: Callable[[Any], Any] | None = None) -> list:
+        """The ``num`` largest elements, largest first."""
+        if self.getNumPartitions() == 0 or num <= 0:
+            return []
+        return self._reduce(partial(_nlargest, num, key), partial(_nlargest_merge, num, key))
+
+    def takeOrdered(self, num: int, key: Callable[[Any], Any] | None = None) -> list:
+        """The ``num`` smallest elements, smallest first."""
+        if num < 0:
+            raise ValueError("top N cannot be negative.")
+        if num == 0 or self.getNumPartitions() == 0:
+            return []
+        return self._reduce(partial(_nsmallest, num, key), partial(_nsmallest_merge, num, key))
+
+    def takeSample(self, withReplacement: bool, num: int, seed: int | None = None) -> list:
+        """Exactly ``num`` elements sampled at random (fewer if the RDD is smaller, without replacement)."""
+        num_stdev = 10.0
+        max_size = sys.maxsize - int(num_stdev * math.sqrt(sys.maxsize))
+        if num < 0:
+            raise ValueError("Sample size cannot be negative.")
+        if num > max_size:
+            raise ValueError(f"Sample size cannot be greater than {max_size}.")
+        if num == 0 or self.getNumPartitions() == 0:
+            return []
+        total = self.count()
+        if total == 0:
+            return []
+        rng = random.Random(seed)
+        if not withReplacement and num >= total:
+            samples = self.collect()
+            rng.shuffle(samples)
+            return samples
+        fraction = fraction_for_sample_size(num, total, withReplacement)
+        samples = self.sample(withReplacement, fraction, seed).collect()
+        while len(samples) < num:
+            samples = self.sample(withReplacement, fraction, rng.randint(0, sys.maxsize)).collect()
+        rng.shuffle(samples)
+        return samples[:num]
+
+    def foreach(self, f: Callable[[Any], None]) -> None:
+        """Run ``f`` on every element, on the workers."""
+        _check_callable(f, "f")
+        if self.getNumPartitions():
+            self._reduce(partial(_foreach, f), _sum_ints)
+
+    def foreachPartition(self, f: Callable[[Iterator[Any]], None]) -> None:
+        _check_callable(f, "f")
+        if self.getNumPartitions():
+            self._reduce(partial(_foreach_partition, f), _sum_ints)
+
+    def toLocalIterator(self, prefetchPartitions: bool = False) -> Iterator[Any]:
+        """Every element, one partition at a time (the driver holds at most two partitions)."""
+        import dask
+
+        parts = self._bag.to_delayed()
+        client = self.ctx.client
+        pending = None
+        for i in range(len(parts)):
+            future = pending if pending is not None else client.compute(dask.delayed(list)(parts[i]))
+            pending = None
+            if prefetchPartitions and i + 1 < len(parts):
+                pending = client.compute(dask.delayed(list)(parts[i + 1]))
+            yield from future.result()
+
+    # -- output --------------------------------------------------------------------------
+    def saveAsTextFile(
+        self, path: str, compressionCodecClass: str | None = None, *, storage_options: dict[str, Any] | None = None
+    ) -> None:
+        """One ``part-NNNNN`` text file per partition under the directory ``path``, then ``_SUCCESS``."""
+        from dlscale import _io
+
+        _io.save_as_text_file(self, path, compressionCodecClass, storage_options)
+
+    def saveAsPickleFile(self, path: str, batchSize: int = 10, *, storage_options: dict[str, Any] | None = None) -> None:
+        """Elements pickled in batches, one part file per partition, read back by ``pickleFile``."""
+        from dlscale import _io
+
+        _io.save_as_pickle_file(self, path, batchSize, storage_options)
+
+    # -- persistence ---------------------------------------------------------------------
+    @property
+    def is_cached(self) -> bool:
+        return self._stored is not None
+
+    def cache(self) -> RDD:
+        """Persist at ``MEMORY_ONLY``."""
+        from dlscale.persist import StorageLevel
+
+        return self.persist(StorageLevel.MEMORY_ONLY)
+
+    def persist(self, storageLevel: StorageLevel | None = None) -> RDD:
+        """Keep the computed partitions on the workers at ``storageLevel`` (default MEMORY_ONLY)."""
+        from dlscale import persist
+
+        return persist.persist(self, storageLevel)
+
+    def unpersist(self, blocking: bool = False) -> RDD:
+        """Drop the persisted partitions (memory and disk); later actions recompute them."""
+        from dlscale import persist
+
+        return persist.unpersist(self, blocking)
+
+    def getStorageLevel(self) -> StorageLevel:
+        from dlscale.persist import StorageLevel
+
+        return self._stored.level if self._stored is not None else StorageLevel.NONE
+
+
+def _append(xs: list, x: Any) -> list:
+    xs.append(x)
+    return xs
+
+
+def _extend(a: list, b: list) -> list:
+    a.extend(b)
+    return a
+
+
+def _tag(i: int, v: Any) -> tuple[int, Any]:
+    return (i, v)

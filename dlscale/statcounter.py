@@ -1,0 +1,103 @@
+"""Running count, mean, variance, min and max that merge across partitions (PySpark's StatCounter)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+
+class StatCounter:
+    """Numerically stable summary statistics (Welford/Chan), mergeable across partitions."""
+
+    def __init__(self, values: Iterable[Any] = ()) -> None:
+        self.n = 0
+        self.mu = 0.0
+        self.m2 = 0.0
+        self.maxValue = float("-inf")
+        self.minValue = float("inf")
+        for v in values:
+            self.merge(v)
+
+    def merge(self, value: Any) -> StatCounter:
+        """Add one value."""
+        delta = value - self.mu
+        self.n += 1
+        self.mu += delta / self.n
+        self.m2 += delta * (value - self.mu)
+        self.maxValue = max(self.maxValue, value)
+        self.minValue = min(self.minValue, value)
+        return self
+
+    def mergeStats(self, other: StatCounter) -> StatCounter:
+        """Add every value summarised by ``other``."""
+        if other is self:
+            return self.mergeStats(other.copy())
+        if self.n == 0:
+            self.mu, self.m2, self.n = other.mu, other.m2, other.n
+            self.maxValue, self.minValue = other.maxValue, other.minValue
+        elif other.n != 0:
+            delta = other.mu - self.mu
+            if other.n * 10 < self.n:
+                self.mu += (delta * other.n) / (self.n + other.n)
+            elif self.n * 10 < other.n:
+                self.mu = other.mu - (delta * self.n) / (self.n + other.n)
+            else:
+                self.mu = (self.mu * self.n + other.mu * other.n) / (self.n + other.n)
+            self.m2 += other.m2 + (delta * delta * self.n * other.n) / (self.n + other.n)
+            self.maxValue = max(self.maxValue, other.maxValue)
+            self.minValue = min(self.minValue, other.minValue)
+            self.n += other.n
+        return self
+
+    def copy(self) -> StatCounter:
+        """An independent copy."""
+        c = StatCounter()
+        c.n, c.mu, c.m2, c.maxValue, c.minValue = self.n, self.mu, self.m2, self.maxValue, self.minValue
+        return c
+
+    def count(self) -> int:
+        return int(self.n)
+
+    def mean(self) -> float:
+        return float(self.mu)
+
+    def sum(self) -> float:
+        return float(self.n * self.mu)
+
+    def min(self) -> Any:
+        return self.minValue
+
+    def max(self) -> Any:
+        return self.maxValue
+
+    def variance(self) -> float:
+        """Population variance (divides by n)."""
+        return float("nan") if self.n == 0 else float(self.m2 / self.n)
+
+    def sampleVariance(self) -> float:
+        """Sample variance (divides by n - 1)."""
+        return float("nan") if self.n <= 1 else float(self.m2 / (self.n - 1))
+
+    def stdev(self) -> float:
+        return math.sqrt(self.variance())
+
+    def sampleStdev(self) -> float:
+        return math.sqrt(self.sampleVariance())
+
+    def asDict(self, sample: bool = False) -> dict[str, Any]:
+        """The statistics as a dict (sample or population variance and stdev)."""
+        return {
+            "count": self.count(),
+            "mean": self.mean(),
+            "sum": self.sum(),
+            "min": self.min(),
+            "max": self.max(),
+            "stdev": self.sampleStdev() if sample else self.stdev(),
+            "variance": self.sampleVariance() if sample else self.variance(),
+        }
+
+    def __repr__(self) -> str:
+        return "(count: %s, mean: %s, stdev: %s, max: %s, min: %s)" % (
+            self.count(), self.mean(), self.stdev(), self.max(), self.min()
+        )
