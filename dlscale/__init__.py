@@ -1,48 +1,47 @@
-"""dlscale: train, evaluate and serve PyTorch models on a Dask cluster through a Spark-compatible API."""
+"""dlscale: train, evaluate and serve PyTorch models on a Dask cluster through a Spark-compatible API.
+
+Public names are imported on first use, so that ``dlscale._sizeof`` (loaded by dask's
+``dask.sizeof`` entry point while dask itself is importing) pulls in nothing else.
+"""
 
 from __future__ import annotations
 
-import dask.sizeof
-
-from dlscale import config  # noqa: F401  (registers the dlscale defaults with dask.config)
-from dlscale._sizeof import register as _register_sizeof
-from dlscale.broadcast import Broadcast
-from dlscale.conf import SparkConf
-from dlscale.context import SparkContext
-from dlscale.errors import (
-    ClusterConnectionError,
-    CorruptDataError,
-    DlscaleError,
-    MasterURLError,
-    OutputExistsError,
-    StorageError,
-    UnsafePickleError,
-)
-from dlscale.persist import RDDInfo, StorageLevel
-from dlscale.rdd import RDD, Partitioner, ResultIterable, portable_hash
-from dlscale.statcounter import StatCounter
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-# the entry point registers it in processes that import dask first; this covers the rest
-_register_sizeof(dask.sizeof.sizeof)
+_EXPORTS = {
+    "SparkContext": "dlscale.context",
+    "SparkConf": "dlscale.conf",
+    "RDD": "dlscale.rdd",
+    "Partitioner": "dlscale.rdd",
+    "ResultIterable": "dlscale.rdd",
+    "portable_hash": "dlscale._hash",
+    "StorageLevel": "dlscale.persist",
+    "RDDInfo": "dlscale.persist",
+    "Broadcast": "dlscale.broadcast",
+    "StatCounter": "dlscale.statcounter",
+    "DlscaleError": "dlscale.errors",
+    "MasterURLError": "dlscale.errors",
+    "ClusterConnectionError": "dlscale.errors",
+    "StorageError": "dlscale.errors",
+    "OutputExistsError": "dlscale.errors",
+    "CorruptDataError": "dlscale.errors",
+    "UnsafePickleError": "dlscale.errors",
+}
 
-__all__ = [
-    "RDD",
-    "Broadcast",
-    "ClusterConnectionError",
-    "CorruptDataError",
-    "DlscaleError",
-    "MasterURLError",
-    "OutputExistsError",
-    "Partitioner",
-    "RDDInfo",
-    "ResultIterable",
-    "SparkConf",
-    "SparkContext",
-    "StatCounter",
-    "StorageError",
-    "StorageLevel",
-    "UnsafePickleError",
-    "__version__",
-]
+__all__ = [*sorted(_EXPORTS), "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dlscale' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

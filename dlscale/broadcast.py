@@ -10,6 +10,11 @@ if TYPE_CHECKING:
     from dlscale.context import SparkContext
 
 
+def _scatter(sc: SparkContext, value: Any, everywhere: bool = True) -> Future:
+    # a list of one item: scatter would otherwise send a list's or dict's elements separately
+    return sc.client.scatter([value], broadcast=everywhere, hash=False)[0]
+
+
 def _restore(key: Any) -> Broadcast:
     b = Broadcast.__new__(Broadcast)
     b._key, b._future, b._sc, b._destroyed = key, None, None, False
@@ -25,7 +30,7 @@ class Broadcast:
     def __init__(self, sc: SparkContext, value: Any) -> None:
         self._sc = sc
         self._value = value
-        self._future: Future | None = sc.client.scatter(value, broadcast=True, hash=False)
+        self._future: Future | None = _scatter(sc, value)
         self._key = self._future.key
         self._destroyed = False
 
@@ -38,14 +43,15 @@ class Broadcast:
         worker = get_worker()
         if self._key in worker.data:
             return worker.data[self._key]
-        # a worker that joined after the broadcast: fetch a copy from a peer
+        # no copy here (a worker that joined later, or after unpersist): fetch one from a peer
         return Future(self._key, client=get_client()).result()
 
     def unpersist(self, blocking: bool = False) -> None:
-        """Drop the workers' copies; the next task that uses the value sends it again."""
+        """Drop the workers' copies but one; a task elsewhere that uses the value fetches it again."""
         if self._future is not None:
-            self._future.release()
-            self._future = None
+            old, self._future = self._future, _scatter(self._sc, self._value, everywhere=False)
+            self._key = self._future.key
+            old.release()
 
     def destroy(self, blocking: bool = False) -> None:
         """Drop every copy, on the driver too; the value cannot be used afterwards."""
@@ -58,7 +64,4 @@ class Broadcast:
     def __reduce__(self) -> tuple:
         if self._destroyed:
             raise RuntimeError(f"broadcast {self._key} was destroyed and cannot be used in a task")
-        if self._future is None and self._sc is not None:
-            self._future = self._sc.client.scatter(self._value, broadcast=True, hash=False)
-            self._key = self._future.key
         return (_restore, (self._key,))

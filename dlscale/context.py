@@ -219,8 +219,11 @@ class SparkContext:
                 c = list(c)
             except TypeError:
                 raise TypeError(f"parallelize needs an iterable collection, got {type(c).__name__}") from None
-        size = len(c)
-        parts = [list(c[i * size // n : (i + 1) * size // n]) for i in range(n)]
+        # PySpark ships a list in batches of min(len // n, 1024) elements and slices the batches
+        batch = max(1, min(len(c) // n, 1024))
+        batches = [c[i : i + batch] for i in range(0, len(c), batch)]
+        nb = len(batches)
+        parts = [[x for b in batches[i * nb // n : (i + 1) * nb // n] for x in b] for i in range(n)]
         return RDD(_graph.from_partitions("parallelize", parts), self)
 
     def range(self, start: int, end: int | None = None, step: int = 1, numSlices: int | None = None) -> RDD:

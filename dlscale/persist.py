@@ -31,6 +31,8 @@ from distributed.protocol import deserialize_bytes, serialize_bytes
 from distributed.utils import sync
 
 from dlscale import _graph, config
+from dlscale._io import atomic_write
+from dlscale._replicas import set_replication
 from dlscale.errors import CorruptDataError, StorageError
 
 if TYPE_CHECKING:
@@ -175,19 +177,14 @@ def _write_block(spec: _BlockSpec, i: int, part: Any) -> list[BlockRecord]:
     name = f"part-{i:05d}.blk"
     if spec.shared_dir is None:
         worker = get_worker()
-        directory = _local_block_dir(worker, spec.app_id, spec.rdd_id)
-        os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, name)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(header)
-            f.write(payload)
-        os.replace(tmp, path)
-        return [BlockRecord(path, len(payload), worker.address)]
-    url = f"{spec.shared_dir}/{name}"
+        url = os.path.join(_local_block_dir(worker, spec.app_id, spec.rdd_id), name)
+        record = BlockRecord(url, len(payload), worker.address)
+    else:
+        url = f"{spec.shared_dir}/{name}"
+        record = BlockRecord(url, len(payload), None)
     fs, path = fsspec.core.url_to_fs(url, **spec.storage_options)
-    fs.pipe_file(path, header + payload)
-    return [BlockRecord(url, len(payload), None)]
+    atomic_write(fs, path, lambda f: (f.write(header), f.write(payload)))
+    return [record]
 
 
 def _read_local(path: str) -> bytearray:
@@ -281,7 +278,7 @@ def persist(rdd: RDD, level: StorageLevel | None) -> RDD:
     held = client.persist(to_hold)
     futures = futures_of(held)
     if level.replication > 1 and level.useMemory:
-        client.replicate(futures, n=level.replication)
+        set_replication(client, futures, level.replication)
     rdd._bag = _graph.partitionwise("readPersisted", read, held) if read is not None else held
     rdd._stored = Stored(level, lineage, held, futures, block_dir)
     ctx._persisted[rdd.id()] = rdd
@@ -296,6 +293,8 @@ def unpersist(rdd: RDD, blocking: bool = False) -> RDD:
     rdd._bag, rdd._stored = stored.lineage, None
     rdd.ctx._persisted.pop(rdd.id(), None)
     client = rdd.ctx._client
+    if stored.level.replication > 1 and stored.level.useMemory:
+        set_replication(client, stored.futures, 1)
     client.cancel(stored.futures)
     if stored.level.useDisk and not stored.level.useMemory:
         if stored.block_dir is not None:

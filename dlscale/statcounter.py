@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
+
+
+def _py(x: Any) -> Any:
+    """numpy scalars as Python numbers; arrays (element-wise statistics) unchanged."""
+    return x.item() if isinstance(x, np.generic) else x
+
 
 class StatCounter:
-    """Numerically stable summary statistics (Welford/Chan), mergeable across partitions."""
+    """Numerically stable summary statistics (Welford/Chan), mergeable across partitions.
+
+    Values may be numbers or numpy arrays (statistics are then element-wise), as in PySpark.
+    """
 
     def __init__(self, values: Iterable[Any] = ()) -> None:
         self.n = 0
@@ -25,8 +34,8 @@ class StatCounter:
         self.n += 1
         self.mu += delta / self.n
         self.m2 += delta * (value - self.mu)
-        self.maxValue = max(self.maxValue, value)
-        self.minValue = min(self.minValue, value)
+        self.maxValue = np.maximum(self.maxValue, value)
+        self.minValue = np.minimum(self.minValue, value)
         return self
 
     def mergeStats(self, other: StatCounter) -> StatCounter:
@@ -45,8 +54,8 @@ class StatCounter:
             else:
                 self.mu = (self.mu * self.n + other.mu * other.n) / (self.n + other.n)
             self.m2 += other.m2 + (delta * delta * self.n * other.n) / (self.n + other.n)
-            self.maxValue = max(self.maxValue, other.maxValue)
-            self.minValue = min(self.minValue, other.minValue)
+            self.maxValue = np.maximum(self.maxValue, other.maxValue)
+            self.minValue = np.minimum(self.minValue, other.minValue)
             self.n += other.n
         return self
 
@@ -59,31 +68,31 @@ class StatCounter:
     def count(self) -> int:
         return int(self.n)
 
-    def mean(self) -> float:
-        return float(self.mu)
+    def mean(self) -> Any:
+        return _py(self.mu)
 
-    def sum(self) -> float:
-        return float(self.n * self.mu)
+    def sum(self) -> Any:
+        return _py(self.n * self.mu)
 
     def min(self) -> Any:
-        return self.minValue
+        return _py(self.minValue)
 
     def max(self) -> Any:
-        return self.maxValue
+        return _py(self.maxValue)
 
-    def variance(self) -> float:
+    def variance(self) -> Any:
         """Population variance (divides by n)."""
-        return float("nan") if self.n == 0 else float(self.m2 / self.n)
+        return float("nan") if self.n == 0 else _py(self.m2 / self.n)
 
-    def sampleVariance(self) -> float:
+    def sampleVariance(self) -> Any:
         """Sample variance (divides by n - 1)."""
-        return float("nan") if self.n <= 1 else float(self.m2 / (self.n - 1))
+        return float("nan") if self.n <= 1 else _py(self.m2 / (self.n - 1))
 
-    def stdev(self) -> float:
-        return math.sqrt(self.variance())
+    def stdev(self) -> Any:
+        return _py(np.sqrt(self.variance()))
 
-    def sampleStdev(self) -> float:
-        return math.sqrt(self.sampleVariance())
+    def sampleStdev(self) -> Any:
+        return _py(np.sqrt(self.sampleVariance()))
 
     def asDict(self, sample: bool = False) -> dict[str, Any]:
         """The statistics as a dict (sample or population variance and stdev)."""

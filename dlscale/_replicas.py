@@ -1,0 +1,75 @@
+"""Keeps replicated storage levels replicated.
+
+Dask's Active Memory Manager drops every replica beyond the one that waiting tasks need
+(``ReduceReplicas``), which would undo ``MEMORY_ONLY_2`` within seconds. This policy takes its
+place: keys of persisted partitions keep their requested replica count, restored on other
+workers when one is lost; every other key is treated exactly as ``ReduceReplicas`` treats it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from distributed.active_memory_manager import ReduceReplicas, Suggestion, SuggestionGenerator
+
+
+class PersistedReplicas(ReduceReplicas):
+    """``ReduceReplicas`` that honours a desired replica count per persisted key."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.desired: dict[Any, int] = {}
+
+    def run(self) -> SuggestionGenerator:
+        tasks = self.manager.scheduler.tasks
+        workers = len(self.manager.scheduler.running)
+        for key, n in list(self.desired.items()):
+            ts = tasks.get(key)
+            if ts is None:
+                del self.desired[key]
+                continue
+            if ts.state != "memory":
+                continue
+            for _ in range(min(n, workers) - len(ts.who_has)):
+                yield Suggestion("replicate", ts)
+            for _ in range(len(ts.who_has) - n):
+                yield Suggestion("drop", ts)
+        for suggestion in super().run():
+            if suggestion.ts.key not in self.desired:
+                yield suggestion
+
+
+def _key(k: Any) -> Any:
+    return tuple(k) if isinstance(k, list) else k
+
+
+def _policy(scheduler: Any) -> PersistedReplicas | None:
+    amm = scheduler.extensions.get("amm")
+    if amm is None:
+        return None
+    for p in amm.policies:
+        if isinstance(p, PersistedReplicas):
+            return p
+    for p in [p for p in amm.policies if type(p) is ReduceReplicas]:
+        amm.policies.discard(p)
+    policy = PersistedReplicas()
+    amm.add_policy(policy)
+    return policy
+
+
+def _set_desired(keys: Iterable[Any], n: int, dask_scheduler: Any = None) -> None:
+    policy = _policy(dask_scheduler)
+    if policy is not None:
+        for k in keys:
+            if n > 1:
+                policy.desired[_key(k)] = n
+            else:
+                policy.desired.pop(_key(k), None)
+
+
+def set_replication(client: Any, futures: list, n: int) -> None:
+    """Hold ``n`` replicas of each of ``futures`` (1 returns them to Dask's default)."""
+    client.run_on_scheduler(_set_desired, [f.key for f in futures], n)
+    if n > 1:
+        client.replicate(futures, n=n)

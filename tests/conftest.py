@@ -1,0 +1,80 @@
+"""Shared fixtures: a dlscale context on a real 2-process LocalCluster, a PySpark context to
+compare against, and an S3-compatible server (moto) on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from dlscale import SparkContext
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def sc() -> Iterator[SparkContext]:
+    """dlscale on ``local[2]``: two worker processes, one thread each."""
+    with SparkContext("local[2]", "dlscale-tests") as context:
+        yield context
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[object]:
+    """PySpark's SparkContext on ``local[2]``, the reference for results."""
+    pyspark = pytest.importorskip("pyspark")
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        pytest.skip("PySpark needs Java 17+")
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    conf = (
+        pyspark.SparkConf()
+        .setMaster("local[2]")
+        .setAppName("dlscale-reference")
+        .set("spark.ui.enabled", "false")
+        .set("spark.executorEnv.PYTHONHASHSEED", "0")
+    )
+    context = pyspark.SparkContext(conf=conf)
+    context.setLogLevel("ERROR")
+    yield context
+    context.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """A moto S3 server on 127.0.0.1 for the whole session."""
+    pytest.importorskip("s3fs")
+    moto_server = pytest.importorskip("moto.moto_server.threaded_moto_server")
+    port = free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_endpoint: str) -> dict:
+    """storage_options for a fresh bucket ``test-bucket`` on the local S3 server."""
+    import boto3
+    import s3fs
+
+    client = boto3.client(
+        "s3", endpoint_url=s3_endpoint, aws_access_key_id="testing",
+        aws_secret_access_key="testing", region_name="us-east-1",
+    )
+    for bucket in client.list_buckets().get("Buckets", []):
+        objects = client.list_objects_v2(Bucket=bucket["Name"]).get("Contents", [])
+        for obj in objects:
+            client.delete_object(Bucket=bucket["Name"], Key=obj["Key"])
+        client.delete_bucket(Bucket=bucket["Name"])
+    client.create_bucket(Bucket="test-bucket")
+    s3fs.S3FileSystem.clear_instance_cache()
+    return {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": s3_endpoint, "region_name": "us-east-1"}}
