@@ -23,6 +23,7 @@ _EXPORTS = {
     "Broadcast": "dlscale.broadcast",
     "StatCounter": "dlscale.statcounter",
     "DlscaleError": "dlscale.errors",
+    "BroadcastDestroyedError": "dlscale.errors",
     "MasterURLError": "dlscale.errors",
     "ClusterConnectionError": "dlscale.errors",
     "StorageError": "dlscale.errors",

@@ -15,7 +15,7 @@ import distributed
 
 from dlscale import _graph, config
 from dlscale.conf import SparkConf, spark_size_to_bytes
-from dlscale.errors import ClusterConnectionError, MasterURLError
+from dlscale.errors import ClusterConnectionError, DlscaleError, MasterURLError
 
 if TYPE_CHECKING:
     from dlscale.broadcast import Broadcast
@@ -47,7 +47,7 @@ class SparkContext:
     never what it was given.
     """
 
-    _active: SparkContext | None = None
+    _running: list[SparkContext] = []  # oldest first; getOrCreate returns the last
     _lock = threading.RLock()
 
     def __init__(
@@ -87,9 +87,10 @@ class SparkContext:
         self._block_key = os.urandom(32)
         self._rdd_ids = iter(range(1 << 62))
         self._persisted: weakref.WeakValueDictionary[int, RDD] = weakref.WeakValueDictionary()
+        self._broadcasts: weakref.WeakSet[Broadcast] = weakref.WeakSet()
         self._stopped = False
         with SparkContext._lock:
-            SparkContext._active = self
+            SparkContext._running.append(self)
 
     # -- cluster ownership ---------------------------------------------------------------
     def _connect(self, master: str) -> distributed.Client:
@@ -147,14 +148,15 @@ class SparkContext:
             return
         for rdd in list(self._persisted.values()):
             rdd.unpersist(blocking=True)
+        for b in list(self._broadcasts):
+            b.destroy()
         self._stopped = True
         if self._owns_client:
             self._client.close()
         if self._owned_cluster is not None:
             self._owned_cluster.close()
         with SparkContext._lock:
-            if SparkContext._active is self:
-                SparkContext._active = None
+            SparkContext._running.remove(self)
 
     def __enter__(self) -> SparkContext:
         return self
@@ -164,12 +166,9 @@ class SparkContext:
 
     @classmethod
     def getOrCreate(cls, conf: SparkConf | None = None) -> SparkContext:
-        """The active context, or a new one from ``conf``."""
+        """The most recently created context that is still running, or a new one from ``conf``."""
         with cls._lock:
-            if cls._active is None:
-                cls(conf=conf)
-            assert cls._active is not None
-            return cls._active
+            return cls._running[-1] if cls._running else cls(conf=conf)
 
     def getConf(self) -> SparkConf:
         return SparkConf().setAll(self._conf.getAll())
@@ -221,9 +220,8 @@ class SparkContext:
                 raise TypeError(f"parallelize needs an iterable collection, got {type(c).__name__}") from None
         # PySpark ships a list in batches of min(len // n, 1024) elements and slices the batches
         batch = max(1, min(len(c) // n, 1024))
-        batches = [c[i : i + batch] for i in range(0, len(c), batch)]
-        nb = len(batches)
-        parts = [[x for b in batches[i * nb // n : (i + 1) * nb // n] for x in b] for i in range(n)]
+        nb = -(-len(c) // batch)
+        parts = [list(c[(i * nb // n) * batch : ((i + 1) * nb // n) * batch]) for i in range(n)]
         return RDD(_graph.from_partitions("parallelize", parts), self)
 
     def range(self, start: int, end: int | None = None, step: int = 1, numSlices: int | None = None) -> RDD:
@@ -315,7 +313,16 @@ class SparkContext:
         return numSlices
 
     def _compute(self, collection: Any) -> Any:
-        return self.client.compute(collection, sync=True)
+        try:
+            return self.client.compute(collection, sync=True)
+        except TypeError as e:
+            # a dlscale error raised while Dask serialized the graph is the real cause: raise that
+            cause = e.__cause__ or e.__context__
+            while cause is not None and not isinstance(cause, DlscaleError):
+                cause = cause.__cause__ or cause.__context__
+            if cause is None:
+                raise
+            raise cause from None
 
     def __repr__(self) -> str:
         return f"<SparkContext master={self.master} appName={self.appName}>"

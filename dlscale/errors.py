@@ -31,3 +31,7 @@ class CorruptDataError(DlscaleError, ValueError):
 
 class OutputExistsError(DlscaleError, FileExistsError):
     """An output directory that already exists (RDDs are never written over existing output)."""
+
+
+class BroadcastDestroyedError(DlscaleError, RuntimeError):
+    """A broadcast variable used after ``destroy()``."""

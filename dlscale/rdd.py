@@ -348,7 +348,7 @@ class RDD:
         import dask
 
         parts = self._bag.to_delayed()
-        tasks = [dask.delayed(func)(parts[i]) for i in partitions]
+        tasks = [dask.delayed(_graph.partition_of)(func, parts[i]) for i in partitions]
         return list(self.ctx._compute(tasks)) if tasks else []
 
     # -- narrow transformations ----------------------------------------------------------
@@ -615,9 +615,8 @@ class RDD:
     # -- actions -------------------------------------------------------------------------
     def collect(self) -> list:
         """Every element, in partition order, on the driver."""
-        if self.getNumPartitions() == 0:
-            return []
-        return list(self.ctx._compute(self._bag))
+        # gathered partition by partition: each crosses the network as one unit
+        return list(itertools.chain.from_iterable(self._run_partitions(iter, range(self.getNumPartitions()))))
 
     def count(self) -> int:
         if self.getNumPartitions() == 0:
@@ -858,10 +857,10 @@ class RDD:
         client = self.ctx.client
         pending = None
         for i in range(len(parts)):
-            future = pending if pending is not None else client.compute(dask.delayed(list)(parts[i]))
+            future = pending if pending is not None else client.compute(parts[i])
             pending = None
             if prefetchPartitions and i + 1 < len(parts):
-                pending = client.compute(dask.delayed(list)(parts[i + 1]))
+                pending = client.compute(parts[i + 1])
             yield from future.result()
 
     # -- output --------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dlscale import SparkContext
+from dlscale import BroadcastDestroyedError, SparkContext
 
 
 def test_broadcast_value_in_tasks(sc: SparkContext) -> None:
@@ -34,7 +34,7 @@ def test_unpersist_and_destroy(sc: SparkContext) -> None:
     b.unpersist()
     assert sc.parallelize([0, 1, 2], 2).map(lambda i: b.value[i]).collect() == [1, 2, 3]
     b.destroy()
-    with pytest.raises(RuntimeError, match="destroyed"):
+    with pytest.raises(BroadcastDestroyedError, match="destroyed"):
         b.value
-    with pytest.raises(RuntimeError, match="destroyed"):
+    with pytest.raises(BroadcastDestroyedError, match="destroyed"):
         sc.parallelize([0]).map(lambda i: b.value).collect()

@@ -125,7 +125,7 @@ def test_bad_arguments_to_methods(sc: SparkContext) -> None:
         sc.parallelize([1]).map(3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="numPartitions"):
         sc.parallelize([(1, 2)]).reduceByKey(max, numPartitions=2.5)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"\(key, value\) pairs.*7"):
+    with pytest.raises(TypeError, match=r"\(key, value\) pairs, but an element is [78] \(int\)"):
         sc.parallelize([7, 8], 2).reduceByKey(max).collect()
 
 
