@@ -12,6 +12,7 @@ import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import cloudpickle
 from dask._task_spec import Alias, DataNode, List, Task, TaskRef
 from dask.bag import Bag
 from dask.base import tokenize
@@ -56,10 +57,21 @@ def _call_as_list(func: Callable[..., Iterable[Any]], *args: Any) -> Partition:
     return out if isinstance(out, Partition) else Partition(out)
 
 
+def _load_partition(blob: bytes) -> Partition:
+    return Partition(cloudpickle.loads(blob))
+
+
 def from_partitions(prefix: str, partitions: Sequence[list]) -> Bag:
-    """A bag whose partitions are the given lists, embedded in the graph."""
+    """A bag whose partitions are the given lists, embedded in the graph.
+
+    Each partition travels as one pickled blob, which the scheduler passes on without looking
+    inside (a list of a million numbers would otherwise be unpickled and pickled again there).
+    """
     name = _name(prefix)
-    dsk = {(name, i): DataNode((name, i), Partition(part)) for i, part in enumerate(partitions)}
+    dsk = {
+        (name, i): Task((name, i), _load_partition, DataNode(None, cloudpickle.dumps(list(part), protocol=5)))
+        for i, part in enumerate(partitions)
+    }
     return _bag(name, dsk, [], len(partitions))
 
 
