@@ -17,7 +17,12 @@ from dask._task_spec import Alias, DataNode, List, Task, TaskRef
 from dask.bag import Bag
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
-from distributed.protocol import dask_deserialize, dask_serialize, deserialize, serialize
+from distributed.protocol import (
+    dask_deserialize,
+    dask_serialize,
+    deserialize,
+    serialize,
+)
 
 _counter = itertools.count()
 

@@ -16,7 +16,12 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.utils import infer_compression, read_block
 
 from dlscale import _graph, _safe_pickle
-from dlscale.errors import CorruptDataError, OutputExistsError, StorageError, UnsafePickleError
+from dlscale.errors import (
+    CorruptDataError,
+    OutputExistsError,
+    StorageError,
+    UnsafePickleError,
+)
 
 if TYPE_CHECKING:
     from dlscale.context import SparkContext

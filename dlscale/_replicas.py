@@ -11,7 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from distributed.active_memory_manager import ReduceReplicas, Suggestion, SuggestionGenerator
+from distributed.active_memory_manager import (
+    ReduceReplicas,
+    Suggestion,
+    SuggestionGenerator,
+)
 
 
 class PersistedReplicas(ReduceReplicas):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import bisect
 import copy
-import heapq
 import itertools
 import math
 import operator
@@ -20,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from functools import partial, reduce
 from typing import TYPE_CHECKING, Any
 
-from dlscale import _graph
+from dlscale import _graph, _ops
 from dlscale._hash import portable_hash
 from dlscale._sampling import RangeSampler, Sampler, fraction_for_sample_size
 from dlscale.statcounter import StatCounter
@@ -32,6 +31,8 @@ if TYPE_CHECKING:
     from dlscale.persist import StorageLevel
 
 __all__ = ["RDD", "Partitioner", "ResultIterable", "portable_hash"]
+
+ResultIterable = _ops.ResultIterable
 
 
 class Partitioner:
@@ -50,249 +51,6 @@ class Partitioner:
 
     def __call__(self, k: Any) -> int:
         return self.partitionFunc(k) % self.numPartitions
-
-
-class ResultIterable(Iterable):
-    """The grouped values of one key (``groupByKey``, ``cogroup``): iterable and sized."""
-
-    def __init__(self, data: list) -> None:
-        self.data = data
-        self.maxindex = len(data)
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.data)
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __repr__(self) -> str:
-        return f"ResultIterable({self.data!r})"
-
-
-# -- per-partition functions (module level so that they pickle small) -----------------------
-def _check_callable(f: Any, name: str) -> None:
-    if not callable(f):
-        raise TypeError(f"{name} must be callable, got {type(f).__name__}")
-
-
-def _map(f: Callable, _i: int, it: Iterable) -> Iterator:
-    return map(f, it)
-
-
-def _flat_map(f: Callable, _i: int, it: Iterable) -> Iterator:
-    return itertools.chain.from_iterable(map(f, it))
-
-
-def _filter(f: Callable, _i: int, it: Iterable) -> Iterator:
-    return filter(f, it)
-
-
-def _map_partitions(f: Callable, _i: int, it: Iterable) -> Iterable:
-    return f(iter(it))
-
-
-def _map_partitions_with_index(f: Callable, i: int, it: Iterable) -> Iterable:
-    return f(i, iter(it))
-
-
-def _glom(_i: int, it: Iterable) -> list:
-    return [list(it)]
-
-
-def _zip(i: int, left: list, right: list) -> Iterable:
-    if len(left) != len(right):
-        raise ValueError(
-            "Can only zip RDDs with same number of elements in each partition "
-            f"(partition {i} has {len(left)} and {len(right)})"
-        )
-    return zip(left, right)
-
-
-def _pair(kv: Any) -> tuple[Any, Any]:
-    try:
-        k, v = kv
-    except (TypeError, ValueError):
-        raise TypeError(
-            f"this operation needs (key, value) pairs, but an element is {kv!r} ({type(kv).__name__})"
-        ) from None
-    return k, v
-
-
-def _split_by_key(partitioner: Partitioner, _i: int, items: Iterable) -> list[list]:
-    buckets: list[list] = [[] for _ in range(partitioner.numPartitions)]
-    for kv in items:
-        buckets[partitioner(_pair(kv)[0])].append(kv)
-    return buckets
-
-
-def _split_round_robin(n: int, i: int, items: Iterable) -> list[list]:
-    buckets: list[list] = [[] for _ in range(n)]
-    for pos, x in enumerate(items, start=i):
-        buckets[pos % n].append(x)
-    return buckets
-
-
-def _merge_buckets(_j: int, lists: list[list]) -> Iterator:
-    return itertools.chain.from_iterable(lists)
-
-
-def _combine_values(create: Callable, merge_value: Callable, _i: int, it: Iterable) -> Iterable:
-    combined: dict = {}
-    for kv in it:
-        k, v = _pair(kv)
-        combined[k] = merge_value(combined[k], v) if k in combined else create(v)
-    return combined.items()
-
-
-def _combine_combiners(merge: Callable, _i: int, it: Iterable) -> Iterable:
-    combined: dict = {}
-    for k, c in it:
-        combined[k] = merge(combined[k], c) if k in combined else c
-    return combined.items()
-
-
-def _sort_partition(keyfunc: Callable, ascending: bool, _i: int, it: Iterable) -> list:
-    return sorted(it, key=lambda kv: keyfunc(kv[0]), reverse=not ascending)
-
-
-def _fold_partition(zero: Any, op: Callable, it: Iterable) -> list:
-    return [reduce(op, it, copy.deepcopy(zero))]
-
-
-def _aggregate_partition(zero: Any, seq_op: Callable, it: Iterable) -> Any:
-    return reduce(seq_op, it, copy.deepcopy(zero))
-
-
-def _reduce_partition(f: Callable, it: Iterable) -> list:
-    it = iter(it)
-    try:
-        first = next(it)
-    except StopIteration:
-        return []
-    return [reduce(f, it, first)]
-
-
-def _reduce_results(f: Callable, parts: list[list]) -> list:
-    return _reduce_partition(f, itertools.chain.from_iterable(parts))
-
-
-def _concat_lists(parts: list[list]) -> list:
-    return list(itertools.chain.from_iterable(parts))
-
-
-def _count(it: Iterable) -> int:
-    return sum(1 for _ in it)
-
-
-def _take(n: int, it: Iterable) -> list:
-    return list(itertools.islice(it, n))
-
-
-def _stat_counter(it: Iterable) -> StatCounter:
-    return StatCounter(it)
-
-
-def _merge_stats(counters: list[StatCounter]) -> StatCounter:
-    out = StatCounter()
-    for c in counters:
-        out.mergeStats(c)
-    return out
-
-
-def _count_values(it: Iterable) -> dict:
-    counts: dict = defaultdict(int)
-    for x in it:
-        counts[x] += 1
-    return counts
-
-
-def _merge_counts(dicts: list[dict]) -> dict:
-    out: dict = defaultdict(int)
-    for d in dicts:
-        for k, v in d.items():
-            out[k] += v
-    return out
-
-
-def _nlargest(num: int, key: Callable | None, it: Iterable) -> list:
-    return heapq.nlargest(num, it, key=key)
-
-
-def _nsmallest(num: int, key: Callable | None, it: Iterable) -> list:
-    return heapq.nsmallest(num, it, key=key)
-
-
-def _nlargest_merge(num: int, key: Callable | None, parts: list[list]) -> list:
-    return heapq.nlargest(num, itertools.chain.from_iterable(parts), key=key)
-
-
-def _nsmallest_merge(num: int, key: Callable | None, parts: list[list]) -> list:
-    return heapq.nsmallest(num, itertools.chain.from_iterable(parts), key=key)
-
-
-def _foreach(f: Callable, it: Iterable) -> int:
-    for x in it:
-        f(x)
-    return 0
-
-
-def _foreach_partition(f: Callable, it: Iterable) -> int:
-    f(iter(it))
-    return 0
-
-
-def _sum_ints(parts: list[int]) -> int:
-    return sum(parts)
-
-
-def _histogram_partition(buckets: list, even: bool, inc: Any, it: Iterable) -> list[int]:
-    minv, maxv = buckets[0], buckets[-1]
-    counters = [0] * len(buckets)
-    for x in it:
-        if x is None or (isinstance(x, float) and math.isnan(x)) or x > maxv or x < minv:
-            continue
-        t = int((x - minv) / inc) if even else bisect.bisect_right(buckets, x) - 1
-        counters[t] += 1
-    last = counters.pop()
-    counters[-1] += last
-    return counters
-
-
-def _add_counters(parts: list[list[int]]) -> list[int]:
-    return [sum(c) for c in zip(*parts)]
-
-
-def _comparable(x: Any) -> bool:
-    return x is not None and not (type(x) is float and math.isnan(x))
-
-
-def _plain(x: Any) -> Any:
-    """Turn numpy and torch scalars into Python numbers."""
-    if callable(getattr(x, "item", None)) and getattr(x, "shape", None) == ():
-        return x.item()
-    return x
-
-
-def _cogroup_values(n: int, values: Iterable) -> tuple[ResultIterable, ...]:
-    bufs: list[list] = [[] for _ in range(n)]
-    for i, v in values:
-        bufs[i].append(v)
-    return tuple(ResultIterable(b) for b in bufs)
-
-
-def _join_values(left_outer: bool, right_outer: bool, values: Iterable) -> Iterator:
-    vbuf, wbuf = [], []
-    for i, v in values:
-        (vbuf if i == 0 else wbuf).append(v)
-    if left_outer and not wbuf:
-        wbuf.append(None)
-    if right_outer and not vbuf:
-        vbuf.append(None)
-    return ((v, w) for v in vbuf for w in wbuf)
-
-
-def _cartesian(left: list, right: list) -> Iterator:
-    return itertools.product(left, right)
 
 
 class RDD:
@@ -353,48 +111,48 @@ class RDD:
 
     # -- narrow transformations ----------------------------------------------------------
     def map(self, f: Callable[[Any], Any], preservesPartitioning: bool = False) -> RDD:
-        _check_callable(f, "f")
-        return self._partitionwise("map", partial(_map, f), preservesPartitioning)
+        _ops.check_callable(f, "f")
+        return self._partitionwise("map", partial(_ops.map_elements, f), preservesPartitioning)
 
     def flatMap(self, f: Callable[[Any], Iterable[Any]], preservesPartitioning: bool = False) -> RDD:
-        _check_callable(f, "f")
-        return self._partitionwise("flatMap", partial(_flat_map, f), preservesPartitioning)
+        _ops.check_callable(f, "f")
+        return self._partitionwise("flatMap", partial(_ops.flat_map, f), preservesPartitioning)
 
     def filter(self, f: Callable[[Any], bool]) -> RDD:
-        _check_callable(f, "f")
-        return self._partitionwise("filter", partial(_filter, f), True)
+        _ops.check_callable(f, "f")
+        return self._partitionwise("filter", partial(_ops.filter_elements, f), True)
 
     def mapPartitions(self, f: Callable[[Iterator[Any]], Iterable[Any]], preservesPartitioning: bool = False) -> RDD:
-        _check_callable(f, "f")
-        return self._partitionwise("mapPartitions", partial(_map_partitions, f), preservesPartitioning)
+        _ops.check_callable(f, "f")
+        return self._partitionwise("mapPartitions", partial(_ops.map_partitions, f), preservesPartitioning)
 
     def mapPartitionsWithIndex(
         self, f: Callable[[int, Iterator[Any]], Iterable[Any]], preservesPartitioning: bool = False
     ) -> RDD:
-        _check_callable(f, "f")
-        return self._partitionwise("mapPartitionsWithIndex", partial(_map_partitions_with_index, f), preservesPartitioning)
+        _ops.check_callable(f, "f")
+        return self._partitionwise("mapPartitionsWithIndex", partial(_ops.map_partitions_with_index, f), preservesPartitioning)
 
     def glom(self) -> RDD:
         """Each partition as one list."""
-        return self._partitionwise("glom", _glom)
+        return self._partitionwise("glom", _ops.glom)
 
     def keyBy(self, f: Callable[[Any], Any]) -> RDD:
-        _check_callable(f, "f")
+        _ops.check_callable(f, "f")
         return self.map(lambda x: (f(x), x))
 
     def keys(self) -> RDD:
-        return self.map(lambda kv: _pair(kv)[0])
+        return self.map(lambda kv: _ops.pair(kv)[0])
 
     def values(self) -> RDD:
-        return self.map(lambda kv: _pair(kv)[1])
+        return self.map(lambda kv: _ops.pair(kv)[1])
 
     def mapValues(self, f: Callable[[Any], Any]) -> RDD:
-        _check_callable(f, "f")
-        return self.map(lambda kv: (_pair(kv)[0], f(kv[1])), preservesPartitioning=True)
+        _ops.check_callable(f, "f")
+        return self.map(lambda kv: (_ops.pair(kv)[0], f(kv[1])), preservesPartitioning=True)
 
     def flatMapValues(self, f: Callable[[Any], Iterable[Any]]) -> RDD:
-        _check_callable(f, "f")
-        return self.flatMap(lambda kv: ((_pair(kv)[0], x) for x in f(kv[1])), preservesPartitioning=True)
+        _ops.check_callable(f, "f")
+        return self.flatMap(lambda kv: ((_ops.pair(kv)[0], x) for x in f(kv[1])), preservesPartitioning=True)
 
     def zip(self, other: RDD) -> RDD:
         """Pairs of the i-th elements; both RDDs need equal partition counts and sizes."""
@@ -403,13 +161,13 @@ class RDD:
                 "Can only zip with RDD which has the same number of partitions "
                 f"({self.getNumPartitions()} and {other.getNumPartitions()})"
             )
-        return self._derive(_graph.partitionwise("zip", _zip, self._bag, other._bag))
+        return self._derive(_graph.partitionwise("zip", _ops.zip_partitions, self._bag, other._bag))
 
     def zipWithIndex(self) -> RDD:
         """``(element, index)`` in partition order; runs one job to count the partitions."""
         starts = [0]
         if self.getNumPartitions() > 1:
-            counts = self.mapPartitions(lambda it: [_count(it)]).collect()
+            counts = self.mapPartitions(lambda it: [_ops.count(it)]).collect()
             starts = list(itertools.accumulate(counts[:-1], initial=0))
         return self.mapPartitionsWithIndex(lambda i, it: ((v, n) for n, v in enumerate(it, starts[i])))
 
@@ -430,7 +188,7 @@ class RDD:
         """Fewer partitions by merging neighbours (or any number with ``shuffle=True``)."""
         n = self._check_num_partitions(numPartitions, "numPartitions")
         if shuffle:
-            bag = _graph.shuffle("repartition", self._bag, n, partial(_split_round_robin, n), _merge_buckets)
+            bag = _graph.shuffle("repartition", self._bag, n, partial(_ops.split_round_robin, n), _ops.merge_buckets)
             return self._derive(bag)
         m = self.getNumPartitions()
         if n >= m:
@@ -479,7 +237,7 @@ class RDD:
         partitioner = Partitioner(n, partitionFunc)
         if self.partitioner == partitioner:
             return self
-        bag = _graph.shuffle("partitionBy", self._bag, n, partial(_split_by_key, partitioner), _merge_buckets)
+        bag = _graph.shuffle("partitionBy", self._bag, n, partial(_ops.split_by_key, partitioner), _ops.merge_buckets)
         return self._derive(bag, partitioner)
 
     def combineByKey(
@@ -492,11 +250,11 @@ class RDD:
     ) -> RDD:
         """Per-key combination: combined within each partition first, then across partitions."""
         for f, name in ((createCombiner, "createCombiner"), (mergeValue, "mergeValue"), (mergeCombiners, "mergeCombiners")):
-            _check_callable(f, name)
+            _ops.check_callable(f, name)
         n = self._reduce_partitions(numPartitions)
-        local = self._partitionwise("combineLocally", partial(_combine_values, createCombiner, mergeValue), True)
+        local = self._partitionwise("combineLocally", partial(_ops.combine_values, createCombiner, mergeValue), True)
         shuffled = local.partitionBy(n, partitionFunc)
-        return shuffled._partitionwise("mergeCombiners", partial(_combine_combiners, mergeCombiners), True)
+        return shuffled._partitionwise("mergeCombiners", partial(_ops.combine_combiners, mergeCombiners), True)
 
     def reduceByKey(
         self, func: Callable[[Any, Any], Any], numPartitions: int | None = None,
@@ -520,33 +278,33 @@ class RDD:
 
     def groupByKey(self, numPartitions: int | None = None, partitionFunc: Callable[[Any], int] = portable_hash) -> RDD:
         """``(key, ResultIterable of values)``."""
-        grouped = self.combineByKey(lambda v: [v], _append, _extend, numPartitions, partitionFunc)
+        grouped = self.combineByKey(lambda v: [v], _ops.append, _ops.extend, numPartitions, partitionFunc)
         return grouped.mapValues(ResultIterable)
 
     def groupBy(
         self, f: Callable[[Any], Any], numPartitions: int | None = None,
         partitionFunc: Callable[[Any], int] = portable_hash,
     ) -> RDD:
-        _check_callable(f, "f")
+        _ops.check_callable(f, "f")
         return self.map(lambda x: (f(x), x)).groupByKey(numPartitions, partitionFunc)
 
     def distinct(self, numPartitions: int | None = None) -> RDD:
         return self.map(lambda x: (x, None)).reduceByKey(lambda x, _: x, numPartitions).map(operator.itemgetter(0))
 
     def _tagged_groups(self, others: list[RDD], numPartitions: int | None) -> RDD:
-        tagged = [rdd.mapValues(partial(_tag, i)) for i, rdd in enumerate([self, *others])]
+        tagged = [rdd.mapValues(partial(_ops.tag, i)) for i, rdd in enumerate([self, *others])]
         return reduce(RDD.union, tagged).groupByKey(numPartitions)
 
     def cogroup(self, other: RDD, numPartitions: int | None = None) -> RDD:
         """``(key, (values in self, values in other))`` for every key in either."""
-        return self._tagged_groups([other], numPartitions).mapValues(partial(_cogroup_values, 2))
+        return self._tagged_groups([other], numPartitions).mapValues(partial(_ops.cogroup_values, 2))
 
     def groupWith(self, other: RDD, *others: RDD) -> RDD:
         rdds = [other, *others]
-        return self._tagged_groups(rdds, None).mapValues(partial(_cogroup_values, len(rdds) + 1))
+        return self._tagged_groups(rdds, None).mapValues(partial(_ops.cogroup_values, len(rdds) + 1))
 
     def _join(self, other: RDD, numPartitions: int | None, left: bool, right: bool) -> RDD:
-        return self._tagged_groups([other], numPartitions).flatMapValues(partial(_join_values, left, right))
+        return self._tagged_groups([other], numPartitions).flatMapValues(partial(_ops.join_values, left, right))
 
     def join(self, other: RDD, numPartitions: int | None = None) -> RDD:
         return self._join(other, numPartitions, False, False)
@@ -583,7 +341,7 @@ class RDD:
 
     def cartesian(self, other: RDD) -> RDD:
         """Every pair ``(a, b)``; partition ``i * m + j`` pairs partition i of self with j of other."""
-        return self._derive(_graph.product("cartesian", self._bag, other._bag, _cartesian))
+        return self._derive(_graph.product("cartesian", self._bag, other._bag, _ops.cartesian))
 
     def sortByKey(
         self, ascending: bool = True, numPartitions: int | None = None,
@@ -591,7 +349,7 @@ class RDD:
     ) -> RDD:
         """Sorted by key, range-partitioned with bounds from a sample (as PySpark)."""
         n = self._reduce_partitions(numPartitions)
-        sort = partial(_sort_partition, keyfunc, ascending)
+        sort = partial(_ops.sort_partition, keyfunc, ascending)
         if n == 1:
             src = self.coalesce(1) if self.getNumPartitions() > 1 else self
             return src._partitionwise("sortPartition", sort, True)
@@ -599,7 +357,7 @@ class RDD:
         if not size:
             return self
         fraction = min(n * 20.0 / size, 1.0)
-        samples = sorted(self.sample(False, fraction, 1).map(lambda kv: _pair(kv)[0]).collect(), key=keyfunc)
+        samples = sorted(self.sample(False, fraction, 1).map(lambda kv: _ops.pair(kv)[0]).collect(), key=keyfunc)
         bounds = [keyfunc(samples[int(len(samples) * (i + 1) / n)]) for i in range(n - 1)] if samples else []
 
         def range_partitioner(k: Any) -> int:
@@ -609,7 +367,7 @@ class RDD:
         return self.partitionBy(n, range_partitioner)._partitionwise("sortPartition", sort, True)
 
     def sortBy(self, keyfunc: Callable[[Any], Any], ascending: bool = True, numPartitions: int | None = None) -> RDD:
-        _check_callable(keyfunc, "keyfunc")
+        _ops.check_callable(keyfunc, "keyfunc")
         return self.keyBy(keyfunc).sortByKey(ascending, numPartitions).values()
 
     # -- actions -------------------------------------------------------------------------
@@ -621,7 +379,7 @@ class RDD:
     def count(self) -> int:
         if self.getNumPartitions() == 0:
             return 0
-        return int(self._reduce(_count, _sum_ints))
+        return int(self._reduce(_ops.count, _ops.sum_ints))
 
     def take(self, num: int) -> list:
         """The first ``num`` elements, computing as few partitions as possible (as PySpark)."""
@@ -636,7 +394,7 @@ class RDD:
                 else:
                     to_try = min(max(int(1.5 * num * scanned / len(items)) - scanned, 1), scanned * 4)
             left = num - len(items)
-            for part in self._run_partitions(partial(_take, left), range(scanned, min(scanned + to_try, total))):
+            for part in self._run_partitions(partial(_ops.take, left), range(scanned, min(scanned + to_try, total))):
                 items.extend(part)
             scanned += to_try
         return items[:num]
@@ -652,22 +410,22 @@ class RDD:
 
     def reduce(self, f: Callable[[Any, Any], Any]) -> Any:
         """Combine all elements with the associative, commutative ``f``."""
-        _check_callable(f, "f")
-        vals = self._reduce(partial(_reduce_partition, f), partial(_reduce_results, f)) if self.getNumPartitions() else []
+        _ops.check_callable(f, "f")
+        vals = self._reduce(partial(_ops.reduce_partition, f), partial(_ops.reduce_results, f)) if self.getNumPartitions() else []
         if vals:
             return vals[0]
         raise ValueError("Can not reduce() empty RDD")
 
     def fold(self, zeroValue: Any, op: Callable[[Any, Any], Any]) -> Any:
         """Fold each partition from ``zeroValue``, then the partition results from ``zeroValue``."""
-        _check_callable(op, "op")
-        vals = self.mapPartitions(partial(_fold_partition, zeroValue, op)).collect()
+        _ops.check_callable(op, "op")
+        vals = self.mapPartitions(partial(_ops.fold_partition, zeroValue, op)).collect()
         return reduce(op, vals, zeroValue)
 
     def aggregate(self, zeroValue: Any, seqOp: Callable[[Any, Any], Any], combOp: Callable[[Any, Any], Any]) -> Any:
-        _check_callable(seqOp, "seqOp")
-        _check_callable(combOp, "combOp")
-        vals = self.mapPartitions(lambda it: [_aggregate_partition(zeroValue, seqOp, it)]).collect()
+        _ops.check_callable(seqOp, "seqOp")
+        _ops.check_callable(combOp, "combOp")
+        vals = self.mapPartitions(lambda it: [_ops.aggregate_partition(zeroValue, seqOp, it)]).collect()
         return reduce(combOp, vals, zeroValue)
 
     def treeAggregate(
@@ -681,7 +439,7 @@ class RDD:
             return zeroValue
         scale = max(int(math.ceil(n ** (1.0 / depth))), 2)
         return self._reduce(
-            partial(_aggregate_partition, zeroValue, seqOp),
+            partial(_ops.aggregate_partition, zeroValue, seqOp),
             lambda parts: reduce(combOp, parts),
             split_every=scale,
         )
@@ -691,27 +449,27 @@ class RDD:
             raise ValueError(f"Depth cannot be smaller than 1 but got {depth}.")
         n = self.getNumPartitions()
         scale = max(int(math.ceil(max(n, 1) ** (1.0 / depth))), 2)
-        vals = self._reduce(partial(_reduce_partition, f), partial(_reduce_results, f), scale) if n else []
+        vals = self._reduce(partial(_ops.reduce_partition, f), partial(_ops.reduce_results, f), scale) if n else []
         if vals:
             return vals[0]
         raise ValueError("Cannot reduce empty RDD.")
 
     def max(self, key: Callable[[Any], Any] | None = None) -> Any:
-        return _plain(self.reduce(max if key is None else lambda a, b: max(a, b, key=key)))
+        return _ops.plain(self.reduce(max if key is None else lambda a, b: max(a, b, key=key)))
 
     def min(self, key: Callable[[Any], Any] | None = None) -> Any:
-        return _plain(self.reduce(min if key is None else lambda a, b: min(a, b, key=key)))
+        return _ops.plain(self.reduce(min if key is None else lambda a, b: min(a, b, key=key)))
 
     def sum(self) -> Any:
         if self.getNumPartitions() == 0:
             return 0
-        return _plain(self._reduce(sum, sum))
+        return _ops.plain(self._reduce(sum, sum))
 
     def stats(self) -> StatCounter:
         """Count, mean, variance, min and max in one pass."""
         if self.getNumPartitions() == 0:
             return StatCounter()
-        return self._reduce(_stat_counter, _merge_stats)
+        return self._reduce(_ops.stat_counter, _ops.merge_stats)
 
     def mean(self) -> float:
         return self.stats().mean()
@@ -735,7 +493,7 @@ class RDD:
         if isinstance(buckets, int):
             if buckets < 1:
                 raise ValueError("number of buckets must be >= 1")
-            filtered = self.filter(_comparable)
+            filtered = self.filter(_ops.comparable)
             try:
                 minv = filtered.min()
                 maxv = filtered.max()
@@ -778,32 +536,32 @@ class RDD:
             raise TypeError("buckets should be a list or tuple or number(int or long)")
         if self.getNumPartitions() == 0:
             return edges, [0] * (len(edges) - 1)
-        counts = self._reduce(partial(_histogram_partition, edges, even, inc), _add_counters)
+        counts = self._reduce(partial(_ops.histogram_partition, edges, even, inc), _ops.add_counters)
         return (buckets if isinstance(buckets, (list, tuple)) else edges), counts
 
     def countByValue(self) -> dict:
         if self.getNumPartitions() == 0:
             return defaultdict(int)
-        return self._reduce(_count_values, _merge_counts)
+        return self._reduce(_ops.count_values, _ops.merge_counts)
 
     def countByKey(self) -> dict:
-        return self.map(lambda kv: _pair(kv)[0]).countByValue()
+        return self.map(lambda kv: _ops.pair(kv)[0]).countByValue()
 
     def collectAsMap(self) -> dict:
-        return dict(map(_pair, self.collect()))
+        return dict(map(_ops.pair, self.collect()))
 
     def lookup(self, key: Any) -> list:
         """Values of ``key``; only its partition is computed when the partitioner is known."""
-        values = self.filter(lambda kv: _pair(kv)[0] == key).values()
+        values = self.filter(lambda kv: _ops.pair(kv)[0] == key).values()
         if self.partitioner is not None:
-            return values._run_partitions(list, [self.partitioner(key)])[0]
+            return list(values._run_partitions(iter, [self.partitioner(key)])[0])
         return values.collect()
 
     def top(self, num: int, key: Callable[[Any], Any] | None = None) -> list:
         """The ``num`` largest elements, largest first."""
         if self.getNumPartitions() == 0 or num <= 0:
             return []
-        return self._reduce(partial(_nlargest, num, key), partial(_nlargest_merge, num, key))
+        return self._reduce(partial(_ops.nlargest, num, key), partial(_ops.nlargest_merge, num, key))
 
     def takeOrdered(self, num: int, key: Callable[[Any], Any] | None = None) -> list:
         """The ``num`` smallest elements, smallest first."""
@@ -811,7 +569,7 @@ class RDD:
             raise ValueError("top N cannot be negative.")
         if num == 0 or self.getNumPartitions() == 0:
             return []
-        return self._reduce(partial(_nsmallest, num, key), partial(_nsmallest_merge, num, key))
+        return self._reduce(partial(_ops.nsmallest, num, key), partial(_ops.nsmallest_merge, num, key))
 
     def takeSample(self, withReplacement: bool, num: int, seed: int | None = None) -> list:
         """Exactly ``num`` elements sampled at random (fewer if the RDD is smaller, without replacement)."""
@@ -840,18 +598,17 @@ class RDD:
 
     def foreach(self, f: Callable[[Any], None]) -> None:
         """Run ``f`` on every element, on the workers."""
-        _check_callable(f, "f")
+        _ops.check_callable(f, "f")
         if self.getNumPartitions():
-            self._reduce(partial(_foreach, f), _sum_ints)
+            self._reduce(partial(_ops.foreach, f), _ops.sum_ints)
 
     def foreachPartition(self, f: Callable[[Iterator[Any]], None]) -> None:
-        _check_callable(f, "f")
+        _ops.check_callable(f, "f")
         if self.getNumPartitions():
-            self._reduce(partial(_foreach_partition, f), _sum_ints)
+            self._reduce(partial(_ops.foreach_partition, f), _ops.sum_ints)
 
     def toLocalIterator(self, prefetchPartitions: bool = False) -> Iterator[Any]:
         """Every element, one partition at a time (the driver holds at most two partitions)."""
-        import dask
 
         parts = self._bag.to_delayed()
         client = self.ctx.client
@@ -906,16 +663,3 @@ class RDD:
 
         return self._stored.level if self._stored is not None else StorageLevel.NONE
 
-
-def _append(xs: list, x: Any) -> list:
-    xs.append(x)
-    return xs
-
-
-def _extend(a: list, b: list) -> list:
-    a.extend(b)
-    return a
-
-
-def _tag(i: int, v: Any) -> tuple[int, Any]:
-    return (i, v)

@@ -12,7 +12,13 @@ import fsspec
 import pytest
 import torch
 
-from dlscale import CorruptDataError, OutputExistsError, SparkContext, StorageError, UnsafePickleError
+from dlscale import (
+    CorruptDataError,
+    OutputExistsError,
+    SparkContext,
+    StorageError,
+    UnsafePickleError,
+)
 
 
 @pytest.fixture

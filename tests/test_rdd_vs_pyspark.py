@@ -103,6 +103,7 @@ CASES: dict[str, tuple[Callable[[Any], Any], bool]] = {
     "subtractByKey": (lambda c: pairs(c).subtractByKey(other_pairs(c)).collect(), True),
     "subtract": (lambda c: c.parallelize([1, 2, 2, 3, 4, 5], 2).subtract(c.parallelize([2, 5, 9], 2)).collect(), True),
     "intersection": (lambda c: c.parallelize([1, 2, 2, 3, 4, 5], 2).intersection(c.parallelize([2, 5, 5, 9], 3)).collect(), True),
+    "groupWith": (lambda c: [(k, tuple(sorted(g) for g in gs)) for k, gs in pairs(c).groupWith(other_pairs(c), c.parallelize([("a", 0.5)], 1)).collect()], True),
     "cartesian": (lambda c: nums(c, 3, 2).cartesian(c.parallelize("ab", 2)).glom().collect(), False),
     "sortByKey": (lambda c: pairs(c).sortByKey().collect(), False),
     "sortByKey.descending": (lambda c: pairs(c).sortByKey(False).collect(), False),
@@ -205,3 +206,25 @@ def test_string_keys_partition_alike_in_every_process(sc: Any) -> None:
         assert sorted(partitioned.lookup(key)) == sorted(v for k, v in words.collect() if k == key)
     owners = partitioned.mapPartitionsWithIndex(lambda i, it: [(k, i) for k, _ in it]).distinct().collect()
     assert len(owners) == len({k for k, _ in owners})  # every key in exactly one partition
+
+
+def test_foreach_and_foreach_partition_run_on_the_workers(sc: Any, tmp_path: Any) -> None:
+    import os
+
+    out = str(tmp_path)
+
+    def touch(x: int) -> None:
+        with open(os.path.join(out, f"e{x}-{os.getpid()}"), "w"):
+            pass
+
+    def touch_partition(it: Any) -> None:
+        items = list(it)
+        with open(os.path.join(out, f"p{min(items, default=-1)}-{len(items)}"), "w"):
+            pass
+
+    assert sc.parallelize(range(10), 3).foreach(touch) is None
+    names = os.listdir(out)
+    assert sorted(int(n[1:].split("-")[0]) for n in names) == list(range(10))
+    assert {int(n.split("-")[1]) for n in names} <= set(sc.client.run(os.getpid).values())
+    sc.parallelize(range(10), 3).foreachPartition(touch_partition)
+    assert sorted(n for n in os.listdir(out) if n.startswith("p")) == ["p0-3", "p3-3", "p6-4"]

@@ -1,0 +1,274 @@
+"""Per-partition and combining functions of RDD operations.
+
+Module-level functions, so that a task's pickled form names them instead of carrying their code.
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import heapq
+import itertools
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from functools import reduce
+from typing import TYPE_CHECKING, Any
+
+from dlscale.statcounter import StatCounter
+
+if TYPE_CHECKING:
+    from dlscale.rdd import Partitioner
+
+
+class ResultIterable(Iterable):
+    """The grouped values of one key (``groupByKey``, ``cogroup``): iterable and sized."""
+
+    def __init__(self, data: list) -> None:
+        self.data = data
+        self.maxindex = len(data)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.data)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __repr__(self) -> str:
+        return f"ResultIterable({self.data!r})"
+
+
+# -- per-partition functions (module level so that they pickle small) -----------------------
+def check_callable(f: Any, name: str) -> None:
+    if not callable(f):
+        raise TypeError(f"{name} must be callable, got {type(f).__name__}")
+
+
+def map_elements(f: Callable, _i: int, it: Iterable) -> Iterator:
+    return map(f, it)
+
+
+def flat_map(f: Callable, _i: int, it: Iterable) -> Iterator:
+    return itertools.chain.from_iterable(map(f, it))
+
+
+def filter_elements(f: Callable, _i: int, it: Iterable) -> Iterator:
+    return filter(f, it)
+
+
+def map_partitions(f: Callable, _i: int, it: Iterable) -> Iterable:
+    return f(iter(it))
+
+
+def map_partitions_with_index(f: Callable, i: int, it: Iterable) -> Iterable:
+    return f(i, iter(it))
+
+
+def glom(_i: int, it: Iterable) -> list:
+    return [list(it)]
+
+
+def zip_partitions(i: int, left: list, right: list) -> Iterable:
+    if len(left) != len(right):
+        raise ValueError(
+            "Can only zip RDDs with same number of elements in each partition "
+            f"(partition {i} has {len(left)} and {len(right)})"
+        )
+    return zip(left, right)
+
+
+def pair(kv: Any) -> tuple[Any, Any]:
+    try:
+        k, v = kv
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"this operation needs (key, value) pairs, but an element is {kv!r} ({type(kv).__name__})"
+        ) from None
+    return k, v
+
+
+def split_by_key(partitioner: Partitioner, _i: int, items: Iterable) -> list[list]:
+    buckets: list[list] = [[] for _ in range(partitioner.numPartitions)]
+    for kv in items:
+        buckets[partitioner(pair(kv)[0])].append(kv)
+    return buckets
+
+
+def split_round_robin(n: int, i: int, items: Iterable) -> list[list]:
+    buckets: list[list] = [[] for _ in range(n)]
+    for pos, x in enumerate(items, start=i):
+        buckets[pos % n].append(x)
+    return buckets
+
+
+def merge_buckets(_j: int, lists: list[list]) -> Iterator:
+    return itertools.chain.from_iterable(lists)
+
+
+def combine_values(create: Callable, merge_value: Callable, _i: int, it: Iterable) -> Iterable:
+    combined: dict = {}
+    for kv in it:
+        k, v = pair(kv)
+        combined[k] = merge_value(combined[k], v) if k in combined else create(v)
+    return combined.items()
+
+
+def combine_combiners(merge: Callable, _i: int, it: Iterable) -> Iterable:
+    combined: dict = {}
+    for k, c in it:
+        combined[k] = merge(combined[k], c) if k in combined else c
+    return combined.items()
+
+
+def sort_partition(keyfunc: Callable, ascending: bool, _i: int, it: Iterable) -> list:
+    return sorted(it, key=lambda kv: keyfunc(kv[0]), reverse=not ascending)
+
+
+def fold_partition(zero: Any, op: Callable, it: Iterable) -> list:
+    return [reduce(op, it, copy.deepcopy(zero))]
+
+
+def aggregate_partition(zero: Any, seq_op: Callable, it: Iterable) -> Any:
+    return reduce(seq_op, it, copy.deepcopy(zero))
+
+
+def reduce_partition(f: Callable, it: Iterable) -> list:
+    it = iter(it)
+    try:
+        first = next(it)
+    except StopIteration:
+        return []
+    return [reduce(f, it, first)]
+
+
+def reduce_results(f: Callable, parts: list[list]) -> list:
+    return reduce_partition(f, itertools.chain.from_iterable(parts))
+
+
+def count(it: Iterable) -> int:
+    return sum(1 for _ in it)
+
+
+def take(n: int, it: Iterable) -> list:
+    return list(itertools.islice(it, n))
+
+
+def stat_counter(it: Iterable) -> StatCounter:
+    return StatCounter(it)
+
+
+def merge_stats(counters: list[StatCounter]) -> StatCounter:
+    out = StatCounter()
+    for c in counters:
+        out.mergeStats(c)
+    return out
+
+
+def count_values(it: Iterable) -> dict:
+    counts: dict = defaultdict(int)
+    for x in it:
+        counts[x] += 1
+    return counts
+
+
+def merge_counts(dicts: list[dict]) -> dict:
+    out: dict = defaultdict(int)
+    for d in dicts:
+        for k, v in d.items():
+            out[k] += v
+    return out
+
+
+def nlargest(num: int, key: Callable | None, it: Iterable) -> list:
+    return heapq.nlargest(num, it, key=key)
+
+
+def nsmallest(num: int, key: Callable | None, it: Iterable) -> list:
+    return heapq.nsmallest(num, it, key=key)
+
+
+def nlargest_merge(num: int, key: Callable | None, parts: list[list]) -> list:
+    return heapq.nlargest(num, itertools.chain.from_iterable(parts), key=key)
+
+
+def nsmallest_merge(num: int, key: Callable | None, parts: list[list]) -> list:
+    return heapq.nsmallest(num, itertools.chain.from_iterable(parts), key=key)
+
+
+def foreach(f: Callable, it: Iterable) -> int:
+    for x in it:
+        f(x)
+    return 0
+
+
+def foreach_partition(f: Callable, it: Iterable) -> int:
+    f(iter(it))
+    return 0
+
+
+def sum_ints(parts: list[int]) -> int:
+    return sum(parts)
+
+
+def histogram_partition(buckets: list, even: bool, inc: Any, it: Iterable) -> list[int]:
+    minv, maxv = buckets[0], buckets[-1]
+    counters = [0] * len(buckets)
+    for x in it:
+        if x is None or (isinstance(x, float) and math.isnan(x)) or x > maxv or x < minv:
+            continue
+        t = int((x - minv) / inc) if even else bisect.bisect_right(buckets, x) - 1
+        counters[t] += 1
+    last = counters.pop()
+    counters[-1] += last
+    return counters
+
+
+def add_counters(parts: list[list[int]]) -> list[int]:
+    return [sum(c) for c in zip(*parts)]
+
+
+def comparable(x: Any) -> bool:
+    return x is not None and not (type(x) is float and math.isnan(x))
+
+
+def plain(x: Any) -> Any:
+    """Turn numpy and torch scalars into Python numbers."""
+    if callable(getattr(x, "item", None)) and getattr(x, "shape", None) == ():
+        return x.item()
+    return x
+
+
+def cogroup_values(n: int, values: Iterable) -> tuple[ResultIterable, ...]:
+    bufs: list[list] = [[] for _ in range(n)]
+    for i, v in values:
+        bufs[i].append(v)
+    return tuple(ResultIterable(b) for b in bufs)
+
+
+def join_values(left_outer: bool, right_outer: bool, values: Iterable) -> Iterator:
+    vbuf, wbuf = [], []
+    for i, v in values:
+        (vbuf if i == 0 else wbuf).append(v)
+    if left_outer and not wbuf:
+        wbuf.append(None)
+    if right_outer and not vbuf:
+        vbuf.append(None)
+    return ((v, w) for v in vbuf for w in wbuf)
+
+
+def cartesian(left: list, right: list) -> Iterator:
+    return itertools.product(left, right)
+
+
+def append(xs: list, x: Any) -> list:
+    xs.append(x)
+    return xs
+
+
+def extend(a: list, b: list) -> list:
+    a.extend(b)
+    return a
+
+
+def tag(i: int, v: Any) -> tuple[int, Any]:
+    return (i, v)
