@@ -57,7 +57,8 @@ def _bag(name: str, dsk: dict, parents: Sequence[Bag], npartitions: int) -> Bag:
     return Bag(graph, name, npartitions)
 
 
-def _call_as_list(func: Callable[..., Iterable[Any]], *args: Any) -> Partition:
+def partition_of(func: Callable[..., Iterable[Any]], *args: Any) -> Partition:
+    """``func(*args)`` as a :class:`Partition`."""
     out = func(*args)
     return out if isinstance(out, Partition) else Partition(out)
 
@@ -84,7 +85,7 @@ def from_calls(prefix: str, calls: Sequence[tuple[Callable[..., Iterable[Any]], 
     """A bag whose partition ``i`` is ``list(func(*args))`` for ``calls[i] = (func, args)``."""
     name = _name(prefix)
     dsk = {
-        (name, i): Task((name, i), _call_as_list, DataNode(None, func), *[DataNode(None, a) for a in args])
+        (name, i): Task((name, i), partition_of, DataNode(None, func), *[DataNode(None, a) for a in args])
         for i, (func, args) in enumerate(calls)
     }
     return _bag(name, dsk, [], len(calls))
@@ -101,7 +102,7 @@ def partitionwise(prefix: str, func: Callable[..., Iterable[Any]], *parents: Bag
     name = _name(prefix)
     fn = DataNode(None, func)
     dsk = {
-        (name, i): Task((name, i), _call_as_list, fn, i, *[TaskRef((p.name, i)) for p in parents])
+        (name, i): Task((name, i), partition_of, fn, i, *[TaskRef((p.name, i)) for p in parents])
         for i in range(n)
     }
     return _bag(name, dsk, parents, n)
@@ -153,7 +154,7 @@ def shuffle(
             dsk[(pick_name, i, j)] = Task((pick_name, i, j), _pick, TaskRef((split_name, i)), j)
     for j in range(npartitions):
         refs = List(*[TaskRef((pick_name, i, j)) for i in range(bag.npartitions)])
-        dsk[(name, j)] = Task((name, j), _call_as_list, merge_fn, j, refs)
+        dsk[(name, j)] = Task((name, j), partition_of, merge_fn, j, refs)
     return _bag(name, dsk, [bag], npartitions)
 
 
@@ -165,11 +166,6 @@ def product(prefix: str, left: Bag, right: Bag, func: Callable[[list, list], Ite
     for i in range(left.npartitions):
         for j in range(right.npartitions):
             key = (name, i * right.npartitions + j)
-            dsk[key] = Task(key, _call_as_list, fn, TaskRef((left.name, i)), TaskRef((right.name, j)))
+            dsk[key] = Task(key, partition_of, fn, TaskRef((left.name, i)), TaskRef((right.name, j)))
     return _bag(name, dsk, [left, right], left.npartitions * right.npartitions)
 
-
-
-def partition_of(func: Callable[..., Iterable[Any]], *args: Any) -> Partition:
-    """``func(*args)`` as a :class:`Partition`, for results computed outside an RDD graph."""
-    return _call_as_list(func, *args)

@@ -124,8 +124,7 @@ class Stored:
 
     level: StorageLevel
     lineage: Bag  # the graph that computes the partitions, restored on unpersist
-    held: Bag  # the persisted bag: its keys hold partitions, blobs or block records
-    futures: list
+    futures: list  # the persisted keys: partitions, blobs or block records
     block_dir: str | None = None  # DISK_ONLY on shared storage: the directory of this RDD's blocks
 
 
@@ -280,7 +279,7 @@ def persist(rdd: RDD, level: StorageLevel | None) -> RDD:
     if level.replication > 1 and level.useMemory:
         set_replication(client, futures, level.replication)
     rdd._bag = _graph.partitionwise("readPersisted", read, held) if read is not None else held
-    rdd._stored = Stored(level, lineage, held, futures, block_dir)
+    rdd._stored = Stored(level, lineage, futures, block_dir)
     ctx._persisted[rdd.id()] = rdd
     return rdd
 
