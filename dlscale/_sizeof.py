@@ -40,3 +40,12 @@ def register(sizeof: Any) -> None:
         @sizeof.register(torch.nn.Module)
         def _sizeof_module(m: torch.nn.Module) -> int:
             return sys.getsizeof(m) + sum(tensor_nbytes(t) for t in m.state_dict().values())
+
+    @sizeof.register_lazy("dlscale")
+    def _register_minibatches() -> None:
+        from dlscale.data.dataset import DataSet, MultiDataSet
+
+        @sizeof.register(DataSet)
+        @sizeof.register(MultiDataSet)
+        def _sizeof_minibatch(batch: DataSet | MultiDataSet) -> int:
+            return sys.getsizeof(batch) + sum(tensor_nbytes(t) for t in batch._tensors() if t is not None)

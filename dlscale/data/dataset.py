@@ -1,0 +1,243 @@
+"""``DataSet`` and ``MultiDataSet``: a minibatch of examples as torch tensors (DL4J's types).
+
+Examples are along dimension 0. Sequence data is batch-first, ``[examples, time, ...]``, with
+masks of shape ``[examples, time]`` (1 where a step is real, 0 where it is padding), so that
+minibatches of sequences of different lengths can be merged by padding the time dimension.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dlscale.errors import DlscaleError
+
+
+class DataShapeError(DlscaleError, ValueError):
+    """Tensors of a minibatch whose shapes do not fit together."""
+
+
+def _check_examples(tensors: dict[str, torch.Tensor | None]) -> int:
+    counts = {name: t.shape[0] for name, t in tensors.items() if t is not None}
+    for name, t in tensors.items():
+        if t is not None and t.dim() == 0:
+            raise DataShapeError(f"{name} is a scalar; examples run along dimension 0")
+    if len(set(counts.values())) > 1:
+        raise DataShapeError(f"tensors disagree on the number of examples: {counts}")
+    return next(iter(counts.values()), 0)
+
+
+def _check_mask(mask: torch.Tensor | None, data: torch.Tensor, name: str) -> None:
+    if mask is None:
+        return
+    if mask.dim() != 2 or data.dim() < 2 or mask.shape != data.shape[:2]:
+        raise DataShapeError(
+            f"{name} has shape {tuple(mask.shape)}; a mask is [examples, time] = {tuple(data.shape[:2])}"
+        )
+
+
+def _pad_time(t: torch.Tensor, length: int) -> torch.Tensor:
+    if t.shape[1] == length:
+        return t
+    pad = torch.zeros((t.shape[0], length - t.shape[1], *t.shape[2:]), dtype=t.dtype, device=t.device)
+    return torch.cat([t, pad], dim=1)
+
+
+def _merge_with_masks(
+    data: Sequence[torch.Tensor], masks: Sequence[torch.Tensor | None], name: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate along examples; sequences of different lengths are padded and masked."""
+    if len({tuple(d.shape[2:]) for d in data}) > 1 or len({d.dim() for d in data}) > 1:
+        raise DataShapeError(f"cannot merge {name} of shapes {[tuple(d.shape) for d in data]}")
+    lengths = {d.shape[1] for d in data} if data[0].dim() >= 2 else set()
+    if len(lengths) <= 1 and all(m is None for m in masks):
+        return torch.cat(list(data)), None
+    if data[0].dim() < 2 or (data[0].dim() == 2 and all(m is None for m in masks)):
+        # only sequences ([examples, time, features...], or [examples, time] with masks) are padded
+        raise DataShapeError(f"cannot merge {name} of shapes {[tuple(d.shape) for d in data]}")
+    length = max(lengths)
+    full = [
+        m if m is not None else torch.ones(d.shape[:2], dtype=torch.float32, device=d.device)
+        for d, m in zip(data, masks)
+    ]
+    return torch.cat([_pad_time(d, length) for d in data]), torch.cat([_pad_time(m, length) for m in full])
+
+
+def _index(t: torch.Tensor | None, idx: Any) -> torch.Tensor | None:
+    return None if t is None else t[idx]
+
+
+class _Minibatch:
+    """What DataSet and MultiDataSet share: selecting, splitting, batching and shuffling examples."""
+
+    def num_examples(self) -> int:
+        raise NotImplementedError
+
+    def _select(self, idx: Any) -> Any:
+        raise NotImplementedError
+
+    def _tensors(self) -> list[torch.Tensor | None]:
+        raise NotImplementedError
+
+    def _layout(self) -> tuple:
+        return ()
+
+    def split(self, at: int | float) -> tuple[Any, Any]:
+        """The first ``at`` examples and the rest (a float is a fraction of the examples)."""
+        n = self.num_examples()
+        cut = round(at * n) if isinstance(at, float) else at
+        if not 0 <= cut <= n:
+            raise ValueError(f"cannot split {n} examples at {at}")
+        return self._select(slice(0, cut)), self._select(slice(cut, n))
+
+    def batch_by(self, n: int) -> list[Any]:
+        """Minibatches of ``n`` examples (the last may be smaller)."""
+        if n < 1:
+            raise ValueError(f"batch size must be at least 1, got {n}")
+        return [self._select(slice(i, i + n)) for i in range(0, self.num_examples(), n)]
+
+    def shuffle(self, seed: int | None = None) -> Any:
+        """The examples in a random order (the same order for the same seed)."""
+        g = torch.Generator()
+        g.manual_seed(seed if seed is not None else torch.seed())
+        return self._select(torch.randperm(self.num_examples(), generator=g))
+
+    def nbytes(self) -> int:
+        """Bytes of tensor data held."""
+        return sum(t.nelement() * t.element_size() for t in self._tensors() if t is not None)
+
+    def equals(self, other: Any) -> bool:
+        """Same type, and the same tensors (values, dtypes and shapes) in every field."""
+        if type(other) is not type(self) or other._layout() != self._layout():
+            return False
+        a, b = self._tensors(), other._tensors()
+        return len(a) == len(b) and all(
+            (x is None and y is None)
+            or (x is not None and y is not None and x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y))
+            for x, y in zip(a, b)
+        )
+
+
+@dataclass(eq=False)
+class DataSet(_Minibatch):
+    """One minibatch for a single-input, single-output model."""
+
+    features: torch.Tensor
+    labels: torch.Tensor | None = None
+    features_mask: torch.Tensor | None = None
+    labels_mask: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("features", "labels", "features_mask", "labels_mask"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise TypeError(f"DataSet.{name} must be a torch.Tensor, not {type(value).__name__}")
+        _check_examples(self._fields())
+        _check_mask(self.features_mask, self.features, "features_mask")
+        if self.labels is not None:
+            _check_mask(self.labels_mask, self.labels, "labels_mask")
+        elif self.labels_mask is not None:
+            raise DataShapeError("labels_mask given without labels")
+
+    def _tensors(self) -> list[torch.Tensor | None]:
+        return list(self._fields().values())
+
+    def _fields(self) -> dict[str, torch.Tensor | None]:
+        return {
+            "features": self.features, "labels": self.labels,
+            "features_mask": self.features_mask, "labels_mask": self.labels_mask,
+        }
+
+    def num_examples(self) -> int:
+        return int(self.features.shape[0])
+
+    def _select(self, idx: Any) -> DataSet:
+        return DataSet(*(_index(t, idx) for t in self._fields().values()))
+
+    @staticmethod
+    def merge(datasets: Sequence[DataSet]) -> DataSet:
+        """One DataSet with the examples of all; sequences of unequal length are padded and masked."""
+        if not datasets:
+            raise ValueError("merge needs at least one DataSet")
+        if any((d.labels is None) != (datasets[0].labels is None) for d in datasets):
+            raise DataShapeError("cannot merge DataSets with and without labels")
+        features, fmask = _merge_with_masks([d.features for d in datasets], [d.features_mask for d in datasets], "features")
+        if datasets[0].labels is None:
+            return DataSet(features, None, fmask)
+        labels, lmask = _merge_with_masks([d.labels for d in datasets], [d.labels_mask for d in datasets], "labels")
+        return DataSet(features, labels, fmask, lmask)
+
+
+def _optional_list(values: Sequence[torch.Tensor | None] | None, n: int, name: str) -> list[torch.Tensor | None]:
+    if values is None:
+        return [None] * n
+    values = list(values)
+    if len(values) != n:
+        raise DataShapeError(f"{name} has {len(values)} entries for {n} arrays")
+    return values
+
+
+@dataclass(eq=False)
+class MultiDataSet(_Minibatch):
+    """One minibatch for a model with several inputs and/or outputs."""
+
+    features: list[torch.Tensor]
+    labels: list[torch.Tensor]
+    features_masks: list[torch.Tensor | None] | None = None
+    labels_masks: list[torch.Tensor | None] | None = None
+
+    def __post_init__(self) -> None:
+        self.features = list(self.features)
+        self.labels = list(self.labels)
+        if not self.features:
+            raise DataShapeError("a MultiDataSet needs at least one features array")
+        self.features_masks = _optional_list(self.features_masks, len(self.features), "features_masks")
+        self.labels_masks = _optional_list(self.labels_masks, len(self.labels), "labels_masks")
+        tensors = {}
+        for group in ("features", "labels", "features_masks", "labels_masks"):
+            for i, t in enumerate(getattr(self, group)):
+                if t is not None and not isinstance(t, torch.Tensor):
+                    raise TypeError(f"MultiDataSet.{group}[{i}] must be a torch.Tensor, not {type(t).__name__}")
+                tensors[f"{group}[{i}]"] = t
+        _check_examples(tensors)
+        for i, (d, m) in enumerate(zip(self.features, self.features_masks)):
+            _check_mask(m, d, f"features_masks[{i}]")
+        for i, (d, m) in enumerate(zip(self.labels, self.labels_masks)):
+            _check_mask(m, d, f"labels_masks[{i}]")
+
+    def _layout(self) -> tuple:
+        return (len(self.features), len(self.labels))
+
+    def _tensors(self) -> list[torch.Tensor | None]:
+        return [*self.features, *self.labels, *self.features_masks, *self.labels_masks]
+
+    def num_examples(self) -> int:
+        return int(self.features[0].shape[0])
+
+    def _select(self, idx: Any) -> MultiDataSet:
+        return MultiDataSet(
+            [t[idx] for t in self.features], [t[idx] for t in self.labels],
+            [_index(m, idx) for m in self.features_masks], [_index(m, idx) for m in self.labels_masks],
+        )
+
+    @staticmethod
+    def merge(datasets: Sequence[MultiDataSet]) -> MultiDataSet:
+        """One MultiDataSet with the examples of all; sequences are padded and masked as needed."""
+        if not datasets:
+            raise ValueError("merge needs at least one MultiDataSet")
+        first = datasets[0]
+        if any(len(d.features) != len(first.features) or len(d.labels) != len(first.labels) for d in datasets):
+            raise DataShapeError("cannot merge MultiDataSets with different numbers of arrays")
+        features, fmasks, labels, lmasks = [], [], [], []
+        for i in range(len(first.features)):
+            t, m = _merge_with_masks([d.features[i] for d in datasets], [d.features_masks[i] for d in datasets], f"features[{i}]")
+            features.append(t)
+            fmasks.append(m)
+        for i in range(len(first.labels)):
+            t, m = _merge_with_masks([d.labels[i] for d in datasets], [d.labels_masks[i] for d in datasets], f"labels[{i}]")
+            labels.append(t)
+            lmasks.append(m)
+        return MultiDataSet(features, labels, fmasks, lmasks)
