@@ -1,9 +1,8 @@
-"""Keeps replicated storage levels replicated.
+"""Keeps replicated storage levels and broadcast variables replicated.
 
 Dask's Active Memory Manager drops every replica beyond the one that waiting tasks need
 (``ReduceReplicas``), which would undo ``MEMORY_ONLY_2`` within seconds. This policy takes its
-place: keys of persisted partitions keep their requested replica count, restored on other
-workers when one is lost; every other key is treated exactly as ``ReduceReplicas`` treats it.
+place: keys of persisted partitions and broadcasts keep their requested replica count; every other key is treated exactly as ``ReduceReplicas`` treats it.
 """
 
 from __future__ import annotations
@@ -16,6 +15,8 @@ from distributed.active_memory_manager import (
     Suggestion,
     SuggestionGenerator,
 )
+
+EVERY_WORKER = 2**31  # a replica count meaning "on every worker", those that join later included
 
 
 class PersistedReplicas(ReduceReplicas):
@@ -76,4 +77,4 @@ def set_replication(client: Any, futures: list, n: int) -> None:
     """Hold ``n`` replicas of each of ``futures`` (1 returns them to Dask's default)."""
     client.run_on_scheduler(_set_desired, [f.key for f in futures], n)
     if n > 1:
-        client.replicate(futures, n=n)
+        client.replicate(futures, n=None if n == EVERY_WORKER else n)

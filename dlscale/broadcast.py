@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from distributed import Future, get_client, get_worker
 
+from dlscale._replicas import EVERY_WORKER, set_replication
 from dlscale.errors import BroadcastDestroyedError
 
 if TYPE_CHECKING:
@@ -34,23 +35,13 @@ class Broadcast:
         self._sc = sc
         self._value = value
         self._destroyed = False
-        self._future: Future | None = None
-        self._publish(everywhere=True)
-        sc._broadcasts.add(self)
-
-    def _publish(self, everywhere: bool) -> None:
-        client = self._sc.client
+        client = sc.client
         # a list of one item: scatter would otherwise send a list's or dict's elements separately
-        future = client.scatter([self._value], broadcast=everywhere, hash=False)[0]
-        client.publish_dataset(future, name=_dataset_name(future.key))
-        self._withdraw()
-        self._future, self._key = future, future.key
-
-    def _withdraw(self) -> None:
-        if self._future is not None:
-            self._sc._client.unpublish_dataset(_dataset_name(self._key))
-            self._future.release()
-            self._future = None
+        self._future: Future | None = client.scatter([value], broadcast=True, hash=False)[0]
+        self._key = self._future.key
+        client.publish_dataset(self._future, name=_dataset_name(self._key))
+        set_replication(client, [self._future], EVERY_WORKER)
+        sc._broadcasts.add(self)
 
     @property
     def value(self) -> Any:
@@ -65,12 +56,16 @@ class Broadcast:
 
     def unpersist(self, blocking: bool = False) -> None:
         """Drop the workers' copies but one; a task elsewhere that uses the value fetches it again."""
-        if not self._destroyed:
-            self._publish(everywhere=False)
+        if self._future is not None:
+            set_replication(self._sc.client, [self._future], 1)
 
     def destroy(self, blocking: bool = False) -> None:
         """Drop every copy, on the driver too; the value cannot be used afterwards."""
-        self._withdraw()
+        if self._future is not None:
+            set_replication(self._sc._client, [self._future], 1)
+            self._sc._client.unpublish_dataset(_dataset_name(self._key))
+            self._future.release()
+            self._future = None
         self._value = None
         self._destroyed = True
         self._sc._broadcasts.discard(self)
