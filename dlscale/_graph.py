@@ -9,6 +9,7 @@ task, and dask's bag optimizer fuses chains of narrow operations into one task p
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -127,7 +128,7 @@ def select(prefix: str, sources: Sequence[Sequence[tuple[Bag, int]]], parents: S
 
 
 def _pick(buckets: list, j: int) -> Partition:
-    return Partition(buckets[j])
+    return partition_of(operator.getitem, buckets, j)
 
 
 def shuffle(
@@ -139,7 +140,8 @@ def shuffle(
 ) -> Bag:
     """All-to-all exchange.
 
-    ``split(i, partition)`` returns ``npartitions`` lists (one per output partition);
+    ``split(i, partition)`` returns ``npartitions`` lists (one per output partition; build them as
+    :class:`Partition` objects so that they need no copy before they travel);
     ``merge(j, lists)`` turns the lists bound for output ``j`` into its elements. Only the
     bucket bound for ``j`` travels to the task that builds output ``j``.
     """

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from functools import reduce
 from typing import TYPE_CHECKING, Any
 
+from dlscale._graph import Partition
 from dlscale.statcounter import StatCounter
 
 if TYPE_CHECKING:
@@ -87,15 +88,15 @@ def pair(kv: Any) -> tuple[Any, Any]:
     return k, v
 
 
-def split_by_key(partitioner: Partitioner, _i: int, items: Iterable) -> list[list]:
-    buckets: list[list] = [[] for _ in range(partitioner.numPartitions)]
+def split_by_key(partitioner: Partitioner, _i: int, items: Iterable) -> list[Partition]:
+    buckets = [Partition() for _ in range(partitioner.numPartitions)]
     for kv in items:
         buckets[partitioner(pair(kv)[0])].append(kv)
     return buckets
 
 
-def split_round_robin(n: int, i: int, items: Iterable) -> list[list]:
-    buckets: list[list] = [[] for _ in range(n)]
+def split_round_robin(n: int, i: int, items: Iterable) -> list[Partition]:
+    buckets = [Partition() for _ in range(n)]
     for pos, x in enumerate(items, start=i):
         buckets[pos % n].append(x)
     return buckets

@@ -2,7 +2,8 @@
 
 Dask's Active Memory Manager drops every replica beyond the one that waiting tasks need
 (``ReduceReplicas``), which would undo ``MEMORY_ONLY_2`` within seconds. This policy takes its
-place: keys of persisted partitions and broadcasts keep their requested replica count; every other key is treated exactly as ``ReduceReplicas`` treats it.
+place: keys of persisted partitions and broadcasts keep their requested replica count; every
+other key is treated exactly as ``ReduceReplicas`` treats it.
 """
 
 from __future__ import annotations

@@ -123,19 +123,15 @@ def test_pickle_file_refuses_classes_not_allowed(tmp_path: Path, sc: SparkContex
     assert sc.pickleFile(str(tmp_path / "t"), allowed=["tests.test_io:Trusted"]).collect() == [Trusted(1), Trusted(2)]
 
 
-def test_crafted_pickle_file_does_not_run(tmp_path: Path, sc: SparkContext) -> None:
+def test_crafted_pickle_file_does_not_run(tmp_path: Path, sc: SparkContext, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "evil"
     out.mkdir()
     blob = pickle.dumps([Payload()])
     (out / "part-00000").write_bytes(b"DLSPKL1\n" + len(blob).to_bytes(8, "little") + blob)
     marker = tmp_path / "PWNED"
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        with pytest.raises(UnsafePickleError, match="system"):
-            sc.pickleFile(str(out)).collect()
-    finally:
-        os.chdir(cwd)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UnsafePickleError, match="system"):
+        sc.pickleFile(str(out)).collect()
     assert not marker.exists()
     assert sc.client.run(lambda: os.path.exists(str(marker))) == dict.fromkeys(sc.client.run(os.getpid), False)
 

@@ -143,8 +143,8 @@ class RunsCode:
         return (os.system, ("touch PWNED_BY_MINIBATCH",))
 
 
-def test_pickle_disguised_as_minibatch_does_not_run(tmp_path: Path) -> None:
-    os.chdir(tmp_path)
+def test_pickle_disguised_as_minibatch_does_not_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
     payload = pickle.dumps(RunsCode())
     for name, data in {"plain.dlb": payload, "magic.dlb": MAGIC + payload}.items():
         with pytest.raises(CorruptDataError, match=name):

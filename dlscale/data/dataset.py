@@ -125,13 +125,15 @@ class _Minibatch:
 class DataSet(_Minibatch):
     """One minibatch for a single-input, single-output model."""
 
+    FIELDS = ("features", "labels", "features_mask", "labels_mask")
+
     features: torch.Tensor
     labels: torch.Tensor | None = None
     features_mask: torch.Tensor | None = None
     labels_mask: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        for name in ("features", "labels", "features_mask", "labels_mask"):
+        for name in self.FIELDS:
             value = getattr(self, name)
             if value is not None and not isinstance(value, torch.Tensor):
                 raise TypeError(f"DataSet.{name} must be a torch.Tensor, not {type(value).__name__}")
@@ -146,10 +148,7 @@ class DataSet(_Minibatch):
         return list(self._fields().values())
 
     def _fields(self) -> dict[str, torch.Tensor | None]:
-        return {
-            "features": self.features, "labels": self.labels,
-            "features_mask": self.features_mask, "labels_mask": self.labels_mask,
-        }
+        return {name: getattr(self, name) for name in self.FIELDS}
 
     def num_examples(self) -> int:
         return int(self.features.shape[0])
@@ -184,6 +183,8 @@ def _optional_list(values: Sequence[torch.Tensor | None] | None, n: int, name: s
 class MultiDataSet(_Minibatch):
     """One minibatch for a model with several inputs and/or outputs."""
 
+    GROUPS = ("features", "labels", "features_masks", "labels_masks")
+
     features: list[torch.Tensor]
     labels: list[torch.Tensor]
     features_masks: list[torch.Tensor | None] | None = None
@@ -197,7 +198,7 @@ class MultiDataSet(_Minibatch):
         self.features_masks = _optional_list(self.features_masks, len(self.features), "features_masks")
         self.labels_masks = _optional_list(self.labels_masks, len(self.labels), "labels_masks")
         tensors = {}
-        for group in ("features", "labels", "features_masks", "labels_masks"):
+        for group in self.GROUPS:
             for i, t in enumerate(getattr(self, group)):
                 if t is not None and not isinstance(t, torch.Tensor):
                     raise TypeError(f"MultiDataSet.{group}[{i}] must be a torch.Tensor, not {type(t).__name__}")
@@ -212,7 +213,7 @@ class MultiDataSet(_Minibatch):
         return (len(self.features), len(self.labels))
 
     def _tensors(self) -> list[torch.Tensor | None]:
-        return [*self.features, *self.labels, *self.features_masks, *self.labels_masks]
+        return [t for group in self.GROUPS for t in getattr(self, group)]
 
     def num_examples(self) -> int:
         return int(self.features[0].shape[0])

@@ -56,12 +56,10 @@ def _pad(n: int) -> int:
 def _entries(batch: DataSet | MultiDataSet) -> tuple[str, list[tuple[str, int, torch.Tensor]]]:
     """The batch's kind and its arrays as (field, index, tensor)."""
     if isinstance(batch, DataSet):
-        fields = [("features", batch.features), ("labels", batch.labels),
-                  ("features_mask", batch.features_mask), ("labels_mask", batch.labels_mask)]
-        return "DataSet", [(name, 0, t) for name, t in fields if t is not None]
+        return "DataSet", [(name, 0, t) for name, t in batch._fields().items() if t is not None]
     if isinstance(batch, MultiDataSet):
         out = []
-        for name in ("features", "labels", "features_masks", "labels_masks"):
+        for name in MultiDataSet.GROUPS:
             out += [(name, i, t) for i, t in enumerate(getattr(batch, name)) if t is not None]
         return "MultiDataSet", out
     raise TypeError(f"can only save a DataSet or MultiDataSet, not {type(batch).__name__}")
@@ -183,7 +181,7 @@ def _build(header: dict, buf: bytearray | np.ndarray, start: int) -> DataSet | M
             t = torch.frombuffer(buf, dtype=dtype, count=count, offset=start + a["offset"]).reshape(shape)
         tensors[(a["field"], int(a["index"]))] = t
     if header["kind"] == "DataSet":
-        return DataSet(*(tensors.get((f, 0)) for f in ("features", "labels", "features_mask", "labels_mask")))
+        return DataSet(*(tensors.get((f, 0)) for f in DataSet.FIELDS))
     if header["kind"] == "MultiDataSet":
         counts = header["counts"]
         return MultiDataSet(
