@@ -22,6 +22,8 @@ _EXPORTS = {
     "RDDInfo": "dlscale.persist",
     "Broadcast": "dlscale.broadcast",
     "StatCounter": "dlscale.statcounter",
+    "write_string_to_file": "dlscale.storage",
+    "read_string_from_file": "dlscale.storage",
     "DlscaleError": "dlscale.errors",
     "BroadcastDestroyedError": "dlscale.errors",
     "MasterURLError": "dlscale.errors",

@@ -6,13 +6,11 @@ import math
 import os
 import pickle
 import struct
-import uuid
 from collections.abc import Callable, Iterator
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 from fsspec.utils import infer_compression, read_block
 
 from dlscale import _graph, _safe_pickle
@@ -22,6 +20,7 @@ from dlscale.errors import (
     StorageError,
     UnsafePickleError,
 )
+from dlscale.storage import atomic_write, open_fs
 
 if TYPE_CHECKING:
     from dlscale.context import SparkContext
@@ -41,14 +40,6 @@ _EXTENSIONS = {"gzip": ".gz", "bz2": ".bz2", "lz4": ".lz4", "zstd": ".zst", "xz"
 
 def _hidden(path: str) -> bool:
     return os.path.basename(path.rstrip("/")).startswith(("_", "."))
-
-
-def open_fs(url: str, storage_options: dict[str, Any] | None) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The filesystem and path of ``url``; errors name the URL."""
-    try:
-        return fsspec.core.url_to_fs(url, **(storage_options or {}))
-    except (ImportError, ValueError) as e:
-        raise StorageError(f"cannot open {url!r}: {e}") from e
 
 
 def list_files(url: str, storage_options: dict[str, Any] | None) -> tuple[fsspec.AbstractFileSystem, list[str]]:
@@ -73,27 +64,6 @@ def list_files(url: str, storage_options: dict[str, Any] | None) -> tuple[fsspec
     if fs is None:
         raise StorageError(f"no path given: {url!r}")
     return fs, files
-
-
-def atomic_write(fs: fsspec.AbstractFileSystem, path: str, write: Callable[[Any], None]) -> None:
-    """Write ``path`` so that a reader sees either nothing or the whole file.
-
-    Local files are written under a temporary name and renamed; object stores (S3 and the like)
-    publish an object only when its upload completes.
-    """
-    if isinstance(fs, LocalFileSystem):
-        fs.makedirs(fs._parent(path), exist_ok=True)
-        tmp = f"{fs._parent(path)}/.{os.path.basename(path)}.{uuid.uuid4().hex}.tmp"
-        try:
-            with open(tmp, "wb") as f:
-                write(f)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-    else:
-        with fs.open(path, "wb") as f:
-            write(f)
 
 
 # -- text ----------------------------------------------------------------------------------

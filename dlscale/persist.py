@@ -31,7 +31,7 @@ from distributed.protocol import deserialize_bytes, serialize_bytes
 from distributed.utils import sync
 
 from dlscale import _graph, config
-from dlscale._io import atomic_write
+from dlscale.storage import atomic_write
 from dlscale._replicas import set_replication
 from dlscale.errors import CorruptDataError, StorageError
 

@@ -3,11 +3,14 @@ compare against, and an S3-compatible server (moto) on 127.0.0.1."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import socket
 import sys
 from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -48,15 +51,22 @@ def spark() -> Iterator[object]:
     context.stop()
 
 
+def _s3_launcher() -> ModuleType:
+    """``storage/s3_server.py``, the launcher that examples use too."""
+    path = Path(__file__).resolve().parent.parent / "storage" / "s3_server.py"
+    spec = importlib.util.spec_from_file_location("s3_server", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
     """A moto S3 server on 127.0.0.1 for the whole session."""
     pytest.importorskip("s3fs")
-    moto_server = pytest.importorskip("moto.moto_server.threaded_moto_server")
-    port = free_port()
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
+    pytest.importorskip("moto.moto_server.threaded_moto_server")
+    server, endpoint = _s3_launcher().start()
+    yield endpoint
     server.stop()
 
 
@@ -77,4 +87,4 @@ def s3(s3_endpoint: str) -> dict:
         client.delete_bucket(Bucket=bucket["Name"])
     client.create_bucket(Bucket="test-bucket")
     s3fs.S3FileSystem.clear_instance_cache()
-    return {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": s3_endpoint, "region_name": "us-east-1"}}
+    return _s3_launcher().storage_options(s3_endpoint)

@@ -155,7 +155,7 @@ def test_pickle_disguised_as_minibatch_does_not_run(tmp_path: Path, monkeypatch:
 def test_a_failed_write_leaves_the_old_file_whole(tmp_path: Path) -> None:
     import fsspec
 
-    from dlscale._io import atomic_write
+    from dlscale.storage import atomic_write
 
     target = tmp_path / "atomic.dlb"
     save(DataSet(torch.ones(2, 2)), str(target))

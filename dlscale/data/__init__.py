@@ -1,8 +1,15 @@
-"""Minibatch data: ``DataSet``, ``MultiDataSet`` and the minibatch file format on fsspec storage."""
+"""Minibatch data on fsspec storage: ``DataSet``, ``MultiDataSet``, the ``.dlb`` file format, export,
+paths, loaders with prefetching, and zarr groups."""
 
 from __future__ import annotations
 
 from dlscale.data.dataset import DataSet, DataShapeError, MultiDataSet
+from dlscale.data.export import export_minibatches, list_paths
 from dlscale.data.format import load, save
+from dlscale.data.loaders import DataSetLoader, MultiDataSetLoader, prefetch
+from dlscale.data.zarr_batches import ZarrLoader, export_zarr, list_zarr_batches
 
-__all__ = ["DataSet", "DataShapeError", "MultiDataSet", "load", "save"]
+__all__ = [
+    "DataSet", "DataSetLoader", "DataShapeError", "MultiDataSet", "MultiDataSetLoader", "ZarrLoader",
+    "export_minibatches", "export_zarr", "list_paths", "list_zarr_batches", "load", "prefetch", "save",
+]

@@ -30,9 +30,9 @@ import crc32c
 import numpy as np
 import torch
 
-from dlscale._io import atomic_write, open_fs
 from dlscale.data.dataset import DataSet, MultiDataSet
 from dlscale.errors import CorruptDataError, StorageError
+from dlscale.storage import atomic_write, open_fs
 
 MAGIC = b"DLSBATCH"
 VERSION = 1
@@ -53,7 +53,7 @@ def _pad(n: int) -> int:
     return -n % ALIGN
 
 
-def _entries(batch: DataSet | MultiDataSet) -> tuple[str, list[tuple[str, int, torch.Tensor]]]:
+def entries(batch: DataSet | MultiDataSet) -> tuple[str, list[tuple[str, int, torch.Tensor]]]:
     """The batch's kind and its arrays as (field, index, tensor)."""
     if isinstance(batch, DataSet):
         return "DataSet", [(name, 0, t) for name, t in batch._fields().items() if t is not None]
@@ -67,9 +67,9 @@ def _entries(batch: DataSet | MultiDataSet) -> tuple[str, list[tuple[str, int, t
 
 def to_bytes(batch: DataSet | MultiDataSet) -> list[bytes | memoryview]:
     """The file's contents as a list of buffers (written one after another)."""
-    kind, entries = _entries(batch)
+    kind, tensors = entries(batch)
     arrays, blobs, offset = [], [], 0
-    for field, index, t in entries:
+    for field, index, t in tensors:
         if t.dtype not in _NAMES:
             raise TypeError(f"{field}[{index}] has dtype {t.dtype}, which the minibatch format does not store")
         data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()

@@ -1,0 +1,241 @@
+"""Export minibatches to storage once, then train and evaluate from their paths (DL4J's export approach).
+
+An RDD is exported on the workers in two passes: the first counts the examples of every partition,
+the second writes. Knowing where each partition starts, a worker writes every batch that lies inside
+its partition and hands back only the pieces of the (at most two) batches that cross a partition
+boundary; those are joined by one small task each. Every batch therefore has exactly
+``batch_size`` examples except the last, in the RDD's order, and no worker holds more than a batch
+beyond its own partition. An RDD that is expensive to compute should be persisted first, since both
+passes compute it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import dask
+
+from dlscale import storage
+from dlscale.data.dataset import DataSet, MultiDataSet
+from dlscale.data.format import entries, save
+from dlscale.errors import OutputExistsError, StorageError
+
+if TYPE_CHECKING:
+    from dlscale.context import SparkContext
+    from dlscale.rdd import RDD
+
+Minibatch = DataSet | MultiDataSet
+PREFIXES = {DataSet: "dataset", MultiDataSet: "multidataset"}
+EXTENSION = ".dlb"
+
+
+def check_output(url: str, storage_options: dict[str, Any] | None) -> None:
+    """Refuse a non-empty output location: batches of two exports must never mix."""
+    fs, path = storage.open_fs(url, storage_options)
+    try:
+        taken = fs.exists(path) and (not fs.isdir(path) or bool(fs.ls(path, detail=False)))
+    except Exception as e:  # object-store errors do not all derive from OSError
+        raise StorageError(f"cannot reach {url}: {e}") from e
+    if taken:
+        raise OutputExistsError(f"output {url} already exists and is not empty; export to a new location")
+
+
+def check_batch_size(batch_size: int) -> None:
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+
+
+def minibatch_kind(element: Any, where: str) -> type:
+    """DataSet or MultiDataSet, or a TypeError naming where the element came from."""
+    if isinstance(element, (DataSet, MultiDataSet)):
+        return type(element)
+    raise TypeError(f"{where} holds a {type(element).__name__}; only DataSet and MultiDataSet can be exported")
+
+
+@dataclass(frozen=True)
+class FileSink:
+    """Writes batch ``k`` to ``<url>/<prefix>_<k:08d>.dlb``: names sort in write order."""
+
+    url: str
+    prefix: str
+    storage_options: dict[str, Any] | None
+
+    def write(self, k: int, batch: Minibatch) -> str:
+        path = f"{self.url.rstrip('/')}/{self.prefix}_{k:08d}{EXTENSION}"
+        save(batch, path, self.storage_options)
+        return path
+
+
+def rebatch(elements: Iterable[Any], batch_size: int, start: int, total: int | None,
+            where: str) -> Iterator[tuple[int, bool, Minibatch]]:
+    """Cut a stream of minibatches that starts at example ``start`` at the global batch boundaries.
+
+    Yields ``(k, whole, piece)``: ``piece`` holds examples of batch ``k``, and ``whole`` says it is
+    all of batch ``k`` (the last batch ends at ``total``; ``None`` means the stream's end).
+    """
+    kind, pending, pos, begin = None, [], start, start
+    for i, element in enumerate(elements):
+        this = minibatch_kind(element, f"{where}, element {i},")
+        if kind is None:
+            kind = this
+        elif this is not kind:
+            raise TypeError(f"{where} mixes {kind.__name__} and {this.__name__} elements; export one kind at a time")
+        rest = element
+        while rest.num_examples():
+            k = pos // batch_size
+            end = (k + 1) * batch_size if total is None else min((k + 1) * batch_size, total)
+            take, rest = rest.split(min(rest.num_examples(), end - pos))
+            pending.append(take)
+            pos += take.num_examples()
+            if pos == end:
+                yield k, begin == k * batch_size, _merge(kind, pending, k, where)
+                pending, begin = [], pos
+    if pending:  # the stream ended inside a batch: its last batch, or a partition's share of one
+        k = (pos - 1) // batch_size
+        yield k, total is None, _merge(kind, pending, k, where)
+
+
+def _merge(kind: type, pieces: list, k: int, where: str) -> Minibatch:
+    try:
+        return kind.merge(pieces)
+    except ValueError as e:
+        e.add_note(f"while building minibatch {k} from {where}")
+        raise
+
+
+def schema(batch: Minibatch) -> tuple:
+    """Every array's field, index, dtype and shape after the examples dimension."""
+    return tuple((field, index, str(t.dtype).removeprefix("torch."), tuple(t.shape[1:]))
+                 for field, index, t in entries(batch)[1])
+
+
+@dataclass(frozen=True)
+class Description:
+    """What the counting pass learns of one partition."""
+
+    count: int = 0
+    kind: str | None = None
+    schemas: frozenset = frozenset()
+
+
+def _describe(index: int, elements: Iterable[Any]) -> list[Description]:
+    count, kind, schemas = 0, None, set()
+    for i, element in enumerate(elements):
+        this = minibatch_kind(element, f"partition {index}, element {i},")
+        if kind is not None and this.__name__ != kind:
+            raise TypeError(f"partition {index} mixes {kind} and {this.__name__} elements; export one kind at a time")
+        kind = this.__name__
+        count += element.num_examples()
+        if len(schemas) < 2:
+            schemas.add(schema(element))
+    return [Description(count, kind, frozenset(schemas))]
+
+
+def _write_partition(elements: Iterable[Any], index: int, sink: Any, batch_size: int, start: int,
+                     count: int, total: int) -> tuple[dict[int, str], dict[int, Minibatch]]:
+    written, pieces, seen = {}, {}, 0
+    for k, whole, piece in rebatch(elements, batch_size, start, total, f"partition {index}"):
+        seen += piece.num_examples()
+        if whole:
+            written[k] = sink.write(k, piece)
+        else:
+            pieces[k] = piece
+    if seen != count:
+        raise RuntimeError(
+            f"partition {index} had {count} examples when counted and {seen} when written: the RDD is not "
+            "deterministic; persist it before exporting"
+        )
+    return written, pieces
+
+
+def _join(k: int, sink: Any, kind: type, *results: tuple[dict, dict]) -> str:
+    return sink.write(k, _merge(kind, [pieces[k] for _, pieces in results if k in pieces], k, "several partitions"))
+
+
+def export_rdd(rdd: RDD, batch_size: int, make_sink: Callable[[type, int, set], Any]) -> list[str]:
+    """Write ``rdd`` in batches of ``batch_size`` through ``make_sink(kind, total examples, schemas)``."""
+    described = rdd.mapPartitionsWithIndex(_describe).collect()
+    kinds = {d.kind for d in described if d.kind is not None}
+    if len(kinds) > 1:
+        raise TypeError(f"the RDD mixes {' and '.join(sorted(kinds))} partitions; export one kind at a time")
+    total = sum(d.count for d in described)
+    if total == 0:
+        raise ValueError("nothing to export: the RDD has no examples")
+    kind = DataSet if kinds == {"DataSet"} else MultiDataSet
+    sink = make_sink(kind, total, set().union(*(d.schemas for d in described)))
+    counted = [d.count for d in described]
+    parts = rdd.to_bag().to_delayed()
+    write = dask.delayed(_write_partition, pure=False)
+    tasks, starts, start = [], [], 0
+    for i, count in enumerate(counted):
+        tasks.append(write(parts[i], i, sink, batch_size, start, count, total))
+        starts.append(start)
+        start += count
+    joins = {}
+    for k in range(math.ceil(total / batch_size)):
+        lo, hi = k * batch_size, min((k + 1) * batch_size, total)
+        owners = [i for i, (s, c) in enumerate(zip(starts, counted)) if c and s < hi and s + c > lo]
+        if len(owners) > 1:
+            joins[k] = dask.delayed(_join, pure=False)(k, sink, kind, *(tasks[i] for i in owners))
+    done = rdd.ctx._compute([*tasks, *joins.values()])
+    paths = dict(zip(joins, done[len(tasks):]))
+    for written, _ in done[: len(tasks)]:
+        paths.update(written)
+    return [paths[k] for k in sorted(paths)]
+
+
+def export_minibatches(data: RDD | Iterable[Minibatch], url: str, batch_size: int, *,
+                       storage_options: dict[str, Any] | None = None) -> list[str]:
+    """Write ``data`` to ``url`` as ``.dlb`` files of exactly ``batch_size`` examples (the last may be fewer).
+
+    ``data`` is an RDD of DataSet or MultiDataSet (written on the workers, in parallel) or a local
+    iterable of them (written here). Files are named ``dataset_00000000.dlb``, ... (``multidataset_``
+    for MultiDataSets) so that listing order is write order. Returns the files' URLs in order.
+    """
+    from dlscale.rdd import RDD
+
+    check_batch_size(batch_size)
+    url, storage_options = storage.resolve(url, storage_options)
+    check_output(url, storage_options)
+    if isinstance(data, RDD):
+        return export_rdd(data, batch_size, lambda kind, *_: FileSink(url, PREFIXES[kind], storage_options))
+    paths, sink = [], None
+    for k, _, batch in rebatch(data, batch_size, 0, None, "the iterable"):
+        sink = sink or FileSink(url, PREFIXES[type(batch)], storage_options)
+        paths.append(sink.write(k, batch))
+    if not paths:
+        raise ValueError("nothing to export: the iterable has no examples")
+    return paths
+
+
+def list_paths(sc: SparkContext, url: str, storage_options: dict[str, Any] | None = None,
+               recursive: bool = True, extensions: Iterable[str] | None = None) -> RDD:
+    """An RDD of the URLs of the files under ``url``, sorted (DL4J's ``SparkUtils.listPaths``).
+
+    Names starting with ``_`` or ``.`` are skipped (temporary and marker files); ``extensions``
+    (e.g. ``["dlb"]``) keeps only files with those endings.
+    """
+    url, storage_options = storage.resolve(url, storage_options)
+    fs, path = storage.open_fs(url, storage_options)
+    wanted = None if extensions is None else tuple("." + e.lower().lstrip(".") for e in extensions)
+    try:
+        if not fs.exists(path):
+            raise StorageError(f"path does not exist: {url}")
+        found = fs.find(path, maxdepth=None if recursive else 1) if fs.isdir(path) else [path]
+    except OSError as e:
+        if isinstance(e, StorageError):
+            raise
+        raise StorageError(f"cannot list {url}: {e}") from e
+    base = path.rstrip("/")
+    files = sorted(
+        p for p in found
+        if not any(part.startswith(("_", ".")) for part in p[len(base):].split("/") if part)
+        and (wanted is None or p.lower().endswith(wanted))
+    )
+    if not files:
+        raise StorageError(f"no files under {url}" + (f" with extensions {list(wanted)}" if wanted else ""))
+    urls = [fs.unstrip_protocol(p) for p in files] if storage.has_protocol(url) else files
+    return sc.parallelize(urls, min(len(urls), sc.defaultParallelism))
