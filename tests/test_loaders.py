@@ -1,0 +1,122 @@
+"""Loaders and background prefetching, in this process and inside worker tasks."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import dask
+import pytest
+import torch
+
+from dlscale import CorruptDataError, SparkContext
+from dlscale.data import (
+    DataSet,
+    DataSetLoader,
+    MultiDataSet,
+    MultiDataSetLoader,
+    export_minibatches,
+    list_paths,
+    load,
+    prefetch,
+    save,
+)
+
+
+@pytest.fixture
+def batches(tmp_path: Path) -> list[str]:
+    g = torch.Generator().manual_seed(0)
+    return export_minibatches([DataSet(torch.randn(40, 6, generator=g), torch.arange(40))], str(tmp_path / "b"), 4)
+
+
+class Recording:
+    """A loader that notes when each path was loaded."""
+
+    def __init__(self) -> None:
+        self.loaded: list[str] = []
+
+    def __call__(self, path: str) -> DataSet:
+        self.loaded.append(path)
+        return load(path)
+
+
+def test_prefetch_yields_every_batch_in_order(batches: list[str]) -> None:
+    for depth in (0, 1, 3):
+        got = list(prefetch(batches, DataSetLoader(), depth))
+        assert all(g.equals(load(p)) for g, p in zip(got, batches)) and len(got) == len(batches)
+
+
+def test_prefetch_reads_ahead_but_no_further_than_its_depth(batches: list[str]) -> None:
+    loader = Recording()
+    it = prefetch(batches, loader, depth=2)
+    next(it)
+    time.sleep(0.3)  # let the thread fill the queue
+    # one in use, two queued, and one loaded and waiting for room
+    assert len(loader.loaded) == 4
+    next(it)
+    time.sleep(0.3)
+    assert len(loader.loaded) == 5
+    it.close()
+    assert not [t for t in threading.enumerate() if t.name == "dlscale-prefetch"]
+
+
+def test_prefetch_depth_comes_from_the_config(batches: list[str]) -> None:
+    loader = Recording()
+    with dask.config.set({"dlscale.data.prefetch": 1}):
+        it = prefetch(batches, loader)
+        next(it)
+        time.sleep(0.3)
+        assert len(loader.loaded) == 3
+        it.close()
+    with pytest.raises(ValueError, match="depth"):
+        next(prefetch(batches, loader, depth=-1))
+
+
+def test_an_error_arrives_with_its_batch(batches: list[str], tmp_path: Path) -> None:
+    broken = tmp_path / "broken.dlb"
+    broken.write_bytes(b"DLSBATCH" + b"\0" * 10)
+    paths = [batches[0], str(broken), batches[1]]
+    it = prefetch(paths, DataSetLoader(), depth=2)
+    assert next(it).equals(load(batches[0]))
+    with pytest.raises(CorruptDataError, match="broken.dlb"):
+        next(it)
+
+
+def test_a_loader_that_returns_something_else_is_named(batches: list[str]) -> None:
+    def not_a_loader(path: str) -> dict:
+        return {"path": path}
+
+    with pytest.raises(TypeError, match=r"not_a_loader.*returned a dict for .*dataset_00000000\.dlb"):
+        list(prefetch(batches, not_a_loader, depth=1))
+
+    def failing(path: str) -> DataSet:
+        raise KeyError("no such column")
+
+    with pytest.raises(KeyError) as info:
+        list(prefetch(batches, failing, depth=0))
+    assert any("dataset_00000000.dlb" in note for note in info.value.__notes__)
+
+
+def test_native_loaders_check_the_kind(tmp_path: Path) -> None:
+    save(MultiDataSet([torch.ones(2, 3)], [torch.zeros(2, 1)]), str(tmp_path / "m.dlb"))
+    save(DataSet(torch.ones(2, 3)), str(tmp_path / "d.dlb"))
+    assert isinstance(MultiDataSetLoader()(str(tmp_path / "m.dlb")), MultiDataSet)
+    assert isinstance(DataSetLoader()(str(tmp_path / "d.dlb")), DataSet)
+    with pytest.raises(TypeError, match=r"m\.dlb holds a MultiDataSet.*MultiDataSetLoader"):
+        DataSetLoader()(str(tmp_path / "m.dlb"))
+
+
+def test_custom_loader_with_prefetch_on_the_workers(sc: SparkContext, tmp_path: Path) -> None:
+    """A custom format (CSV) loaded inside worker tasks, with prefetching."""
+    for i in range(6):
+        rows = "\n".join(f"{i * 10 + r},{(i * 10 + r) % 3}" for r in range(5))
+        (tmp_path / f"part-{i}.csv").write_text(rows)
+
+    def csv_loader(path: str) -> DataSet:
+        values = torch.tensor([[float(v) for v in line.split(",")] for line in Path(path).read_text().splitlines()])
+        return DataSet(values[:, :1], values[:, 1].long())
+
+    paths = list_paths(sc, str(tmp_path), extensions=["csv"])
+    sums = paths.mapPartitions(lambda it: (float(ds.features.sum()) for ds in prefetch(it, csv_loader, 2))).collect()
+    assert sums == [float(sum(i * 10 + r for r in range(5))) for i in range(6)]
