@@ -32,6 +32,7 @@ _EXPORTS = {
     "OutputExistsError": "dlscale.errors",
     "CorruptDataError": "dlscale.errors",
     "UnsafePickleError": "dlscale.errors",
+    "LabelError": "dlscale.errors",
 }
 
 __all__ = [*sorted(_EXPORTS), "__version__"]

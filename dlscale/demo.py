@@ -1,8 +1,9 @@
 """The main job: ``python -m dlscale.demo`` runs the Spark-compatible facade on an embedded cluster.
 
-It writes text files under ``storage/data/demo`` (or ``--storage``), counts words with a shuffle,
-joins against a broadcast table, persists torch tensors serialized with spilling allowed, and
-prints what the cluster holds.
+It writes text files under ``demo`` in the storage root (``storage/data/demo`` in a checkout; or
+``--storage``), counts words with a shuffle, joins against a broadcast table, persists torch tensors
+serialized with spilling allowed, exports minibatches and reads them back from their paths with
+prefetching, and prints what the cluster holds.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ import argparse
 import operator
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from dlscale import SparkContext, StorageLevel
+from dlscale import SparkContext, StorageLevel, storage
+from dlscale.data import DataSet, DataSetLoader, export_minibatches, list_paths, prefetch
 
 _TEXT = """\
 Deeplearning4j on Spark trains networks across a cluster with parameter averaging or gradient sharing.
@@ -28,14 +31,24 @@ def _embed(i: int) -> torch.Tensor:
     return torch.sin(torch.arange(4096, dtype=torch.float32) * (i + 1))
 
 
+def _example(i: int) -> DataSet:
+    x = _embed(i)[:16]
+    return DataSet(x.unsqueeze(0), torch.tensor([int(x.sum() > 0)]))
+
+
+def _count_examples(paths: Iterator[str]) -> Iterator[int]:
+    return (ds.num_examples() for ds in prefetch(paths, DataSetLoader()))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the job and print a short report."""
     parser = argparse.ArgumentParser(prog="python -m dlscale.demo", description=__doc__)
     parser.add_argument("--master", default="local[2]", help="local[N], local[*] or tcp://host:port")
-    parser.add_argument("--storage", default="storage/data/demo", help="directory for the job's files")
+    parser.add_argument("--storage", default="demo", help="local directory for the job's files "
+                        "(a relative one is under the storage root)")
     args = parser.parse_args(argv)
 
-    root = Path(args.storage)
+    root = Path(storage.resolve(args.storage)[0])
     shutil.rmtree(root, ignore_errors=True)
     (root / "text").mkdir(parents=True)
     for i in range(4):
@@ -69,6 +82,11 @@ def main(argv: list[str] | None = None) -> None:
                 f"partitions, {info.memSize / 2**20:.1f} MiB in memory, {info.diskSize / 2**20:.1f} MiB on disk"
             )
         vectors.unpersist()
+
+        examples = sc.range(1000, numSlices=3).map(_example)
+        paths = export_minibatches(examples, str(root / "minibatches"), batch_size=64)
+        counts = list_paths(sc, str(root / "minibatches")).mapPartitions(_count_examples).collect()
+        print(f"exported 1000 examples as {len(paths)} minibatch files; read back from their paths: {counts}")
     print(f"done in {time.perf_counter() - start:.1f} s; word counts in {root / 'word-counts'}")
 
 

@@ -35,3 +35,7 @@ class OutputExistsError(DlscaleError, FileExistsError):
 
 class BroadcastDestroyedError(DlscaleError, RuntimeError):
     """A broadcast variable used after ``destroy()``."""
+
+
+class LabelError(DlscaleError, ValueError):
+    """An example whose label cannot be derived (e.g. an image in a folder that is not a known class)."""

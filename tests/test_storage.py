@@ -8,8 +8,13 @@ from pathlib import Path
 import dask
 import pytest
 
-from dlscale import SparkContext, StorageError, read_string_from_file, write_string_to_file
-from dlscale import storage
+from dlscale import (
+    SparkContext,
+    StorageError,
+    read_string_from_file,
+    storage,
+    write_string_to_file,
+)
 
 
 def test_relative_paths_resolve_under_the_root(tmp_path: Path) -> None:

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from dlscale import CorruptDataError, OutputExistsError, SparkContext
-from dlscale.data import DataSet, MultiDataSet, ZarrLoader, export_zarr, list_zarr_batches, prefetch
+from dlscale.data import (
+    DataSet,
+    MultiDataSet,
+    ZarrLoader,
+    export_zarr,
+    list_zarr_batches,
+    prefetch,
+)
 
 
 def elements(sizes: list[int], seed: int = 0) -> list[DataSet]:

@@ -70,6 +70,13 @@ def _index(t: torch.Tensor | None, idx: Any) -> torch.Tensor | None:
     return None if t is None else t[idx]
 
 
+def _compact(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` alone in a storage of its own size: pickling a view would carry its whole base."""
+    if t is None or (t.is_contiguous() and t.untyped_storage().nbytes() == t.nelement() * t.element_size()):
+        return t
+    return t.detach().clone(memory_format=torch.contiguous_format)
+
+
 class _Minibatch:
     """What DataSet and MultiDataSet share: selecting, splitting, batching and shuffling examples."""
 
@@ -85,7 +92,7 @@ class _Minibatch:
     def _layout(self) -> tuple:
         return ()
 
-    def split(self, at: int | float) -> tuple[Any, Any]:
+    def split(self, at: float) -> tuple[Any, Any]:
         """The first ``at`` examples and the rest (a float is a fraction of the examples)."""
         n = self.num_examples()
         cut = round(at * n) if isinstance(at, float) else at
@@ -104,6 +111,13 @@ class _Minibatch:
         g = torch.Generator()
         g.manual_seed(seed if seed is not None else torch.seed())
         return self._select(torch.randperm(self.num_examples(), generator=g))
+
+    def __reduce__(self) -> tuple:
+        # split, batch_by and load give views into larger buffers; only the viewed bytes travel
+        return type(self), self._pickled_args()
+
+    def _pickled_args(self) -> tuple:
+        raise NotImplementedError
 
     def nbytes(self) -> int:
         """Bytes of tensor data held."""
@@ -152,6 +166,9 @@ class DataSet(_Minibatch):
 
     def num_examples(self) -> int:
         return int(self.features.shape[0])
+
+    def _pickled_args(self) -> tuple:
+        return tuple(_compact(t) for t in self._fields().values())
 
     def _select(self, idx: Any) -> DataSet:
         return DataSet(*(_index(t, idx) for t in self._fields().values()))
@@ -217,6 +234,9 @@ class MultiDataSet(_Minibatch):
 
     def num_examples(self) -> int:
         return int(self.features[0].shape[0])
+
+    def _pickled_args(self) -> tuple:
+        return tuple([_compact(t) for t in getattr(self, group)] for group in self.GROUPS)
 
     def _select(self, idx: Any) -> MultiDataSet:
         return MultiDataSet(

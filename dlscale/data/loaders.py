@@ -90,7 +90,7 @@ def prefetch(paths: Iterable[Any], loader: Loader, depth: int | None = None) -> 
             for p in paths:
                 if not put((True, _checked(loader, p))):
                     return
-        except BaseException as e:  # handed to the consumer, raised there
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
             put((False, e))
             return
         put((True, _DONE))

@@ -19,7 +19,14 @@ from zarr.codecs import Crc32cCodec
 
 from dlscale import storage
 from dlscale.data.dataset import DataSet, MultiDataSet
-from dlscale.data.export import Minibatch, check_batch_size, check_output, export_rdd, rebatch, schema
+from dlscale.data.export import (
+    Minibatch,
+    check_batch_size,
+    check_output,
+    export_rdd,
+    rebatch,
+    schema,
+)
 from dlscale.data.format import entries
 from dlscale.errors import CorruptDataError, StorageError
 
