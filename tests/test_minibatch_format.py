@@ -82,13 +82,24 @@ def test_non_contiguous_and_requires_grad_inputs(tmp_path: Path) -> None:
     assert torch.equal(load(str(tmp_path / "n.dlb")).features, ds.features.detach())
 
 
-def test_s3_round_trip(s3: dict) -> None:
-    ds = DataSet(torch.randn(16, 4), torch.randint(0, 3, (16,)))
-    save(ds, "s3://test-bucket/batches/b0.dlb", storage_options=s3)
-    assert load("s3://test-bucket/batches/b0.dlb", storage_options=s3).equals(ds)
-    mds = MultiDataSet([torch.randn(3, 2)], [torch.randn(3, 1)])
-    save(mds, "s3://test-bucket/batches/m0.dlb", storage_options=s3)
-    assert load("s3://test-bucket/batches/m0.dlb", storage_options=s3).equals(mds)
+def test_s3_round_trip_every_dtype_shape_and_mask(s3: dict) -> None:
+    """The same combinations as on local files, against the S3 server."""
+    cases = {}
+    for name, dtype in DTYPES.items():
+        for shape in SHAPES:
+            cases[f"{name}-{len(shape)}d-{shape[0]}"] = DataSet(random_tensor(shape, dtype, 1),
+                                                               random_tensor((shape[0], 2), dtype, 2))
+    for masks in ("features", "labels", "both"):
+        fmask = (torch.rand(6, 7) > 0.3).float() if masks in ("features", "both") else None
+        lmask = (torch.rand(6, 7) > 0.3).float() if masks in ("labels", "both") else None
+        cases[f"mask-{masks}"] = DataSet(torch.randn(6, 7, 3), torch.randn(6, 7, 2), fmask, lmask)
+    cases["multi"] = MultiDataSet([torch.randn(3, 4, 2), torch.randint(0, 9, (3,))], [torch.randn(3, 4, 1)],
+                                  [torch.ones(3, 4), None], [torch.ones(3, 4)])
+    for key, ds in cases.items():
+        save(ds, f"s3://test-bucket/batches/{key}.dlb", storage_options=s3)
+    for key, ds in cases.items():
+        back = load(f"s3://test-bucket/batches/{key}.dlb", storage_options=s3)
+        assert type(back) is type(ds) and back.equals(ds), key
 
 
 @pytest.fixture
