@@ -1,0 +1,86 @@
+"""Loss functions by name, with DL4J's label masks: masked time steps do not count."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dlscale.data.dataset import DataShapeError
+
+LossFn = Callable[..., torch.Tensor]
+
+
+def _class_loss(fn: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def per_step(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if output.dim() == 3:  # [N, T, C] sequences: torch wants classes in dimension 1
+            output = output.transpose(1, 2)
+            labels = labels.transpose(1, 2) if labels.dim() == 3 else labels
+        return fn(output, labels, reduction="none")
+
+    return per_step
+
+
+def _elementwise(fn: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def per_step(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if labels.dtype != output.dtype and not labels.is_floating_point():
+            labels = labels.to(output.dtype)
+        return fn(output, labels, reduction="none")
+
+    return per_step
+
+
+LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "cross_entropy": _class_loss(F.cross_entropy),
+    "nll": _class_loss(F.nll_loss),
+    "mse": _elementwise(F.mse_loss),
+    "l1": _elementwise(F.l1_loss),
+    "smooth_l1": _elementwise(F.smooth_l1_loss),
+    "bce": _elementwise(F.binary_cross_entropy),
+    "bce_with_logits": _elementwise(F.binary_cross_entropy_with_logits),
+}
+
+
+def named_loss(name: str, output: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The mean of loss ``name`` over examples (and time steps), leaving out masked steps."""
+    try:
+        per = LOSSES[name](output, labels)
+    except (RuntimeError, ValueError, IndexError) as e:
+        raise DataShapeError(
+            f"labels of shape {tuple(labels.shape)} ({labels.dtype}) do not fit loss {name!r} for outputs of "
+            f"shape {tuple(output.shape)} ({output.dtype}): {e}"
+        ) from e
+    if mask is None:
+        return per.mean()
+    if per.dim() < 2 or per.shape[:2] != mask.shape:
+        raise DataShapeError(f"labels_mask of shape {tuple(mask.shape)} does not fit a per-step loss of shape "
+                             f"{tuple(per.shape)}; a mask is [examples, time]")
+    per = per.reshape(*mask.shape, -1).mean(dim=2)
+    mask = mask.to(per.dtype)
+    return (per * mask).sum() / mask.sum().clamp_min(1)
+
+
+def resolve(loss: str | LossFn) -> str | LossFn:
+    """A known loss name, or a callable ``loss(outputs, labels) -> scalar``; anything else is refused."""
+    if isinstance(loss, str):
+        if loss not in LOSSES:
+            raise ValueError(f"unknown loss {loss!r}; known losses: {', '.join(sorted(LOSSES))}, or pass a callable")
+        return loss
+    if callable(loss):
+        return loss
+    raise TypeError(f"loss must be a name or a callable, not {type(loss).__name__}")
+
+
+def compute(loss: str | LossFn, outputs: list[torch.Tensor], labels: list[torch.Tensor],
+            masks: list[torch.Tensor | None], single: bool) -> torch.Tensor:
+    """The training objective: a named loss summed over output/label pairs, or the user's callable."""
+    if not isinstance(loss, str):
+        return loss(outputs[0], labels[0]) if single else loss(outputs, labels)
+    if len(outputs) != len(labels):
+        raise DataShapeError(f"the network gives {len(outputs)} outputs for {len(labels)} label arrays")
+    total: Any = 0
+    for out, y, m in zip(outputs, labels, masks):
+        total = total + named_loss(loss, out, y, m)
+    return total

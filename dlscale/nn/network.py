@@ -1,0 +1,172 @@
+"""``Network``: a PyTorch module with its loss and optimizer, its parameters in one flat buffer.
+
+Every parameter (and its gradient) is a view into one contiguous vector, as DL4J keeps a network's
+parameters in one flattened array: averaging parameters, sending them and encoding updates work on
+that one vector without copying per layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from dlscale.data.dataset import DataSet, MultiDataSet
+from dlscale.nn import losses
+from dlscale.nn.listeners import TrainingListener
+
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+Minibatch = DataSet | MultiDataSet
+
+
+def _as_list(value: Any) -> list[torch.Tensor]:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+class Network:
+    """A module, its loss (a name from :data:`dlscale.nn.losses.LOSSES` or a callable
+    ``loss(outputs, labels)``) and an optimizer factory such as
+    ``functools.partial(torch.optim.SGD, lr=0.1)`` (``None`` for a network that only infers)."""
+
+    def __init__(self, module: torch.nn.Module, loss: str | losses.LossFn,
+                 optimizer: OptimizerFactory | None = None, *, listeners: Sequence[TrainingListener] = ()) -> None:
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, not {type(module).__name__}")
+        self.module = module
+        self.loss = losses.resolve(loss)
+        self.optimizer_factory = optimizer
+        self.listeners = list(listeners)
+        self.iteration = 0
+        self.epoch = 0
+        self.factory: tuple[str, dict] | None = None  # the registered factory that built the module
+        self.metadata: dict[str, Any] = {}  # saved with the archive
+        self._flatten()
+        self.optimizer = optimizer(self.module.parameters()) if optimizer is not None else None
+
+    # -- the flat buffer -------------------------------------------------------------------
+    def _flatten(self) -> None:
+        params = list(self.module.parameters())
+        if not params:
+            raise ValueError(f"{type(self.module).__name__} has no parameters to train")
+        kinds = {(p.dtype, p.device) for p in params}
+        if len(kinds) > 1:
+            raise ValueError(f"all parameters must share one dtype and device to live in one buffer, found {kinds}")
+        self._flat = torch.cat([p.detach().reshape(-1) for p in params])
+        self._flat_grad = torch.zeros_like(self._flat)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.data = self._flat[offset : offset + n].view_as(p)
+            p.grad = self._flat_grad[offset : offset + n].view_as(p)
+            offset += n
+
+    def num_params(self) -> int:
+        """The number of parameters (the length of :meth:`params`)."""
+        return self._flat.numel()
+
+    def params(self) -> torch.Tensor:
+        """All parameters as one vector: the live buffer the module computes with."""
+        return self._flat
+
+    def set_params(self, vector: torch.Tensor) -> None:
+        """Copy ``vector`` into the parameters."""
+        if vector.shape != self._flat.shape:
+            raise ValueError(f"expected a vector of {self._flat.numel()} parameters, got shape {tuple(vector.shape)}")
+        with torch.no_grad():
+            self._flat.copy_(vector)
+
+    def gradients(self) -> torch.Tensor:
+        """The gradients of the last minibatch, as one vector laid out like :meth:`params`."""
+        return self._flat_grad
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """The optimizer's state (``torch.optim.Optimizer.state_dict``), e.g. momentum buffers."""
+        return self._require_optimizer().state_dict()
+
+    def set_optimizer_state(self, state: dict[str, Any]) -> None:
+        self._require_optimizer().load_state_dict(state)
+
+    def _require_optimizer(self) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            raise RuntimeError("this network has no optimizer: pass one to train it")
+        return self.optimizer
+
+    # -- computing -------------------------------------------------------------------------
+    def _forward(self, batch: Minibatch) -> tuple[list[torch.Tensor], list[torch.Tensor], list, bool]:
+        if isinstance(batch, DataSet):
+            if batch.labels is None:
+                raise ValueError("cannot compute a loss for a DataSet without labels")
+            return _as_list(self.module(batch.features)), [batch.labels], [batch.labels_mask], True
+        if isinstance(batch, MultiDataSet):
+            return _as_list(self.module(*batch.features)), batch.labels, batch.labels_masks, False
+        raise TypeError(f"a network fits DataSet or MultiDataSet minibatches, not {type(batch).__name__}")
+
+    def fit_batch(self, batch: Minibatch) -> float:
+        """One optimizer step on ``batch``; returns its loss."""
+        optimizer = self._require_optimizer()
+        self.module.train()
+        self._flat_grad.zero_()  # in place: the gradients stay views of the flat buffer
+        outputs, labels, masks, single = self._forward(batch)
+        loss = losses.compute(self.loss, outputs, labels, masks, single)
+        loss.backward()
+        optimizer.step()
+        self.iteration += 1
+        score = float(loss.detach())
+        for listener in self.listeners:
+            listener.iteration_done(self, self.iteration, self.epoch, score, batch.num_examples())
+        return score
+
+    def fit(self, data: Minibatch | Iterable[Minibatch], epochs: int = 1) -> float:
+        """Train on a minibatch or on every minibatch of an iterable (re-iterated each epoch); returns the last loss."""
+        batches = [data] if isinstance(data, (DataSet, MultiDataSet)) else data
+        score = float("nan")
+        for _ in range(epochs):
+            for batch in batches:
+                score = self.fit_batch(batch)
+            self.epoch += 1
+        return score
+
+    def output(self, *features: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
+        """The network's output for ``features`` (one tensor per input), in evaluation mode."""
+        self.module.eval()
+        with torch.no_grad():
+            out = self.module(*features)
+        return out if isinstance(out, torch.Tensor) else list(out)
+
+    def score(self, batch: Minibatch) -> float:
+        """The loss on ``batch`` in evaluation mode, without training."""
+        self.module.eval()
+        with torch.no_grad():
+            outputs, labels, masks, single = self._forward(batch)
+            return float(losses.compute(self.loss, outputs, labels, masks, single))
+
+    # -- archives --------------------------------------------------------------------------
+    def save(self, url: str, save_updater: bool = True, storage_options: dict[str, Any] | None = None) -> None:
+        """Write this network (and its optimizer state when ``save_updater``) to ``url``, atomically."""
+        from dlscale.nn import archive  # the archive module builds Networks
+
+        archive.save(self, url, save_updater, storage_options)
+
+    @classmethod
+    def load(cls, url: str, module: torch.nn.Module | None = None, storage_options: dict[str, Any] | None = None,
+             *, loss: str | losses.LossFn | None = None, optimizer: OptimizerFactory | None = None) -> Network:
+        """Read a network saved with :meth:`save`; see :func:`dlscale.nn.archive.load`."""
+        from dlscale.nn import archive
+
+        return archive.load(url, module, storage_options, loss=loss, optimizer=optimizer)
+
+    # -- pickling (networks travel to the workers) ----------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_flat", "_flat_grad", "optimizer")}
+        state["_optimizer_state"] = self.optimizer.state_dict() if self.optimizer is not None else None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        optimizer_state = state.pop("_optimizer_state")
+        self.__dict__.update(state)
+        self._flatten()
+        factory = self.optimizer_factory
+        self.optimizer = factory(self.module.parameters()) if factory is not None else None
+        if optimizer_state is not None:
+            self.optimizer.load_state_dict(optimizer_state)

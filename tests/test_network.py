@@ -1,0 +1,232 @@
+"""Network (flat parameters, losses, listeners) against plain PyTorch, and the network archive."""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import os
+import pickle
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dlscale import CorruptDataError
+from dlscale.data import DataSet, DataShapeError, MultiDataSet
+from dlscale.nn import (
+    Network,
+    PerformanceListener,
+    ScoreIterationListener,
+    build,
+    model_factory,
+)
+
+
+@model_factory
+def mlp(inputs: int = 8, hidden: int = 16, classes: int = 3) -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(inputs, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, classes))
+
+
+class TwoInTwoOut(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 6), torch.nn.Linear(2, 6)
+        self.cls, self.reg = torch.nn.Linear(6, 3), torch.nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.relu(self.a(x) + self.b(z))
+        return self.cls(h), self.reg(h)
+
+
+def fresh(factory: object, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return factory()
+
+
+def data(n: int = 64, seed: int = 1) -> DataSet:
+    g = torch.Generator().manual_seed(seed)
+    return DataSet(torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+def flat(module: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+@pytest.mark.parametrize("optimizer", [
+    functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
+    functools.partial(torch.optim.Adam, lr=0.01),
+], ids=["sgd-momentum", "adam"])
+def test_training_equals_plain_pytorch(optimizer: functools.partial) -> None:
+    net = Network(fresh(mlp), "cross_entropy", optimizer)
+    ref = fresh(mlp)
+    opt = optimizer(ref.parameters())
+    for batch in data().batch_by(16) * 2:
+        net.fit(batch)
+        opt.zero_grad()
+        F.cross_entropy(ref(batch.features), batch.labels).backward()
+        opt.step()
+    assert torch.equal(net.params(), flat(ref))
+    assert net.iteration == 8
+    # every parameter is a view of the one buffer
+    first = net.module[0].weight
+    assert first.data_ptr() == net.params().data_ptr() and first.grad.data_ptr() == net.gradients().data_ptr()
+
+
+def test_multi_input_multi_output_sums_the_losses() -> None:
+    g = torch.Generator().manual_seed(2)
+    mds = MultiDataSet([torch.randn(12, 4, generator=g), torch.randn(12, 2, generator=g)],
+                       [torch.randint(0, 3, (12,), generator=g), torch.randn(12, 1, generator=g)])
+    opt = functools.partial(torch.optim.SGD, lr=0.05)
+    net = Network(fresh(TwoInTwoOut), "mse", opt)
+    with pytest.raises(DataShapeError, match=r"labels of shape \(12,\).*do not fit loss 'mse'.*\(12, 3\)"), \
+            pytest.warns(UserWarning):
+        net.fit(mds)  # class indices cannot be regressed on the 3 class scores
+
+    def both(outputs: list, labels: list) -> torch.Tensor:
+        return F.cross_entropy(outputs[0], labels[0]) + F.mse_loss(outputs[1], labels[1])
+
+    net = Network(fresh(TwoInTwoOut), both, opt)
+    ref = fresh(TwoInTwoOut)
+    ref_opt = opt(ref.parameters())
+    for _ in range(3):
+        net.fit(mds)
+        ref_opt.zero_grad()
+        both(list(ref(*mds.features)), mds.labels).backward()
+        ref_opt.step()
+    assert torch.equal(net.params(), flat(ref))
+    with torch.no_grad():
+        assert net.score(mds) == pytest.approx(float(both(list(ref(*mds.features)), mds.labels)))
+
+
+def test_masked_sequence_loss_ignores_padding() -> None:
+    g = torch.Generator().manual_seed(3)
+    out = torch.randn(4, 5, 3, generator=g)
+    labels = torch.randint(0, 3, (4, 5), generator=g)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]], dtype=torch.float32)
+
+    class Fixed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.w
+
+    net = Network(Fixed(), "cross_entropy")
+    keep = mask.bool()
+    expected = F.cross_entropy(out[keep], labels[keep])
+    assert net.score(DataSet(out, labels, None, mask)) == pytest.approx(float(expected), rel=1e-6)
+    assert net.score(DataSet(out, labels)) == pytest.approx(float(F.cross_entropy(out.reshape(-1, 3), labels.reshape(-1))))
+
+
+def test_bad_input_is_named() -> None:
+    net = Network(fresh(mlp), "cross_entropy", functools.partial(torch.optim.SGD, lr=0.1))
+    with pytest.raises(DataShapeError, match=r"labels of shape \(4, 2\).*cross_entropy.*\(4, 3\)"):
+        net.fit(DataSet(torch.randn(4, 8), torch.randn(4, 2)))
+    with pytest.raises(ValueError, match="unknown loss 'hinge'"):
+        Network(fresh(mlp), "hinge")
+    with pytest.raises(RuntimeError, match="no optimizer"):
+        Network(fresh(mlp), "mse").fit(data(4))
+    with pytest.raises(TypeError, match="DataSet or MultiDataSet"):
+        net.fit_batch((torch.randn(4, 8), torch.zeros(4)))
+    with pytest.raises(ValueError, match="expected a vector of 195"):
+        net.set_params(torch.zeros(3))
+
+
+def test_pickled_network_continues_identically() -> None:
+    net = Network(fresh(mlp), "cross_entropy", functools.partial(torch.optim.Adam, lr=0.01))
+    batches = data().batch_by(16)
+    net.fit(batches[:2])
+    copy = pickle.loads(pickle.dumps(net))
+    net.fit(batches[2:])
+    copy.fit(batches[2:])
+    assert torch.equal(copy.params(), net.params())
+
+
+def test_listeners_see_every_iteration() -> None:
+    scores, perf = ScoreIterationListener(frequency=2), PerformanceListener(frequency=2)
+    net = Network(fresh(mlp), "cross_entropy", functools.partial(torch.optim.SGD, lr=0.1), listeners=[scores, perf])
+    got = [net.fit_batch(b) for b in data(80).batch_by(8)]
+    assert scores.history == [(i, got[i - 1]) for i in range(2, 11, 2)]
+    assert len(perf.history) == 4 and all(h["examples/s"] > 0 for h in perf.history)
+
+
+# -- archives --------------------------------------------------------------------------------
+def trained(optimizer: functools.partial | None = None) -> Network:
+    net = build(mlp, {"hidden": 16}, "cross_entropy", optimizer or functools.partial(torch.optim.Adam, lr=0.01))
+    net.fit(data().batch_by(16)[:2])
+    return net
+
+
+def test_round_trip_restores_outputs_and_training(tmp_path: Path, s3: dict) -> None:
+    for url, options in ((str(tmp_path / "net.dln"), None), ("s3://test-bucket/models/net.dln", s3)):
+        net = trained()
+        net.save(url, storage_options=options)
+        back = Network.load(url, storage_options=options)  # the registered factory rebuilds the module
+        x = data(9, seed=5).features
+        assert torch.equal(back.output(x), net.output(x))
+        assert (back.iteration, back.factory) == (net.iteration, ("tests.test_network:mlp", {"hidden": 16}))
+        rest = data().batch_by(16)[2:]
+        net.fit(rest)
+        back.fit(rest)  # Adam's moments were restored: training continues identically
+        assert torch.equal(back.params(), net.params())
+
+
+def test_without_updater_the_optimizer_starts_fresh(tmp_path: Path) -> None:
+    net = trained()
+    net.save(str(tmp_path / "n.dln"), save_updater=False)
+    back = Network.load(str(tmp_path / "n.dln"), module=fresh(mlp, seed=9))
+    assert torch.equal(back.params(), net.params()) and back.optimizer_state()["state"] == {}
+
+
+def test_custom_parts_must_be_supplied(tmp_path: Path) -> None:
+    net = Network(fresh(mlp), lambda out, y: F.cross_entropy(out, y), lambda ps: torch.optim.SGD(ps, lr=0.1))
+    net.save(str(tmp_path / "c.dln"))
+    with pytest.raises(ValueError, match="records no factory.*module="):
+        Network.load(str(tmp_path / "c.dln"))
+    with pytest.raises(ValueError, match="custom loss.*loss="):
+        Network.load(str(tmp_path / "c.dln"), module=fresh(mlp))
+    back = Network.load(str(tmp_path / "c.dln"), module=fresh(mlp), loss="cross_entropy")
+    assert torch.equal(back.params(), net.params()) and back.optimizer is None
+
+
+class RunsCode:
+    def __reduce__(self) -> tuple:
+        return (os.system, ("touch PWNED_BY_ARCHIVE",))
+
+
+def test_crafted_and_damaged_archives_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    good = tmp_path / "good.dln"
+    trained().save(str(good))
+    with zipfile.ZipFile(good) as z:
+        header, blob = json.loads(z.read("network.json")), z.read("tensors.bin")
+
+    def archive(name: str, header: dict, blob: bytes) -> str:
+        out = io.BytesIO()
+        with zipfile.ZipFile(out, "w") as z:
+            z.writestr("network.json", json.dumps(header))
+            z.writestr("tensors.bin", blob)
+        (tmp_path / name).write_bytes(out.getvalue())
+        return str(tmp_path / name)
+
+    evil = archive("evil.dln", {**header, "factory": {"name": "os:system", "kwargs": {"command": "touch PWNED_BY_ARCHIVE"}}}, blob)
+    with pytest.raises(ValueError, match="'os:system', which is not registered"):
+        Network.load(evil)
+    (tmp_path / "pickled.dln").write_bytes(pickle.dumps(RunsCode()))
+    torch.save({"x": RunsCode()}, str(tmp_path / "torchsave.dln"))
+    for name in ("pickled.dln", "torchsave.dln"):
+        with pytest.raises(CorruptDataError, match=f"{name}: not a dlscale network archive"):
+            Network.load(str(tmp_path / name), module=fresh(mlp))
+    assert not (tmp_path / "PWNED_BY_ARCHIVE").exists()
+    flipped = bytearray(blob)
+    flipped[5] ^= 1
+    with pytest.raises(CorruptDataError, match="flipped.dln: tensor data checksum mismatch"):
+        Network.load(archive("flipped.dln", header, bytes(flipped)))
+    with pytest.raises(CorruptDataError, match="newer.dln: written in archive version 9"):
+        Network.load(archive("newer.dln", {**header, "version": 9}, blob))
+    with pytest.raises(ValueError, match="holds 195 parameters; the module has"):
+        Network.load(str(good), module=mlp(hidden=4))
