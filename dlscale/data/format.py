@@ -183,17 +183,21 @@ def _build(header: dict, buf: bytearray | np.ndarray, start: int) -> DataSet | M
         else:
             t = torch.frombuffer(buf, dtype=dtype, count=count, offset=start + a["offset"]).reshape(shape)
         tensors[(a["field"], int(a["index"]))] = t
-    if header["kind"] == "DataSet":
+    return assemble(header["kind"], tensors, header.get("counts", {}))
+
+
+def assemble(kind: str, tensors: dict[tuple[str, int], torch.Tensor], counts: dict[str, int]) -> DataSet | MultiDataSet:
+    """A minibatch from its arrays keyed by ``(field, index)``, as :func:`entries` lists them."""
+    if kind == "DataSet":
         return DataSet(*(tensors.get((f, 0)) for f in DataSet.FIELDS))
-    if header["kind"] == "MultiDataSet":
-        counts = header["counts"]
+    if kind == "MultiDataSet":
         return MultiDataSet(
             [tensors[("features", i)] for i in range(counts["features"])],
             [tensors[("labels", i)] for i in range(counts["labels"])],
             [tensors.get(("features_masks", i)) for i in range(counts["features"])],
             [tensors.get(("labels_masks", i)) for i in range(counts["labels"])],
         )
-    raise ValueError(f"unknown kind {header['kind']!r}")
+    raise ValueError(f"unknown kind {kind!r}")
 
 
 def load(url: str, storage_options: dict[str, Any] | None = None) -> DataSet | MultiDataSet:

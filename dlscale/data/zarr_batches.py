@@ -27,7 +27,7 @@ from dlscale.data.export import (
     rebatch,
     schema,
 )
-from dlscale.data.format import entries
+from dlscale.data.format import assemble, entries
 from dlscale.errors import CorruptDataError, StorageError
 
 if TYPE_CHECKING:
@@ -204,12 +204,4 @@ class ZarrLoader:
                 tensors[(field, index)] = torch.from_numpy(np.asarray(arrays[name][start : min(start + size, total)]))
         except Exception as e:
             raise CorruptDataError(f"{ref}: cannot read {name}: {e}") from e
-        if meta["kind"] == "DataSet":
-            return DataSet(*(tensors.get((f, 0)) for f in DataSet.FIELDS))
-        counts = meta["counts"]
-        return MultiDataSet(
-            [tensors[("features", i)] for i in range(counts["features"])],
-            [tensors[("labels", i)] for i in range(counts["labels"])],
-            [tensors.get(("features_masks", i)) for i in range(counts["features"])],
-            [tensors.get(("labels_masks", i)) for i in range(counts["labels"])],
-        )
+        return assemble(meta["kind"], tensors, meta["counts"])
