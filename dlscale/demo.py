@@ -18,7 +18,13 @@ from pathlib import Path
 import torch
 
 from dlscale import SparkContext, StorageLevel, storage
-from dlscale.data import DataSet, DataSetLoader, export_minibatches, list_paths, prefetch
+from dlscale.data import (
+    DataSet,
+    DataSetLoader,
+    export_minibatches,
+    list_paths,
+    prefetch,
+)
 
 _TEXT = """\
 Deeplearning4j on Spark trains networks across a cluster with parameter averaging or gradient sharing.

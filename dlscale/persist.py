@@ -31,9 +31,9 @@ from distributed.protocol import deserialize_bytes, serialize_bytes
 from distributed.utils import sync
 
 from dlscale import _graph, config
-from dlscale.storage import atomic_write
 from dlscale._replicas import set_replication
 from dlscale.errors import CorruptDataError, StorageError
+from dlscale.storage import atomic_write
 
 if TYPE_CHECKING:
     from dask.bag import Bag

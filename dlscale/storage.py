@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from dlscale import config
-from dlscale.errors import StorageError
+from dlscale.errors import OutputExistsError, StorageError
 
 _CHECKOUT = Path(__file__).resolve().parent.parent
 
@@ -85,6 +85,50 @@ def atomic_write(fs: fsspec.AbstractFileSystem, path: str, write: Callable[[Any]
     else:
         with fs.open(path, "wb") as f:
             write(f)
+
+
+def _visible(root: str, path: str) -> bool:
+    """False for a file whose name, or a folder below ``root``, starts with ``_`` or ``.`` (as Hadoop)."""
+    rel = path[len(root):] if path.startswith(root) else os.path.basename(path)
+    return not any(part.startswith(("_", ".")) for part in rel.split("/") if part)
+
+
+def find_files(url: str, storage_options: dict[str, Any] | None, recursive: bool = True,
+               extensions: Iterable[str] | None = None) -> tuple[fsspec.AbstractFileSystem, list[str]]:
+    """The file system and the sorted paths of the visible files at or under ``url``.
+
+    Names starting with ``_`` or ``.`` (markers, temporary files) are skipped at any depth;
+    ``extensions`` (``"png"`` or ``".png"``, any case) keeps only files with those endings.
+    """
+    fs, path = open_fs(url, storage_options)
+    suffixes = tuple(sorted({"." + e.lower().lstrip(".") for e in extensions})) if extensions else ()
+    try:
+        if fs.isdir(path):
+            found = fs.find(path, maxdepth=None if recursive else 1)
+        elif fs.isfile(path):
+            found = [path]
+        else:
+            raise StorageError(f"path does not exist: {url}")
+    except StorageError:
+        raise
+    except Exception as e:  # object-store errors do not all derive from OSError
+        raise StorageError(f"cannot list {url}: {e}") from e
+    files = sorted(p for p in found if _visible(path.rstrip("/"), p) and (not suffixes or p.lower().endswith(suffixes)))
+    if not files:
+        raise StorageError(f"no files{f' with extensions {list(suffixes)}' if suffixes else ''} under {url}")
+    return fs, files
+
+
+def check_empty(url: str, storage_options: dict[str, Any] | None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The file system and path of ``url``, refused if something is already there: outputs never mix."""
+    fs, path = open_fs(url, storage_options)
+    try:
+        taken = fs.exists(path) and (not fs.isdir(path) or bool(fs.ls(path, detail=False)))
+    except Exception as e:  # object-store errors do not all derive from OSError
+        raise StorageError(f"cannot reach {url}: {e}") from e
+    if taken:
+        raise OutputExistsError(f"output {url} already exists and is not empty; write to a new location")
+    return fs, path
 
 
 def write_string_to_file(url: str, text: str, storage_options: dict[str, Any] | None = None) -> None:

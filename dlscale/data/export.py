@@ -21,7 +21,6 @@ import dask
 from dlscale import storage
 from dlscale.data.dataset import DataSet, MultiDataSet
 from dlscale.data.format import entries, save
-from dlscale.errors import OutputExistsError, StorageError
 
 if TYPE_CHECKING:
     from dlscale.context import SparkContext
@@ -30,17 +29,6 @@ if TYPE_CHECKING:
 Minibatch = DataSet | MultiDataSet
 PREFIXES = {DataSet: "dataset", MultiDataSet: "multidataset"}
 EXTENSION = ".dlb"
-
-
-def check_output(url: str, storage_options: dict[str, Any] | None) -> None:
-    """Refuse a non-empty output location: batches of two exports must never mix."""
-    fs, path = storage.open_fs(url, storage_options)
-    try:
-        taken = fs.exists(path) and (not fs.isdir(path) or bool(fs.ls(path, detail=False)))
-    except Exception as e:  # object-store errors do not all derive from OSError
-        raise StorageError(f"cannot reach {url}: {e}") from e
-    if taken:
-        raise OutputExistsError(f"output {url} already exists and is not empty; export to a new location")
 
 
 def check_batch_size(batch_size: int) -> None:
@@ -199,7 +187,7 @@ def export_minibatches(data: RDD | Iterable[Minibatch], url: str, batch_size: in
 
     check_batch_size(batch_size)
     url, storage_options = storage.resolve(url, storage_options)
-    check_output(url, storage_options)
+    storage.check_empty(url, storage_options)
     if isinstance(data, RDD):
         return export_rdd(data, batch_size, lambda kind, *_: FileSink(url, PREFIXES[kind], storage_options))
     paths, sink = [], None
@@ -219,23 +207,6 @@ def list_paths(sc: SparkContext, url: str, storage_options: dict[str, Any] | Non
     (e.g. ``["dlb"]``) keeps only files with those endings.
     """
     url, storage_options = storage.resolve(url, storage_options)
-    fs, path = storage.open_fs(url, storage_options)
-    wanted = None if extensions is None else tuple("." + e.lower().lstrip(".") for e in extensions)
-    try:
-        if not fs.exists(path):
-            raise StorageError(f"path does not exist: {url}")
-        found = fs.find(path, maxdepth=None if recursive else 1) if fs.isdir(path) else [path]
-    except OSError as e:
-        if isinstance(e, StorageError):
-            raise
-        raise StorageError(f"cannot list {url}: {e}") from e
-    base = path.rstrip("/")
-    files = sorted(
-        p for p in found
-        if not any(part.startswith(("_", ".")) for part in p[len(base):].split("/") if part)
-        and (wanted is None or p.lower().endswith(wanted))
-    )
-    if not files:
-        raise StorageError(f"no files under {url}" + (f" with extensions {list(wanted)}" if wanted else ""))
+    fs, files = storage.find_files(url, storage_options, recursive, extensions)
     urls = [fs.unstrip_protocol(p) for p in files] if storage.has_protocol(url) else files
     return sc.parallelize(urls, min(len(urls), sc.defaultParallelism))

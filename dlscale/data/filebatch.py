@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import fsspec
 
-from dlscale.errors import CorruptDataError, OutputExistsError, StorageError
-from dlscale.storage import atomic_write, open_fs
+from dlscale.errors import CorruptDataError, StorageError
+from dlscale.storage import atomic_write, check_empty, find_files, open_fs
 
 if TYPE_CHECKING:
     from dlscale.context import SparkContext
@@ -154,42 +154,12 @@ def _check_manifest(manifest: Any, entries: int, source: str) -> list[str]:
     return paths
 
 
-def _visible(root: str, path: str) -> bool:
-    """False for a file whose name or a folder below ``root`` starts with ``_`` or ``.`` (as Hadoop)."""
-    rel = path[len(root):] if path.startswith(root) else posixpath.basename(path)
-    return not any(part.startswith(("_", ".")) for part in rel.split("/") if part)
-
-
-def _find_files(src_url: str, extensions: Sequence[str] | None, recursive: bool,
-                storage_options: dict[str, Any] | None) -> tuple[fsspec.AbstractFileSystem, list[str]]:
-    """The filesystem and the sorted paths of the visible files under ``src_url`` with one of ``extensions``."""
-    fs, root = open_fs(src_url, storage_options)
-    suffixes = tuple(sorted({"." + e.lower().lstrip(".") for e in extensions})) if extensions else ()
-    try:
-        if fs.isdir(root):
-            found = fs.find(root, maxdepth=None if recursive else 1)
-        else:
-            found = [root] if fs.isfile(root) else None
-    except OSError as e:
-        raise StorageError(f"cannot list {src_url}: {e}") from e
-    if found is None:
-        raise StorageError(f"Input path does not exist: {src_url}")
-    files = sorted(p for p in found if _visible(root, p) and (not suffixes or p.lower().endswith(suffixes)))
-    if not files:
-        raise StorageError(f"no files with extensions {list(suffixes) or 'any'} under {src_url}")
-    return fs, files
-
-
 def _prepare_output(dst_url: str, storage_options: dict[str, Any] | None) -> tuple[fsspec.AbstractFileSystem, str]:
-    fs, root = open_fs(dst_url, storage_options)
+    fs, root = check_empty(dst_url, storage_options)
     try:
-        used = fs.exists(root) and (not fs.isdir(root) or bool(fs.ls(root)))
-        if not used:
-            fs.makedirs(root, exist_ok=True)
+        fs.makedirs(root, exist_ok=True)
     except OSError as e:
         raise StorageError(f"cannot create {dst_url}: {e}") from e
-    if used:
-        raise OutputExistsError(f"Output directory {dst_url} already exists and is not empty")
     return fs, root.rstrip("/")
 
 
@@ -223,7 +193,7 @@ def create_file_batches(src_url: str, dst_url: str, batch_size: int, extensions:
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-    src_fs, files = _find_files(src_url, extensions, recursive, storage_options)
+    src_fs, files = find_files(src_url, storage_options, recursive, extensions)
     if seed is not None:
         random.Random(seed).shuffle(files)
     dst_fs, root = _prepare_output(dst_url, storage_options)

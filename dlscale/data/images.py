@@ -15,8 +15,9 @@ import torch
 from PIL import Image
 
 from dlscale.data.dataset import DataSet, DataShapeError
-from dlscale.data.filebatch import FileBatch, _find_files
+from dlscale.data.filebatch import FileBatch
 from dlscale.errors import CorruptDataError, LabelError
+from dlscale.storage import find_files
 
 MODES = {1: "L", 3: "RGB", 4: "RGBA"}
 IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "BMP", "TIFF", "WEBP", "PPM")
@@ -30,7 +31,7 @@ def _parent(path: str) -> str:
 def parent_path_labels(src_url: str, extensions: Sequence[str] | None = None, *,
                        storage_options: dict[str, Any] | None = None) -> list[str]:
     """The sorted distinct parent-folder names of the files under ``src_url``: the class labels."""
-    _, files = _find_files(src_url, extensions, True, storage_options)
+    _, files = find_files(src_url, storage_options, True, extensions)
     return sorted({_parent(p) for p in files})
 
 

@@ -22,7 +22,6 @@ from dlscale.data.dataset import DataSet, MultiDataSet
 from dlscale.data.export import (
     Minibatch,
     check_batch_size,
-    check_output,
     export_rdd,
     rebatch,
     schema,
@@ -123,7 +122,7 @@ def export_zarr(data: RDD | Iterable[Minibatch], url: str, batch_size: int, *,
 
     check_batch_size(batch_size)
     url, storage_options = storage.resolve(url, storage_options)
-    check_output(url, storage_options)
+    storage.check_empty(url, storage_options)
     if isinstance(data, RDD):
         made: dict[str, Any] = {}
 
