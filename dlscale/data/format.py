@@ -66,14 +66,41 @@ def entries(batch: DataSet | MultiDataSet) -> tuple[str, list[tuple[str, int, to
     raise TypeError(f"can only save a DataSet or MultiDataSet, not {type(batch).__name__}")
 
 
+def raw_bytes(t: torch.Tensor, what: str) -> np.ndarray:
+    """The tensor's bytes (little-endian, row-major) as a uint8 array; its dtype must be in :data:`DTYPES`."""
+    if t.dtype not in _NAMES:
+        raise TypeError(f"{what} has dtype {t.dtype}, which dlscale's files do not store")
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def tensor_at(buf: bytearray | np.ndarray, entry: dict, start: int = 0) -> torch.Tensor:
+    """The tensor an entry (``dtype``, ``shape``, ``offset``, ``nbytes``) describes, a view of ``buf``.
+
+    An entry that does not fit raises ValueError.
+    """
+    dtype = DTYPES.get(entry["dtype"])
+    if dtype is None:
+        raise ValueError(f"unknown dtype {entry['dtype']!r}")
+    shape = [int(s) for s in entry["shape"]]
+    count = 1
+    for s in shape:
+        if s < 0:
+            raise ValueError(f"negative dimension in shape {shape}")
+        count *= s
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if count * itemsize != entry["nbytes"] or entry["offset"] < 0 or start + entry["offset"] + entry["nbytes"] > len(buf):
+        raise ValueError(f"{entry['nbytes']} bytes at offset {entry['offset']} do not hold shape {shape} of {entry['dtype']}")
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(buf, dtype=dtype, count=count, offset=start + entry["offset"]).reshape(shape)
+
+
 def to_bytes(batch: DataSet | MultiDataSet) -> list[bytes | memoryview]:
     """The file's contents as a list of buffers (written one after another)."""
     kind, tensors = entries(batch)
     arrays, blobs, offset = [], [], 0
     for field, index, t in tensors:
-        if t.dtype not in _NAMES:
-            raise TypeError(f"{field}[{index}] has dtype {t.dtype}, which the minibatch format does not store")
-        data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        data = raw_bytes(t, f"{field}[{index}]")
         arrays.append({"field": field, "index": index, "dtype": _NAMES[t.dtype], "shape": list(t.shape),
                        "offset": offset, "nbytes": data.nbytes})
         blobs.append(memoryview(data))
@@ -166,23 +193,10 @@ def from_buffer(buf: bytearray | np.ndarray, source: str = "buffer") -> DataSet 
 def _build(header: dict, buf: bytearray | np.ndarray, start: int) -> DataSet | MultiDataSet:
     tensors: dict[tuple[str, int], torch.Tensor] = {}
     for a in header["arrays"]:
-        dtype = DTYPES.get(a["dtype"])
-        if dtype is None:
-            raise ValueError(f"unknown dtype {a['dtype']!r}")
-        shape = [int(s) for s in a["shape"]]
-        count = 1
-        for s in shape:
-            if s < 0:
-                raise ValueError(f"negative dimension in shape {shape}")
-            count *= s
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if count * itemsize != a["nbytes"] or a["offset"] < 0:
-            raise ValueError(f"array {a['field']}[{a['index']}] has {a['nbytes']} bytes for shape {shape}")
-        if count == 0:
-            t = torch.empty(shape, dtype=dtype)
-        else:
-            t = torch.frombuffer(buf, dtype=dtype, count=count, offset=start + a["offset"]).reshape(shape)
-        tensors[(a["field"], int(a["index"]))] = t
+        try:
+            tensors[(a["field"], int(a["index"]))] = tensor_at(buf, a, start)
+        except ValueError as e:
+            raise ValueError(f"array {a['field']}[{a['index']}]: {e}") from None
     return assemble(header["kind"], tensors, header.get("counts", {}))
 
 

@@ -24,11 +24,10 @@ from collections.abc import Callable
 from typing import Any
 
 import crc32c
-import numpy as np
 import torch
 
 from dlscale import __version__, storage
-from dlscale.data.format import DTYPES
+from dlscale.data.format import DTYPES, raw_bytes, tensor_at
 from dlscale.errors import CorruptDataError, StorageError
 from dlscale.nn import losses
 from dlscale.nn.network import Network
@@ -90,9 +89,7 @@ class _Tensors:
         self.offset = 0
 
     def add(self, t: torch.Tensor) -> dict:
-        if t.dtype not in _NAMES:
-            raise TypeError(f"cannot archive a tensor of dtype {t.dtype}")
-        data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        data = raw_bytes(t, "a tensor of the network").tobytes()
         self.entries.append({"dtype": _NAMES[t.dtype], "shape": list(t.shape), "offset": self.offset,
                              "nbytes": len(data)})
         self.parts.append(data)
@@ -178,17 +175,11 @@ def _read(url: str, storage_options: dict[str, Any] | None) -> tuple[dict, bytes
 
 
 def _tensors(header: dict, blob: bytes, url: str) -> list[torch.Tensor]:
-    out = []
-    for e in header["tensors"]:
-        dtype = DTYPES.get(e["dtype"])
-        count = int(np.prod(e["shape"], dtype=np.int64))
-        if dtype is None or e["offset"] < 0 or e["offset"] + e["nbytes"] > len(blob) \
-                or count * torch.empty((), dtype=dtype).element_size() != e["nbytes"]:
-            raise CorruptDataError(f"{url}: inconsistent tensor entry {e}")
-        raw = bytearray(blob[e["offset"] : e["offset"] + e["nbytes"]])
-        out.append(torch.frombuffer(raw, dtype=dtype, count=count).reshape(e["shape"]) if count else
-                   torch.empty(e["shape"], dtype=dtype))
-    return out
+    buf = bytearray(blob)  # writable: the parameters are copied out, optimizer state tensors used as they are
+    try:
+        return [tensor_at(buf, e) for e in header["tensors"]]
+    except ValueError as e:
+        raise CorruptDataError(f"{url}: inconsistent tensor entry: {e}") from e
 
 
 def load(url: str, module: torch.nn.Module | None = None, storage_options: dict[str, Any] | None = None, *,
