@@ -22,6 +22,10 @@ _EXPORTS = {
     "RDDInfo": "dlscale.persist",
     "Broadcast": "dlscale.broadcast",
     "StatCounter": "dlscale.statcounter",
+    "SparkNet": "dlscale.training.sparknet",
+    "ParameterAveragingTrainingMaster": "dlscale.training.averaging",
+    "TrainingMaster": "dlscale.training.master",
+    "TrainingStats": "dlscale.stats",
     "write_string_to_file": "dlscale.storage",
     "read_string_from_file": "dlscale.storage",
     "DlscaleError": "dlscale.errors",
@@ -33,6 +37,7 @@ _EXPORTS = {
     "CorruptDataError": "dlscale.errors",
     "UnsafePickleError": "dlscale.errors",
     "LabelError": "dlscale.errors",
+    "NetworkSerializationError": "dlscale.errors",
 }
 
 __all__ = [*sorted(_EXPORTS), "__version__"]

@@ -9,7 +9,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import distributed
 
@@ -47,7 +47,7 @@ class SparkContext:
     never what it was given.
     """
 
-    _running: list[SparkContext] = []  # oldest first; getOrCreate returns the last
+    _running: ClassVar[list[SparkContext]] = []  # oldest first; getOrCreate returns the last
     _lock = threading.RLock()
 
     def __init__(
@@ -127,13 +127,13 @@ class SparkContext:
         if conf.contains("spark.executor.memory"):
             memory = spark_size_to_bytes(conf.get("spark.executor.memory"), "spark.executor.memory")
         workers = int(conf.get("spark.executor.instances") or n)
-        return dict(
-            n_workers=workers,
-            threads_per_worker=threads,
-            processes=True,
-            memory_limit=memory,
-            dashboard_address=config.get("local.dashboard-address"),
-        )
+        return {
+            "n_workers": workers,
+            "threads_per_worker": threads,
+            "processes": True,
+            "memory_limit": memory,
+            "dashboard_address": config.get("local.dashboard-address"),
+        }
 
     @property
     def client(self) -> distributed.Client:
@@ -158,7 +158,7 @@ class SparkContext:
         with SparkContext._lock:
             SparkContext._running.remove(self)
 
-    def __enter__(self) -> SparkContext:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -39,3 +39,7 @@ class BroadcastDestroyedError(DlscaleError, RuntimeError):
 
 class LabelError(DlscaleError, ValueError):
     """An example whose label cannot be derived (e.g. an image in a folder that is not a known class)."""
+
+
+class NetworkSerializationError(DlscaleError, TypeError):
+    """A network that cannot be pickled to send it to the workers."""

@@ -99,9 +99,9 @@ def test_spark_cluster_manager_url_explains_the_alternative() -> None:
 
 def test_unreachable_scheduler_names_the_address() -> None:
     address = f"tcp://127.0.0.1:{free_port()}"
-    with dask.config.set({"dlscale.connect-timeout": "1s"}):
-        with pytest.raises(ClusterConnectionError, match="127.0.0.1") as e:
-            SparkContext(address)
+    with dask.config.set({"dlscale.connect-timeout": "1s"}), pytest.raises(ClusterConnectionError,
+                                                                          match="127.0.0.1") as e:
+        SparkContext(address)
     assert address in str(e.value) and isinstance(e.value, ConnectionError)
 
 

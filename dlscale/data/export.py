@@ -143,8 +143,22 @@ def _join(k: int, sink: Any, kind: type, *results: tuple[dict, dict]) -> str:
     return sink.write(k, _merge(kind, [pieces[k] for _, pieces in results if k in pieces], k, "several partitions"))
 
 
-def export_rdd(rdd: RDD, batch_size: int, make_sink: Callable[[type, int, set], Any]) -> list[str]:
-    """Write ``rdd`` in batches of ``batch_size`` through ``make_sink(kind, total examples, schemas)``."""
+@dataclass
+class ExportPlan:
+    """The delayed tasks of an export: ``parts[i]`` writes partition ``i``'s whole batches and returns
+    ``(written, pieces)``; ``joins[k]`` writes batch ``k`` from the pieces of several partitions;
+    ``owner[k]`` is the partition that wrote batch ``k`` whole, for ``k`` not in ``joins``."""
+
+    kind: type
+    total: int
+    parts: list
+    joins: dict[int, Any]
+    owner: dict[int, int]
+
+
+def plan_export(rdd: RDD, batch_size: int, make_sink: Callable[[type, int, set], Any]) -> ExportPlan:
+    """Count ``rdd``'s examples (one pass) and plan writing it in batches of ``batch_size`` through
+    ``make_sink(kind, total examples, schemas)``."""
     described = rdd.mapPartitionsWithIndex(_describe).collect()
     kinds = {d.kind for d in described if d.kind is not None}
     if len(kinds) > 1:
@@ -162,17 +176,29 @@ def export_rdd(rdd: RDD, batch_size: int, make_sink: Callable[[type, int, set], 
         tasks.append(write(parts[i], i, sink, batch_size, start, count, total))
         starts.append(start)
         start += count
-    joins = {}
+    joins, owner = {}, {}
     for k in range(math.ceil(total / batch_size)):
         lo, hi = k * batch_size, min((k + 1) * batch_size, total)
         owners = [i for i, (s, c) in enumerate(zip(starts, counted)) if c and s < hi and s + c > lo]
         if len(owners) > 1:
             joins[k] = dask.delayed(_join, pure=False)(k, sink, kind, *(tasks[i] for i in owners))
-    done = rdd.ctx._compute([*tasks, *joins.values()])
-    paths = dict(zip(joins, done[len(tasks):]))
-    for written, _ in done[: len(tasks)]:
+        else:
+            owner[k] = owners[0]
+    return ExportPlan(kind, total, tasks, joins, owner)
+
+
+def write_plan(sc: SparkContext, plan: ExportPlan) -> list[Any]:
+    """Run ``plan``; returns what the sink's ``write`` returned for every batch, in order."""
+    done = sc._compute([*plan.parts, *plan.joins.values()])
+    paths = dict(zip(plan.joins, done[len(plan.parts):]))
+    for written, _ in done[: len(plan.parts)]:
         paths.update(written)
     return [paths[k] for k in sorted(paths)]
+
+
+def export_rdd(rdd: RDD, batch_size: int, make_sink: Callable[[type, int, set], Any]) -> list[Any]:
+    """Write ``rdd`` in batches of ``batch_size`` through ``make_sink(kind, total examples, schemas)``."""
+    return write_plan(rdd.ctx, plan_export(rdd, batch_size, make_sink))
 
 
 def export_minibatches(data: RDD | Iterable[Minibatch], url: str, batch_size: int, *,

@@ -214,6 +214,14 @@ def assemble(kind: str, tensors: dict[tuple[str, int], torch.Tensor], counts: di
     raise ValueError(f"unknown kind {kind!r}")
 
 
+def from_bytes(blob: bytes | memoryview, source: str = "buffer") -> DataSet | MultiDataSet:
+    """Parse a minibatch from an immutable ``blob`` (e.g. one held in a worker's memory), copying it
+    once into an aligned, writable buffer so the tensors own their memory."""
+    buf = _aligned_buffer(len(blob))
+    buf[:] = np.frombuffer(blob, dtype=np.uint8)
+    return from_buffer(buf, source)
+
+
 def load(url: str, storage_options: dict[str, Any] | None = None) -> DataSet | MultiDataSet:
     """Read a minibatch written by :func:`save`; a damaged or foreign file raises an error naming it."""
     return from_buffer(_read(url, storage_options), source=url)

@@ -1,0 +1,184 @@
+"""Parameter averaging on two workers against single-process PyTorch, on the same model and data.
+
+Run from the repository root with ``python -m benchmarks.parameter_averaging``. The model is an MLP
+784-2048-2048-10 (5.8M parameters) trained with SGD (momentum 0.9) in minibatches of 64 on a
+synthetic 10-class problem of MNIST's shape. Measured in this same script:
+
+- **baselines**: a plain PyTorch training loop over the same minibatches held in memory, with one
+  thread (one worker's share of the machine) and with every core of the machine;
+- **dlscale**: ``SparkNet.fit_paths`` with ``ParameterAveragingTrainingMaster`` on
+  ``SparkContext("local[2]")`` (two worker processes of one thread each), reading the minibatch files
+  exported once before timing, for several averaging frequencies;
+- **accuracy** on held-out examples after the same number of epochs, for every run.
+
+Every configuration runs twice, in ABBA order (this machine's speed drifts), and the median is
+reported. Samples/s count the training examples of the timed epochs. Target: at averaging frequency 5, two
+workers reach at least 1.6x the one-thread baseline. Results go to
+``benchmarks/results/parameter_averaging.json``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dlscale import ParameterAveragingTrainingMaster, SparkContext, SparkNet
+from dlscale import __version__ as dlscale_version
+from dlscale.data import DataSet, export_minibatches, list_paths
+from dlscale.nn import Network
+
+RESULTS = Path(__file__).resolve().parent / "results" / "parameter_averaging.json"
+BATCH = 64
+TRAIN = 64 * 400  # 25,600 examples: 400 minibatches an epoch
+TEST = 4096
+EPOCHS = 2
+FREQUENCIES = (1, 5, 10)
+REPEATS = 2
+TARGET = 1.6
+OPTIMIZER = functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9)
+
+
+def make_data(seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Ten noisy class prototypes in 784 dimensions, passed through a fixed nonlinearity."""
+    g = torch.Generator().manual_seed(seed)
+    prototypes = torch.randn(10, 784, generator=g)
+    mix = torch.randn(784, 784, generator=g) / 28
+
+    def sample(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.randint(0, 10, (n,), generator=g)
+        x = torch.tanh((prototypes[y] + 6.0 * torch.randn(n, 784, generator=g)) @ mix)
+        return x, y
+
+    return (*sample(TRAIN), *sample(TEST))
+
+
+def network(seed: int = 0) -> Network:
+    torch.manual_seed(seed)
+    module = torch.nn.Sequential(torch.nn.Linear(784, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048),
+                                 torch.nn.ReLU(), torch.nn.Linear(2048, 10))
+    return Network(module, "cross_entropy", OPTIMIZER)
+
+
+def accuracy(net: Network, x: torch.Tensor, y: torch.Tensor) -> float:
+    return float((net.output(x).argmax(1) == y).float().mean())
+
+
+def single_process(x: torch.Tensor, y: torch.Tensor, threads: int, seed: int = 0) -> tuple[float, torch.nn.Module]:
+    """Plain PyTorch: a module, an optimizer, a loop over shuffled in-memory minibatches."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    module = network(seed).module
+    optimizer = OPTIMIZER(module.parameters())
+    g = torch.Generator().manual_seed(seed)
+    start = time.perf_counter()
+    for _ in range(EPOCHS):
+        order = torch.randperm(len(x), generator=g)
+        for i in range(0, len(x), BATCH):
+            idx = order[i:i + BATCH]
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(module(x[idx]), y[idx]).backward()
+            optimizer.step()
+    seconds = time.perf_counter() - start
+    torch.set_num_threads(before)
+    return seconds, module
+
+
+def distributed(sc: SparkContext, paths: Any, frequency: int, epochs: int = EPOCHS) -> tuple[float, Network, dict]:
+    net = network()
+    master = ParameterAveragingTrainingMaster(BATCH, averaging_frequency=frequency, collect_training_stats=True,
+                                              rng_seed=0)
+    spark_net = SparkNet(sc, net, master)
+    start = time.perf_counter()
+    spark_net.fit_paths(paths, epochs=epochs)
+    seconds = time.perf_counter() - start
+    stats = spark_net.training_stats
+    shares = [w for r in stats.rounds for w in r.workers]
+    breakdown = {
+        "rounds": len(stats.rounds),
+        "mean_round_s": sum(r.seconds for r in stats.rounds) / len(stats.rounds),
+        "mean_worker_fit_s": sum(w.fit_seconds for w in shares) / len(shares),
+        "worker_busy_share": sum(w.fit_seconds for w in shares) / (2 * sum(r.seconds for r in stats.rounds)),
+        "data_wait_share_of_fit": sum(w.wait_seconds for w in shares) / sum(w.fit_seconds for w in shares),
+        "worker_ms_per_minibatch": 1000 * sum(w.fit_seconds for w in shares) / sum(len(w.batches) for w in shares),
+    }
+    return seconds, net, breakdown
+
+
+def main() -> None:
+    x, y, test_x, test_y = make_data()
+    samples = EPOCHS * TRAIN
+    cores = os.cpu_count() or 1
+    report: dict[str, Any] = {
+        "benchmark": "parameter_averaging",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": {"python": platform.python_version(), "torch": torch.__version__, "dlscale": dlscale_version,
+                    "cpu_count": cores, "platform": platform.platform()},
+        "setup": {"model": "MLP 784-2048-2048-10", "parameters": network().num_params(), "batch": BATCH,
+                  "train_examples": TRAIN, "test_examples": TEST, "epochs": EPOCHS,
+                  "optimizer": "SGD lr 0.01 momentum 0.9", "workers": 2, "threads_per_worker": 1},
+        "baselines": {},
+        "dlscale": {},
+    }
+    runs: dict[str, list[tuple[float, float]]] = {}  # name -> [(samples/s, test accuracy)]
+
+    def baseline(threads: int) -> tuple[float, float]:
+        seconds, module = single_process(x, y, threads)
+        with torch.no_grad():
+            return samples / seconds, float((module.eval()(test_x).argmax(1) == test_y).float().mean())
+
+    with tempfile.TemporaryDirectory() as tmp, SparkContext("local[2]", "bench-parameter-averaging") as sc:
+        export_minibatches([DataSet(x[i:i + BATCH], y[i:i + BATCH]) for i in range(0, TRAIN, BATCH)],
+                           f"{tmp}/train", BATCH)
+        paths = list_paths(sc, f"{tmp}/train")
+        distributed(sc, paths, 5)  # warm-up: worker imports and first connections
+        configs: list[tuple[str, Any]] = [(f"pytorch_{t}_thread", functools.partial(baseline, t))
+                                          for t in sorted({1, cores})]
+        for frequency in FREQUENCIES:
+            def run(frequency: int = frequency) -> tuple[float, float]:
+                seconds, net, breakdown = distributed(sc, paths, frequency)
+                report["dlscale"].setdefault(f"averaging_frequency_{frequency}", {}).update(breakdown)
+                return samples / seconds, accuracy(net, test_x, test_y)
+            configs.append((f"averaging_frequency_{frequency}", run))
+        for repeat in range(REPEATS):
+            for name, run in configs if repeat % 2 == 0 else configs[::-1]:
+                runs.setdefault(name, []).append(run())
+                rate, acc = runs[name][-1]
+                print(f"{name:24s} {rate:8.0f} samples/s, test accuracy {acc:.4f}")
+
+    def median_rate(name: str) -> float:
+        return statistics.median(r for r, _ in runs[name])
+
+    one, every = median_rate("pytorch_1_thread"), median_rate(f"pytorch_{cores}_thread")
+    for name, results in runs.items():
+        entry = {"samples_per_s": median_rate(name), "runs_samples_per_s": [r for r, _ in results],
+                 "test_accuracy": results[0][1], "ms_per_minibatch": 1000 * BATCH / median_rate(name)}
+        if name.startswith("pytorch"):
+            report["baselines"][name] = entry
+        else:
+            entry.update(ratio_vs_1_thread=entry["samples_per_s"] / one,
+                         **{f"ratio_vs_{cores}_threads": entry["samples_per_s"] / every})
+            report["dlscale"][name].update(entry)
+            print(f"dlscale, 2 workers, {name}: {entry['samples_per_s']:.0f} samples/s, "
+                  f"{entry['ratio_vs_1_thread']:.2f}x one thread, {entry['samples_per_s'] / every:.2f}x "
+                  f"{cores} threads, test accuracy {entry['test_accuracy']:.4f} "
+                  f"(single process {report['baselines']['pytorch_1_thread']['test_accuracy']:.4f})")
+    ratio = report["dlscale"]["averaging_frequency_5"]["ratio_vs_1_thread"]
+    report["target"] = {"ratio_vs_1_thread_at_frequency_5": TARGET, "measured": ratio, "met": ratio >= TARGET}
+    print(f"target: >= {TARGET}x at averaging frequency 5: {ratio:.2f}x ({'met' if ratio >= TARGET else 'not met'})")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,9 @@
+"""Distributed training: ``SparkNet`` and its training masters."""
+
+from __future__ import annotations
+
+from dlscale.training.averaging import ParameterAveragingTrainingMaster
+from dlscale.training.master import TrainingMaster
+from dlscale.training.sparknet import SparkNet
+
+__all__ = ["ParameterAveragingTrainingMaster", "SparkNet", "TrainingMaster"]

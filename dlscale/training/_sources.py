@@ -1,0 +1,113 @@
+"""The minibatches a fit trains on, prepared once before the first round.
+
+Three sources: files listed by a paths RDD (``fit_paths``), an RDD exported to minibatch files
+("export", DL4J's memory-safe default), or an RDD cut into minibatches held in the workers' memory
+("direct"). Either way every minibatch but the last has exactly ``batch_size`` examples.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from distributed import wait
+
+from dlscale import storage
+from dlscale.data.export import PREFIXES, ExportPlan, FileSink, plan_export, write_plan
+from dlscale.data.format import load, to_bytes
+from dlscale.training._worker import decode
+
+if TYPE_CHECKING:
+    from dlscale.persist import StorageLevel
+    from dlscale.rdd import RDD
+
+
+@dataclass
+class Minibatches:
+    """``refs[i]`` is what the loader turns into minibatch ``i`` (a URL, or the future of one held in
+    memory), ``names[i]`` how statistics name it, and ``holders[i]`` the worker holding it in memory."""
+
+    refs: list[Any]
+    names: list[str]
+    loader: Callable[[Any], Any]
+    holders: list[str] | None
+    seconds: float
+
+
+def from_paths(paths: RDD, loader: Callable[[Any], Any] | None) -> Minibatches:
+    """The files named by ``paths``, read by ``loader`` (default: any ``.dlb`` file)."""
+    t0 = time.perf_counter()
+    urls = paths.collect()
+    if not urls:
+        raise ValueError("the paths RDD is empty: there is nothing to train on")
+    return Minibatches(urls, [str(u) for u in urls], loader or load, None, time.perf_counter() - t0)
+
+
+def _checked_plan(rdd: RDD, batch_size: int, make_sink: Callable[[type, int, set], Any]) -> ExportPlan:
+    try:
+        plan = plan_export(rdd, batch_size, make_sink)
+    except ValueError as e:
+        if "no examples" not in str(e):
+            raise
+        raise ValueError("the RDD has no examples: there is nothing to train on") from None
+    if plan.total < batch_size:
+        raise ValueError(f"batch_size_per_worker={batch_size} is larger than the whole data set "
+                         f"({plan.total} examples); use at most {plan.total}")
+    return plan
+
+
+def export(rdd: RDD, url: str, batch_size: int, storage_options: dict[str, Any] | None) -> Minibatches:
+    """Write ``rdd`` under ``url`` as minibatch files and train from those."""
+    t0 = time.perf_counter()
+    storage.check_empty(url, storage_options)
+    plan = _checked_plan(rdd, batch_size, lambda kind, *_: FileSink(url, PREFIXES[kind], storage_options))
+    urls = write_plan(rdd.ctx, plan)
+    return Minibatches(urls, urls, _FileLoader(storage_options), None, time.perf_counter() - t0)
+
+
+@dataclass(frozen=True)
+class _FileLoader:
+    storage_options: dict[str, Any] | None
+
+    def __call__(self, url: str) -> Any:
+        return load(url, self.storage_options)
+
+
+@dataclass(frozen=True)
+class _MemorySink:
+    """Keeps each minibatch as ``.dlb`` bytes (a serialized storage level: exact size, cheap to spill)
+    or as the object itself (a deserialized level)."""
+
+    serialized: bool
+
+    def write(self, k: int, batch: Any) -> Any:
+        return b"".join(to_bytes(batch)) if self.serialized else batch
+
+
+def _pick(result: tuple[dict, dict], k: int) -> Any:
+    return result[0][k]
+
+
+def in_memory(rdd: RDD, batch_size: int, level: StorageLevel) -> Minibatches:
+    """Cut ``rdd`` into minibatches kept in the workers' memory, each where its partition was computed."""
+    t0 = time.perf_counter()
+    client = rdd.ctx.client
+    plan = _checked_plan(rdd, batch_size, lambda *_: _MemorySink(not level.deserialized))
+    tag = uuid.uuid4().hex[:8]
+    done = client.compute([*plan.parts, *plan.joins.values()])
+    parts, joins = done[: len(plan.parts)], dict(zip(plan.joins, done[len(plan.parts):]))
+    refs = []
+    for k in range(len(plan.owner) + len(plan.joins)):
+        refs.append(joins[k] if k in joins else
+                    client.submit(_pick, parts[plan.owner[k]], k, key=f"dlscale-minibatch-{tag}-{k}"))
+    wait(refs)
+    for f in refs:
+        if f.status == "error":
+            f.result()  # raises the error
+    del parts, joins, done  # the picked minibatches keep their bytes; the partition results can go
+    who = client.who_has(refs)
+    holders = [min(who[f.key]) if who.get(f.key) else None for f in refs]
+    return Minibatches(refs, [f"minibatch {k}" for k in range(len(refs))], decode, holders, time.perf_counter() - t0)

@@ -1,0 +1,183 @@
+"""What runs on the workers while training: each worker's replica of the network, fitting one share
+of minibatches from a given state, and averaging the states that shares produce.
+
+A *state* is a plain dict: ``params`` (the flat parameter vector), ``buffers`` (the module's buffers,
+such as BatchNorm's running statistics, which are not parameters), ``optimizer`` (the optimizer's
+``state_dict`` or ``None``), and the bookkeeping ``examples``, ``batches``, ``score`` and ``shares``
+(per-worker statistics).
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from distributed import get_worker
+
+from dlscale.data.dataset import DataSet, MultiDataSet
+from dlscale.data.format import from_bytes
+from dlscale.data.loaders import prefetch
+from dlscale.nn.network import Network
+
+_REPLICAS: dict[str, tuple[Network, threading.Lock]] = {}
+_REPLICAS_LOCK = threading.Lock()
+
+
+def replica(key: str, blob: bytes) -> tuple[Network, threading.Lock]:
+    """This process's copy of the network pickled in ``blob`` (unpickled once per worker), and the
+    lock that keeps two tasks from training it at once."""
+    with _REPLICAS_LOCK:
+        found = _REPLICAS.get(key)
+        if found is None:
+            found = _REPLICAS[key] = (pickle.loads(blob), threading.Lock())
+        return found
+
+
+def drop_replica(key: str) -> None:
+    """Forget the replica of ``key`` (run on every worker when a fit ends)."""
+    with _REPLICAS_LOCK:
+        _REPLICAS.pop(key, None)
+
+
+def match_threads() -> int:
+    """Give torch as many intra-op threads as this worker runs tasks on; returns that number."""
+    try:
+        n = get_worker().state.nthreads
+    except ValueError:  # not on a worker
+        return torch.get_num_threads()
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return n
+
+
+def _cloned(value: Any) -> Any:
+    """A deep copy of the tensors in a (nested) optimizer state, so no two owners share storage."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _cloned(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_cloned(v) for v in value]
+    return value
+
+
+def state_of(network: Network, with_optimizer: bool) -> dict[str, Any]:
+    """A copy of ``network``'s parameters, buffers and (when asked) optimizer state."""
+    return {
+        "params": network.params().detach().clone(),
+        "buffers": {name: b.detach().clone() for name, b in network.module.named_buffers()},
+        "optimizer": _cloned(network.optimizer_state()) if with_optimizer else None,
+    }
+
+
+def apply_state(network: Network, state: dict[str, Any], copy: bool = True) -> None:
+    """Set ``network`` to ``state``; without optimizer state the optimizer starts afresh. The optimizer
+    takes over the state's tensors unless ``copy`` (needed when others may still read them)."""
+    network.set_params(state["params"])
+    buffers = dict(network.module.named_buffers())
+    with torch.no_grad():
+        for name, value in state["buffers"].items():
+            buffers[name].copy_(value)
+    if state["optimizer"] is not None:
+        network.set_optimizer_state(_cloned(state["optimizer"]) if copy else state["optimizer"])
+    else:
+        network.optimizer.state.clear()
+
+
+def decode(ref: Any) -> DataSet | MultiDataSet:
+    """A minibatch held in memory: ``.dlb`` bytes, or the minibatch itself."""
+    return from_bytes(ref, "a minibatch held in memory") if isinstance(ref, (bytes, bytearray, memoryview)) else ref
+
+
+def fit_share(key: str, blob: bytes, states: Sequence[dict[str, Any]], refs: Sequence[Any], names: Sequence[str],
+              loader: Callable[[Any], DataSet | MultiDataSet], depth: int, with_optimizer: bool) -> dict[str, Any]:
+    """Start from the average of ``states`` (the last level of the previous round's tree, averaged
+    here so the result needs no trip of its own), fit the minibatches ``refs`` (loaded by ``loader``,
+    ``depth`` ahead) in order, and return the resulting state."""
+    start, t0 = time.time(), time.perf_counter()
+    network, lock = replica(key, blob)
+    with lock:
+        match_threads()
+        apply_state(network, average(*states), copy=len(states) == 1)
+        examples, score, wait = 0, float("nan"), 0.0
+        batches = prefetch(refs, loader, depth)
+        try:
+            while True:
+                w = time.perf_counter()
+                batch = next(batches, None)
+                wait += time.perf_counter() - w
+                if batch is None:
+                    break
+                score = network.fit_batch(batch)
+                examples += batch.num_examples()
+        finally:
+            batches.close()
+        out = state_of(network, with_optimizer)
+    share = {"worker": _address(), "batches": list(names), "examples": examples, "score": score,
+             "fit_seconds": time.perf_counter() - t0, "wait_seconds": wait, "start": start, "end": time.time()}
+    return {**out, "examples": examples, "batches": len(refs), "score": score, "shares": [share]}
+
+
+def _address() -> str:
+    try:
+        return get_worker().address
+    except ValueError:
+        return "local"
+
+
+def _weighted_mean(values: list[Any], weights: list[int]) -> Any:
+    """The ``weights``-weighted mean of floating tensors; anything else, such as step counters, is
+    taken from the first value."""
+    first = values[0]
+    if isinstance(first, dict):
+        return {k: _weighted_mean([v[k] for v in values], weights) for k in first}
+    if isinstance(first, list):
+        return [_weighted_mean([v[i] for v in values], weights) for i in range(len(first))]
+    if isinstance(first, torch.Tensor) and first.is_floating_point() and first.dim() > 0:
+        n = sum(weights)
+        total = first * (weights[0] / n)
+        for v, w in zip(values[1:], weights[1:]):
+            total.add_(v, alpha=w / n)
+        return total
+    return first.clone() if isinstance(first, torch.Tensor) else first  # e.g. a step count updated in place
+
+
+def average(*states: dict[str, Any]) -> dict[str, Any]:
+    """The example-weighted mean of several states: with one SGD step each, exactly the update of one
+    step on all their examples together. A single state is returned unchanged."""
+    if len(states) == 1:
+        return states[0]
+    weights = [s["examples"] for s in states]
+    return {
+        "params": _weighted_mean([s["params"] for s in states], weights),
+        "buffers": _weighted_mean([s["buffers"] for s in states], weights),
+        "optimizer": None if states[0]["optimizer"] is None else _weighted_mean([s["optimizer"] for s in states], weights),
+        **combine(states),
+    }
+
+
+def summary(state: dict[str, Any]) -> dict[str, Any]:
+    """The small part of a state the driver reads after every round."""
+    return {k: state[k] for k in ("examples", "batches", "score", "shares")}
+
+
+def combine(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The summary of the average of states, from their summaries."""
+    examples = sum(s["examples"] for s in summaries)
+    return {"examples": examples, "batches": max(s["batches"] for s in summaries),
+            "score": sum(s["score"] * s["examples"] for s in summaries) / examples,
+            "shares": [share for s in summaries for share in s["shares"]]}
+
+
+def probe(key: str, blob: bytes, ref: Any, loader: Callable[[Any], DataSet | MultiDataSet]) -> int:
+    """Load one minibatch and compute the loss on it: a loader or label mistake shows here, in
+    seconds, rather than after the data has been exported. Returns its number of examples."""
+    network, lock = replica(key, blob)
+    with lock:
+        batch = next(prefetch([ref], loader, 0))
+        network.score(batch)
+    return batch.num_examples()

@@ -1,0 +1,316 @@
+"""SparkNet with parameter averaging, on real worker processes, against single-process PyTorch."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import dlscale
+from dlscale import (
+    CorruptDataError,
+    NetworkSerializationError,
+    ParameterAveragingTrainingMaster,
+    SparkContext,
+    SparkNet,
+)
+from dlscale.data import (
+    DataSet,
+    DataShapeError,
+    MultiDataSet,
+    export_minibatches,
+    list_paths,
+    load,
+)
+from dlscale.nn import Network, ScoreIterationListener
+from dlscale.training import _worker
+
+SGD = functools.partial(torch.optim.SGD, lr=0.1)
+MOMENTUM = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
+
+
+def mlp_network(optimizer=SGD, seed: int = 0, norm: bool = False) -> Network:
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(6, 12)] + ([torch.nn.BatchNorm1d(12)] if norm else []) + [torch.nn.Tanh(),
+                                                                                        torch.nn.Linear(12, 3)]
+    return Network(torch.nn.Sequential(*layers), "cross_entropy", optimizer)
+
+
+def data(n: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=g)
+    return x, (x[:, 0] + x[:, 1] > 0).long() + (x[:, 2] > 1).long()
+
+
+def rdd_of(sc: SparkContext, n: int, piece: int, slices: int):
+    """An RDD of DataSets of ``piece`` examples; pieces do not line up with minibatches."""
+    x, y = data(n)
+    return sc.parallelize([DataSet(x[i:i + piece], y[i:i + piece]) for i in range(0, n, piece)], slices)
+
+
+def trained_order(stats: dlscale.TrainingStats) -> Iterator[list[list[str]]]:
+    """Per round, the minibatch files each worker fitted, as the statistics recorded them."""
+    for r in stats.rounds:
+        yield [w.batches for w in r.workers]
+
+
+@pytest.fixture(scope="module")
+def sc1() -> Iterator[SparkContext]:
+    """One worker process with one thread."""
+    with SparkContext("local[1]", "dlscale-training-1") as context:
+        yield context
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Single-process references compute with one thread, as each worker does."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_two_workers_equal_one_process_with_twice_the_batch(sc, tmp_path, one_thread) -> None:
+    """Plain SGD, averaging every minibatch: W workers of batch B are one process of batch W*B."""
+    rdd = rdd_of(sc, 240, 7, 3)
+    master = ParameterAveragingTrainingMaster(10, averaging_frequency=1, collect_training_stats=True, rng_seed=5,
+                                              export_directory=str(tmp_path / "export"))
+    spark_net = SparkNet(sc, mlp_network(), master)
+    spark_net.fit(rdd, epochs=2)
+
+    reference = mlp_network()
+    rounds = list(trained_order(spark_net.training_stats))
+    assert len(rounds) == 2 * 12 and all(len(r) == 2 for r in rounds)
+    for shares in rounds:
+        batches = [load(path) for share in shares for path in share]
+        reference.fit_batch(DataSet.merge(batches))
+    torch.testing.assert_close(spark_net.network.params(), reference.params(), rtol=0, atol=1e-5)
+    assert not torch.equal(spark_net.network.params(), mlp_network().params())
+    assert spark_net.network.epoch == 2 and spark_net.network.iteration == 24
+
+
+def test_one_worker_equals_one_process_exactly(sc1, tmp_path, one_thread) -> None:
+    """One worker carrying momentum across rounds of 3 minibatches is single-process training, bit for bit."""
+    rdd = rdd_of(sc1, 200, 9, 2)
+    master = ParameterAveragingTrainingMaster(16, averaging_frequency=3, collect_training_stats=True, rng_seed=2,
+                                              export_directory=str(tmp_path / "export"))
+    spark_net = SparkNet(sc1, mlp_network(MOMENTUM), master)
+    spark_net.fit(rdd, epochs=2)
+
+    reference = mlp_network(MOMENTUM)
+    for shares in trained_order(spark_net.training_stats):
+        (share,) = shares
+        for path in share:
+            reference.fit_batch(load(path))
+    assert torch.equal(spark_net.network.params(), reference.params())
+    state, ref_state = spark_net.network.optimizer_state()["state"], reference.optimizer_state()["state"]
+    assert all(torch.equal(state[i]["momentum_buffer"], ref_state[i]["momentum_buffer"]) for i in ref_state)
+
+
+def test_without_save_updater_the_optimizer_restarts_every_round(sc1, tmp_path, one_thread) -> None:
+    rdd = rdd_of(sc1, 120, 10, 2)
+    master = ParameterAveragingTrainingMaster(10, averaging_frequency=2, save_updater=False,
+                                              collect_training_stats=True, rng_seed=4,
+                                              export_directory=str(tmp_path / "export"))
+    spark_net = SparkNet(sc1, mlp_network(MOMENTUM), master)
+    spark_net.fit(rdd)
+
+    reference = mlp_network(MOMENTUM)
+    for (share,) in trained_order(spark_net.training_stats):
+        reference.optimizer.state.clear()
+        for path in share:
+            reference.fit_batch(load(path))
+    assert torch.equal(spark_net.network.params(), reference.params())
+
+
+def test_buffers_and_optimizer_state_are_averaged_by_examples(sc, tmp_path, one_thread) -> None:
+    """BatchNorm statistics (buffers, not parameters) and momentum are averaged like the parameters."""
+    rdd = rdd_of(sc, 48, 8, 2)
+    master = ParameterAveragingTrainingMaster(16, averaging_frequency=2, collect_training_stats=True, rng_seed=1,
+                                              export_directory=str(tmp_path / "export"))
+    spark_net = SparkNet(sc, mlp_network(MOMENTUM, norm=True), master)
+    spark_net.fit(rdd)
+
+    (shares,) = trained_order(spark_net.training_stats)
+    assert sorted(len(s) for s in shares) == [1, 2]
+    replicas, weights = [], []
+    for share in shares:
+        replica = mlp_network(MOMENTUM, norm=True)
+        for path in share:
+            replica.fit_batch(load(path))
+        replicas.append(replica)
+        weights.append(sum(load(p).num_examples() for p in share))
+    w = torch.tensor(weights, dtype=torch.float64) / sum(weights)
+
+    def mean(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return sum(t.double() * wi for t, wi in zip(tensors, w)).float()
+
+    net = spark_net.network
+    torch.testing.assert_close(net.params(), mean([r.params() for r in replicas]), rtol=0, atol=1e-6)
+    bn = net.module[1]
+    torch.testing.assert_close(bn.running_var, mean([r.module[1].running_var for r in replicas]), rtol=0, atol=1e-6)
+    momentum = net.optimizer_state()["state"][0]["momentum_buffer"]
+    expected = mean([r.optimizer_state()["state"][0]["momentum_buffer"] for r in replicas])
+    torch.testing.assert_close(momentum, expected, rtol=0, atol=1e-6)
+
+
+def test_direct_trains_like_export_and_never_moves_minibatches(sc, tmp_path) -> None:
+    rdd = rdd_of(sc, 160, 10, 2).persist(dlscale.StorageLevel.MEMORY_ONLY_SER)
+    results = {}
+    for approach in ("export", "direct"):
+        master = ParameterAveragingTrainingMaster(10, averaging_frequency=2, rdd_training_approach=approach,
+                                                  rng_seed=9, export_directory=str(tmp_path / "export"))
+        spark_net = SparkNet(sc, mlp_network(), master)
+        spark_net.fit(rdd, epochs=2)
+        results[approach] = spark_net.network.params().clone()
+    torch.testing.assert_close(results["direct"], results["export"], rtol=0, atol=1e-6)
+
+    # "never": each worker trains the minibatches it holds, the same ones in every epoch
+    master = ParameterAveragingTrainingMaster(10, averaging_frequency=2, rdd_training_approach="direct",
+                                              repartition="never", collect_training_stats=True)
+    spark_net = SparkNet(sc, mlp_network(), master)
+    spark_net.fit(rdd, epochs=2)
+    owner: dict[int, dict[str, str]] = {0: {}, 1: {}}
+    for r in spark_net.training_stats.rounds:
+        for share in r.workers:
+            owner[r.epoch].update(dict.fromkeys(share.batches, share.worker))
+    assert len(owner[0]) == 16 and owner[0] == owner[1]
+    assert len(set(owner[0].values())) == 2
+    rdd.unpersist()
+
+
+class TwoInputs(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.out = torch.nn.Linear(4, 8), torch.nn.Linear(2, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.a(x) + self.b(z)))
+
+
+def test_fit_paths_trains_multidatasets_with_a_custom_loader(sc, tmp_path, one_thread) -> None:
+    x, y = data(96)
+    export_minibatches([MultiDataSet([x[i:i + 8, :4], x[i:i + 8, 4:]], [y[i:i + 8]]) for i in range(0, 96, 8)],
+                       str(tmp_path / "mds"), 16)
+    paths = list_paths(sc, str(tmp_path / "mds"))
+    calls = []
+    torch.manual_seed(0)
+    network = Network(TwoInputs(), "cross_entropy", SGD)
+    master = ParameterAveragingTrainingMaster(16, averaging_frequency=1, collect_training_stats=True)
+    spark_net = SparkNet(sc, network, master)
+    listener = ScoreIterationListener(1)
+    spark_net.set_listeners(listener)
+    spark_net.fit_paths(paths, loader=load, epochs=3)
+    calls = listener.history
+    assert [i for i, _ in calls] == list(range(1, 10))
+
+    torch.manual_seed(0)
+    reference = Network(TwoInputs(), "cross_entropy", SGD)
+    for shares in trained_order(spark_net.training_stats):
+        batches = [load(p) for share in shares for p in share]
+        reference.fit_batch(MultiDataSet.merge(batches))
+    torch.testing.assert_close(network.params(), reference.params(), rtol=0, atol=1e-5)
+    assert calls[-1][1] == pytest.approx(spark_net.training_stats.rounds[-1].score)
+
+
+def test_exports_once_per_rdd_and_deletes_its_files(sc, tmp_path) -> None:
+    rdd = rdd_of(sc, 64, 8, 2)
+    master = ParameterAveragingTrainingMaster(8, export_directory=str(tmp_path / "export"),
+                                              collect_training_stats=True)
+    spark_net = SparkNet(sc, mlp_network(), master)
+    spark_net.fit(rdd)
+    spark_net.fit(rdd)
+    (exported,) = (tmp_path / "export").iterdir()
+    assert len(list(exported.iterdir())) == 8
+    assert spark_net.network.epoch == 2 and len(spark_net.training_stats.rounds) == 2
+    master.delete_temp_files()
+    assert list((tmp_path / "export").iterdir()) == []
+
+
+def _not_a_minibatch(path: str) -> dict:
+    return {"path": path}
+
+
+def test_bad_input_is_refused_before_training(sc, tmp_path) -> None:
+    x, y = data(40)
+    export = tmp_path / "export"
+    master = ParameterAveragingTrainingMaster(8, export_directory=str(export))
+
+    with pytest.raises(ValueError, match="the RDD is empty"):
+        SparkNet(sc, mlp_network(), master).fit(sc.parallelize([], 2))
+    with pytest.raises(ValueError, match="batch_size_per_worker=64 is larger than the whole data set"):
+        SparkNet(sc, mlp_network(), ParameterAveragingTrainingMaster(64, export_directory=str(export))).fit(
+            sc.parallelize([DataSet(x, y)]))
+    with pytest.raises(TypeError, match="fit trains on an RDD of DataSet"):
+        SparkNet(sc, mlp_network(), master).fit(sc.parallelize([1, 2, 3]))
+    with pytest.raises(DataShapeError, match="do not fit loss 'cross_entropy'") as info:
+        SparkNet(sc, mlp_network(), master).fit(sc.parallelize([DataSet(x, y.float().unsqueeze(1))]))
+    assert "first element" in str(info.value.__notes__)
+    assert not export.exists() or not any(export.iterdir())  # nothing was exported
+
+    export_minibatches([DataSet(x, y)], str(tmp_path / "files"), 8)
+    paths = list_paths(sc, str(tmp_path / "files"))
+    with pytest.raises(TypeError, match="returned a dict"):
+        SparkNet(sc, mlp_network(), master).fit_paths(paths, loader=_not_a_minibatch)
+    with pytest.raises(ValueError, match="paths RDD is empty"):
+        SparkNet(sc, mlp_network(), master).fit_paths(sc.parallelize([], 1))
+
+    network = mlp_network()
+    network.module[0].lock = threading.Lock()
+    with pytest.raises(NetworkSerializationError, match="attribute 'lock' of module '0'"):
+        SparkNet(sc, network, master).fit(rdd_of(sc, 16, 8, 1))
+    with pytest.raises(ValueError, match="no optimizer"):
+        SparkNet(sc, mlp_network(optimizer=None), master).fit(rdd_of(sc, 16, 8, 1))
+
+
+def test_a_failing_round_leaves_the_network_as_it_was(sc, tmp_path) -> None:
+    x, y = data(64)
+    export_minibatches([DataSet(x, y)], str(tmp_path / "files"), 8)
+    (tmp_path / "files" / "dataset_00000005.dlb").write_bytes(b"not a minibatch")
+    network = mlp_network()
+    before = network.params().clone()
+    master = ParameterAveragingTrainingMaster(8, averaging_frequency=1)
+    with pytest.raises(CorruptDataError, match="dataset_00000005.dlb") as info:
+        SparkNet(sc, network, master).fit_paths(list_paths(sc, str(tmp_path / "files")), epochs=2)
+    assert any("while training round" in note for note in info.value.__notes__)
+    assert torch.equal(network.params(), before) and network.iteration == 0 and network.epoch == 0
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("batch_size_per_worker", 0), ("averaging_frequency", 0), ("aggregation_depth", 0),
+    ("worker_prefetch_num_batches", -1), ("repartition", "sometimes"), ("rdd_training_approach", "stream")])
+def test_master_settings_are_validated(name, value) -> None:
+    kwargs = {"batch_size_per_worker": 8, name: value}
+    with pytest.raises(ValueError, match=name):
+        ParameterAveragingTrainingMaster(**kwargs)
+
+
+def test_average_is_exact_for_one_state_and_weighted_by_examples() -> None:
+    a = {"params": torch.tensor([1.0, 2.0]), "buffers": {}, "optimizer": None, "examples": 3, "batches": 1,
+         "score": 1.0, "shares": []}
+    b = {**a, "params": torch.tensor([5.0, -2.0]), "examples": 1, "score": 3.0}
+    assert _worker.average(a) is a
+    both = _worker.average(a, b)
+    assert torch.equal(both["params"], torch.tensor([2.0, 1.0])) and both["examples"] == 4
+    assert both["score"] == pytest.approx(1.5)
+    # a tree of averages is the flat average
+    c = {**a, "params": torch.tensor([0.0, 4.0]), "examples": 2}
+    torch.testing.assert_close(_worker.average(_worker.average(a, b), c)["params"],
+                               _worker.average(a, b, c)["params"])
+
+
+def test_stats_summary_and_json(sc, tmp_path: Path) -> None:
+    master = ParameterAveragingTrainingMaster(8, averaging_frequency=2, rdd_training_approach="direct",
+                                              collect_training_stats=True)
+    spark_net = SparkNet(sc, mlp_network(), master)
+    spark_net.fit(rdd_of(sc, 64, 8, 2))
+    stats = spark_net.training_stats
+    assert len(stats.rounds) == 2 and stats.workers == 2
+    assert sum(w.examples for r in stats.rounds for w in r.workers) == 64
+    assert "64 examples" in stats.summary()
+    stats.save(str(tmp_path / "stats.json"))
+    assert '"approach": "parameter averaging"' in (tmp_path / "stats.json").read_text()
