@@ -1,0 +1,361 @@
+"""Threshold encoding of updates (Strom, Interspeech 2015), as in Deeplearning4j's gradient sharing.
+
+A trainer adds each update to a float32 *residual*; :func:`encode` then sends every element with
+``|r| >= t`` as ``sign(r) * t`` and subtracts what it sent from the residual, so that nothing is
+lost: what is not sent now stays in the residual for a later step. Every replica, the sender's own
+included, adds the message to its parameters with :func:`apply`.
+
+A message takes one of two forms, whichever is smaller: *sparse*, one int32 per sent element
+(``(index + 1) * sign``), or *bitmap*, two bits per element of the whole vector.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import crc32c
+import numpy as np
+import torch
+
+from dlscale.errors import CorruptDataError, DlscaleError
+
+SPARSE = "sparse"
+BITMAP = "bitmap"
+FORMS = (SPARSE, BITMAP)
+MAX_LENGTH = 2**31 - 2
+"""The longest vector a message can describe (a sparse entry is a 1-based index in an int32)."""
+
+MAGIC = b"DLTE"
+VERSION = 1
+# magic, version, form (0 sparse, 1 bitmap), reserved, threshold, length, count, CRC-32C of the rest
+_HEADER = struct.Struct("<4sBBHfQQI")
+HEADER_BYTES = _HEADER.size
+"""Bytes of a message besides its payload (the header of :meth:`EncodedUpdate.to_bytes`)."""
+
+_BLOCK = 64  # elements per block of the coarse first scan
+_GATHER = 8  # gather the blocks that hold something to send when they are at most 1 in _GATHER
+_SAMPLE = 1009  # stride of the sample that picks the dense scan straight away...
+_DENSE = 0.005  # ...when more than this fraction of it is to be sent (then a quarter of the blocks or more is)
+_CHUNK = 1 << 18  # elements decoded at a time when adding a bitmap to a dense vector
+# Multiplying four 2-bit codes, one per byte of a little-endian uint32, by this puts code k at
+# bits 24 + 2k; every other product lands below bit 24 without overlapping, so nothing carries.
+_PACK = np.uint32(1 << 24 | 1 << 18 | 1 << 12 | 1 << 6)
+_SHIFTS = np.array([0, 2, 4, 6], dtype=np.uint8)
+
+
+class NonFiniteUpdateError(DlscaleError, ValueError):
+    """A residual holding NaN or infinity: a diverged step, which encoding would spread to every replica."""
+
+
+@dataclass(frozen=True, eq=False)
+class EncodedUpdate:
+    """A threshold-encoded update: ``count`` of ``length`` elements, each ``+threshold`` or ``-threshold``.
+
+    ``payload`` is, in the ``"sparse"`` form, an int32 array of ``(index + 1) * sign`` per sent
+    element in increasing index order; in the ``"bitmap"`` form, a uint8 array of
+    ``ceil(length / 4)`` bytes, element ``i`` in bits ``2 * (i % 4)`` of byte ``i // 4``: 0 nothing,
+    1 ``+threshold``, 2 ``-threshold``. Pickles as its fields (a numpy array, no tensors).
+    """
+
+    form: str
+    threshold: float
+    length: int
+    count: int
+    payload: np.ndarray
+
+    def __post_init__(self) -> None:
+        if self.form not in FORMS:
+            raise ValueError(f"form must be 'sparse' or 'bitmap', got {self.form!r}")
+        dtype, size = (np.int32, self.count) if self.form == SPARSE else (np.uint8, _bitmap_bytes(self.length))
+        if not isinstance(self.payload, np.ndarray) or self.payload.dtype != dtype or self.payload.shape != (size,):
+            got = f"{self.payload.shape} {self.payload.dtype}" if isinstance(self.payload, np.ndarray) else self.payload
+            raise ValueError(f"a {self.form} payload of a {self.length}-element vector with {self.count} elements "
+                             f"sent is {size} {np.dtype(dtype)}, got {got!r}")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the wire: the payload and the fixed header."""
+        return HEADER_BYTES + self.payload.nbytes
+
+    @property
+    def sparsity(self) -> float:
+        """``count / length``, what a :class:`~dlscale.encoding.ThresholdAlgorithm` adapts to."""
+        return self.count / self.length if self.length else 0.0
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, EncodedUpdate):
+            return NotImplemented
+        return ((self.form, self.threshold, self.length, self.count) == (other.form, other.threshold, other.length,
+                                                                          other.count)
+                and np.array_equal(self.payload, other.payload))
+
+    __hash__ = None
+
+    def to_bytes(self) -> bytes:
+        """A self-describing binary form: a 32-byte little-endian header (magic ``DLTE``, version,
+        form, threshold as float32, length, count, CRC-32C), then the payload."""
+        payload = self.payload.astype("<i4" if self.form == SPARSE else np.uint8, copy=False).tobytes()
+        head = _HEADER.pack(MAGIC, VERSION, FORMS.index(self.form), 0, self.threshold, self.length, self.count, 0)
+        crc = crc32c.crc32c(payload, value=crc32c.crc32c(head[:-4]))
+        return head[:-4] + struct.pack("<I", crc) + payload
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> EncodedUpdate:
+        """The message :meth:`to_bytes` wrote; anything else raises :class:`~dlscale.errors.CorruptDataError`."""
+        data = bytes(data)
+        if len(data) < HEADER_BYTES:
+            raise CorruptDataError(f"an encoded update is at least {HEADER_BYTES} bytes, got {len(data)}")
+        magic, version, form_code, reserved, threshold, length, count, crc = _HEADER.unpack_from(data)
+        if magic != MAGIC:
+            raise CorruptDataError(f"not an encoded update: magic {magic!r}, expected {MAGIC!r}")
+        if version != VERSION:
+            raise CorruptDataError(f"encoded update format version {version}, this dlscale reads {VERSION}")
+        if form_code >= len(FORMS) or reserved != 0:
+            raise CorruptDataError(f"encoded update header has form code {form_code} and reserved field {reserved}")
+        if not (np.isfinite(threshold) and threshold > 0) or length > MAX_LENGTH or count > length:
+            raise CorruptDataError(f"encoded update header is inconsistent: threshold {threshold}, length {length}, "
+                                   f"count {count}")
+        form = FORMS[form_code]
+        expected = 4 * count if form == SPARSE else _bitmap_bytes(length)
+        if len(data) - HEADER_BYTES != expected:
+            raise CorruptDataError(f"a {form} encoded update of {length} elements with {count} sent has a "
+                                   f"{expected}-byte payload, got {len(data) - HEADER_BYTES}")
+        if crc32c.crc32c(data[HEADER_BYTES:], value=crc32c.crc32c(data[:HEADER_BYTES - 4])) != crc:
+            raise CorruptDataError("encoded update checksum mismatch: the bytes were damaged")
+        if form == SPARSE:
+            payload = np.frombuffer(data, "<i4", count, HEADER_BYTES).astype(np.int32, copy=False)
+            index = np.abs(payload.astype(np.int64)) - 1
+            if count and (index.min() < 0 or index.max() >= length or np.any(np.diff(index) <= 0)):
+                raise CorruptDataError("sparse encoded update entries must be non-zero, within the length and in "
+                                       "increasing index order")
+        else:
+            payload = np.frombuffer(data, np.uint8, expected, HEADER_BYTES)
+            if np.any(payload & (payload >> 1) & 0x55):
+                raise CorruptDataError("bitmap encoded update holds code 3, which no encoder writes")
+            if length % 4 and payload[-1] >> (2 * (length % 4)):
+                raise CorruptDataError("bitmap encoded update has codes past its length")
+            sent = sum(np.count_nonzero((payload >> shift) & 3) for shift in _SHIFTS)
+            if sent != count:
+                raise CorruptDataError(f"bitmap encoded update says {count} elements were sent, its codes say {sent}")
+        return cls(form, float(threshold), length, count, payload)
+
+
+def encode(residual: torch.Tensor, threshold: float, *, form: str | None = None) -> EncodedUpdate:
+    """Encode the elements of ``residual`` with ``|r| >= threshold`` and subtract what is sent from
+    ``residual`` in place.
+
+    ``threshold`` is rounded to float32, the precision of the message. ``form`` forces
+    ``"sparse"`` or ``"bitmap"``; by default the smaller is used (sparse when nothing is sent).
+    A residual holding NaN or infinity raises :class:`NonFiniteUpdateError` and is left unchanged.
+    """
+    t = _float32_threshold(threshold)
+    n = _check_vector(residual, "residual")
+    if form is not None and form not in FORMS:
+        raise ValueError(f"form must be None, 'sparse' or 'bitmap', got {form!r}")
+    r = residual.detach()
+    a = r.numpy()
+    # The scans below count NaN as to be sent: non-finite elements are then always among those
+    # looked at, and are refused before anything changes.
+    index = None if _looks_dense(a, t) else _candidates(r, a, t)
+    if index is not None:
+        return _encode_at(a, t, index, form)
+    pos = a < t
+    np.logical_not(pos, out=pos)  # r >= t, +inf or NaN
+    neg = a <= -t
+    count = np.count_nonzero(pos) + np.count_nonzero(neg)
+    if (form or _choose(count, n)) == SPARSE:
+        return _encode_at(a, t, np.flatnonzero(pos | neg), SPARSE)
+    if not np.isfinite(float(torch.sum(r))):  # NaN, infinity, or an overflowing sum of finite values
+        _check_finite(r)
+    codes = neg.view(np.uint8)  # in place: each fresh full-length array costs page faults
+    codes <<= 1
+    codes |= pos.view(np.uint8)
+    payload = _pack(codes)  # overwrites codes
+    _add_bitmap(a, payload, -t)
+    return EncodedUpdate(BITMAP, float(t), n, int(count), payload)
+
+
+def decode(message: EncodedUpdate) -> torch.Tensor:
+    """The update ``message`` describes, as a dense float32 vector."""
+    t = np.float32(message.threshold)
+    if message.form == BITMAP:
+        return torch.from_numpy(_unpack(message.payload, t)[:message.length])
+    out = np.zeros(message.length, np.float32)
+    index, values = _sparse_entries(message.payload, t)
+    out[index] = values
+    return torch.from_numpy(out)
+
+
+def apply(message: EncodedUpdate, target: torch.Tensor, scale: float = 1.0) -> None:
+    """Add ``scale`` times the update ``message`` describes to ``target`` in place (a sparse message
+    touches only its elements)."""
+    if not isinstance(message, EncodedUpdate):
+        raise TypeError(f"message must be an EncodedUpdate, got {type(message).__name__}")
+    n = _check_vector(target, "target")
+    if n != message.length:
+        raise ValueError(f"target has {n} elements, the message encodes {message.length}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)):
+        raise TypeError(f"scale must be a number, got {type(scale).__name__}")
+    with np.errstate(over="ignore", invalid="ignore"):
+        value = np.float32(message.threshold * scale)
+    if not np.isfinite(value):
+        raise ValueError(f"scale must make a finite step, got scale={scale!r} with threshold {message.threshold}")
+    a = target.detach().numpy()
+    if message.form == BITMAP:
+        _add_bitmap(a, message.payload, value)
+    else:
+        index, values = _sparse_entries(message.payload, value)
+        a[index] += values
+
+
+def _float32_threshold(threshold: float) -> np.float32:
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float, np.floating)):
+        raise TypeError(f"threshold must be a number, got {type(threshold).__name__}")
+    with np.errstate(over="ignore"):
+        t = np.float32(threshold)
+    if not (np.isfinite(t) and t > 0):
+        raise ValueError(f"threshold must be positive and finite in float32, got {threshold!r}")
+    return t
+
+
+def _check_vector(t: torch.Tensor, name: str) -> int:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be a 1-D tensor, got shape {tuple(t.shape)}")
+    if t.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32, got {t.dtype}")
+    if t.numel() > MAX_LENGTH:
+        raise ValueError(f"{name} has {t.numel()} elements; an encoded update holds at most {MAX_LENGTH}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU, got device {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    return t.numel()
+
+
+def _bitmap_bytes(length: int) -> int:
+    return -(-length // 4)
+
+
+def _choose(count: int, length: int) -> str:
+    return SPARSE if count == 0 or 4 * count < _bitmap_bytes(length) else BITMAP
+
+
+def _looks_dense(a: np.ndarray, t: np.float32) -> bool:
+    """Whether a sample of every :data:`_SAMPLE`-th element says that so many blocks hold something
+    to send that :func:`_candidates` would scan them for nothing. A guess: either answer encodes right."""
+    sample = a[::_SAMPLE]
+    return np.count_nonzero(np.abs(sample) >= t) > _DENSE * len(sample)
+
+
+def _candidates(r: torch.Tensor, a: np.ndarray, t: np.float32) -> np.ndarray | None:
+    """Increasing indices of the elements with ``|r| >= t`` or not finite, or None when too many
+    blocks of :data:`_BLOCK` elements hold one for gathering those blocks to pay.
+
+    Two reductions (the blocks' maxima and minima, which propagate NaN) find the blocks; only
+    those are looked at element by element.
+    """
+    body = len(a) - len(a) % _BLOCK
+    blocks = r[:body].view(-1, _BLOCK)
+    high = torch.amax(blocks, 1).numpy()
+    low = torch.amin(blocks, 1).numpy()
+    quiet = high < t
+    quiet &= low > -t
+    hot = np.flatnonzero(~quiet)
+    if len(hot) * _GATHER > len(high):
+        return None
+    rows = np.take(a[:body].reshape(-1, _BLOCK), hot, axis=0)
+    found = np.flatnonzero(~(np.abs(rows) < t))
+    tail = body + np.flatnonzero(~(np.abs(a[body:]) < t))
+    return np.concatenate((hot[found // _BLOCK] * _BLOCK + found % _BLOCK, tail))
+
+
+def _check_finite(r: torch.Tensor) -> None:
+    """Raise :class:`NonFiniteUpdateError` naming the first element of ``r`` that is not finite, if any."""
+    bad = torch.nonzero(~torch.isfinite(r))
+    if len(bad):
+        i = int(bad[0])
+        raise NonFiniteUpdateError(f"residual element {i} is {float(r[i])}: the update is not finite")
+
+
+def _encode_at(a: np.ndarray, t: np.float32, index: np.ndarray, form: str | None) -> EncodedUpdate:
+    """Encode the elements at ``index``: increasing, and every one with ``|r| >= t`` or not finite
+    (then refused, before anything changes)."""
+    n, count = len(a), len(index)
+    values = a[index]
+    finite = np.isfinite(values)
+    if not finite.all():
+        i = int(index[np.argmin(finite)])
+        raise NonFiniteUpdateError(f"residual element {i} is {a[i]}: the update is not finite")
+    neg = values < 0
+    a[index] = values - np.where(neg, -t, t)
+    if (form or _choose(count, n)) == SPARSE:
+        payload = index.astype(np.int32) + 1
+        np.negative(payload, out=payload, where=neg)
+        return EncodedUpdate(SPARSE, float(t), n, count, payload)
+    codes = np.zeros(n, np.uint8)
+    codes[index] = np.where(neg, 2, 1)
+    return EncodedUpdate(BITMAP, float(t), n, count, _pack(codes))
+
+
+def _pack(codes: np.ndarray) -> np.ndarray:
+    """2-bit codes, one a byte, packed four to a byte (the last byte padded with zeros). The codes
+    are used as scratch space and overwritten."""
+    whole = len(codes) // 4
+    out = np.empty(_bitmap_bytes(len(codes)), np.uint8)
+    if whole < len(out):
+        out[-1] = sum(int(c) << 2 * k for k, c in enumerate(codes[4 * whole:]))
+    words = codes[:4 * whole].view("<u4")
+    words *= _PACK
+    words >>= 24
+    out[:whole] = words
+    return out
+
+
+def _add_bitmap(a: np.ndarray, payload: np.ndarray, value: np.float32) -> None:
+    """Add ``value`` where the bitmap ``payload`` says 1 and ``-value`` where it says 2, a chunk of
+    :data:`_CHUNK` elements at a time, so that each chunk's decoded values are still in cache."""
+    for start in range(0, len(a), _CHUNK):
+        part = a[start:start + _CHUNK]
+        part += _unpack(payload[start // 4:(start + _CHUNK) // 4], value)[:len(part)]
+
+
+def _unpack(payload: np.ndarray, value: np.float32) -> np.ndarray:
+    """The float32 values (0, +value, -value) of a bitmap payload, four per byte, through a table
+    of 256 rows of four floats (gathered as 16-byte complex128 carriers: one copy per byte)."""
+    codes = (np.arange(256, dtype=np.uint8)[:, None] >> _SHIFTS) & 3
+    table = np.array([0, value, -value, 0], np.float32)[codes]
+    return np.take(table.view(np.complex128).reshape(256), payload).view(np.float32)
+
+
+def _sparse_entries(payload: np.ndarray, value: np.float32) -> tuple[np.ndarray, np.ndarray]:
+    return np.abs(payload) - 1, np.where(payload > 0, value, -value)
+
+
+def describe(message: EncodedUpdate, residual: torch.Tensor) -> dict[str, float | int | str]:
+    """What DL4J's encoding debug mode reports about one step: ``message`` and the ``residual`` that
+    encoding it left.
+
+    ``residual_above_threshold`` counts the elements still at ``|r| >= threshold`` after encoding
+    (they were at twice the threshold or more before): they will be sent again at the next step
+    whatever the next update, a backlog that a low threshold or residual clipping clears. A
+    separate function, so that encoding pays for none of it.
+    """
+    n = _check_vector(residual, "residual")
+    if n != message.length:
+        raise ValueError(f"residual has {n} elements, the message encodes {message.length}")
+    magnitude = residual.detach().abs()
+    return {
+        "form": message.form,
+        "threshold": message.threshold,
+        "length": message.length,
+        "count": message.count,
+        "sparsity": message.sparsity,
+        "message_bytes": message.nbytes,
+        "dense_bytes": 4 * message.length,
+        "residual_l2": float(torch.linalg.vector_norm(residual.detach(), dtype=torch.float64)),
+        "residual_max_abs": float(magnitude.max()) if n else 0.0,
+        "residual_above_threshold": int(torch.count_nonzero(magnitude >= message.threshold)),
+    }
