@@ -25,6 +25,7 @@ _EXPORTS = {
     "SparkNet": "dlscale.training.sparknet",
     "ParameterAveragingTrainingMaster": "dlscale.training.averaging",
     "TrainingMaster": "dlscale.training.master",
+    "SharedTrainingMaster": "dlscale.training.sharing",
     "TrainingStats": "dlscale.stats",
     "write_string_to_file": "dlscale.storage",
     "read_string_from_file": "dlscale.storage",
@@ -38,6 +39,7 @@ _EXPORTS = {
     "UnsafePickleError": "dlscale.errors",
     "LabelError": "dlscale.errors",
     "NetworkSerializationError": "dlscale.errors",
+    "TrainerLostWarning": "dlscale.errors",
 }
 
 __all__ = [*sorted(_EXPORTS), "__version__"]

@@ -43,3 +43,7 @@ class LabelError(DlscaleError, ValueError):
 
 class NetworkSerializationError(DlscaleError, TypeError):
     """A network that cannot be pickled to send it to the workers."""
+
+
+class TrainerLostWarning(UserWarning):
+    """A training run that lost a worker and finished without it (its work done by the others)."""

@@ -7,11 +7,13 @@ The counterpart of DL4J's ``SparkTrainingStats``: collected only when a training
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dlscale import storage
+from dlscale.errors import StorageError
 
 
 @dataclass
@@ -97,7 +99,8 @@ class TrainingStats:
 
     def summary(self) -> str:
         """A few lines: rounds, throughput, and the shares of time spent fitting and waiting for data."""
-        head = (f"{self.approach}: {self.workers} workers, {len(self.rounds)} rounds, "
+        parts = f"{len(self.rounds)} rounds" if self.rounds or not self.trainers else f"{len(self.trainers)} trainers"
+        head = (f"{self.approach}: {self.workers} workers, {parts}, "
                 f"{self.prepare_seconds:.2f} s preparing minibatches")
         lines = [head]
         seconds = sum(r.seconds for r in self.rounds)
@@ -111,4 +114,30 @@ class TrainingStats:
                          f"{fit / (seconds * self.workers):.0%} of it, of which {wait / max(fit, 1e-12):.0%} "
                          "waiting for data")
             lines.append(f"last score {self.rounds[-1].score:.6g}")
+        for t in self.trainers:
+            busy = sum(s for _, _, s in t.phases) or 1e-12
+            shares = ", ".join(f"{p} {t.seconds(p) / busy:.0%}" for p in PHASES)
+            lines.append(f"trainer {t.trainer}: {t.minibatches} minibatches, {t.messages_sent} updates sent "
+                         f"({t.bytes_sent / max(t.messages_sent, 1):.0f} bytes each), {t.messages_received} "
+                         f"received; {shares}")
         return "\n".join(lines)
+
+    def save_html(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        """Write a self-contained HTML report (tables, timeline, per-step charts) to ``url`` (any fsspec URL,
+        atomically); see :func:`dlscale.timeline.to_html`."""
+        from dlscale import timeline  # imports this module
+
+        storage.write_string_to_file(url, timeline.to_html(self), storage_options)
+
+    def save_png(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        """Write the timeline and per-step charts as a PNG to ``url`` (any fsspec URL, atomically); needs
+        matplotlib (``pip install "dlscale[plot]"``). See :func:`dlscale.timeline.to_png`."""
+        from dlscale import timeline  # imports this module
+
+        image = io.BytesIO()
+        timeline.to_png(self, image)  # drawn before anything is opened: a failure leaves no file
+        fs, path = storage.open_fs(url, storage_options)
+        try:
+            storage.atomic_write(fs, path, lambda f: f.write(image.getbuffer()))
+        except Exception as e:  # object-store errors do not all derive from OSError
+            raise StorageError(f"cannot write {url}: {e}") from e

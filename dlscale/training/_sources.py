@@ -7,6 +7,7 @@ Three sources: files listed by a paths RDD (``fit_paths``), an RDD exported to m
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable
@@ -111,3 +112,30 @@ def in_memory(rdd: RDD, batch_size: int, level: StorageLevel) -> Minibatches:
     who = client.who_has(refs)
     holders = [min(who[f.key]) if who.get(f.key) else None for f in refs]
     return Minibatches(refs, [f"minibatch {k}" for k in range(len(refs))], decode, holders, time.perf_counter() - t0)
+
+
+class ExportCache:
+    """The minibatch files a training master exported, per RDD and batch size: written on an RDD's
+    first fit, reused by later fits of the same RDD, deleted by :meth:`delete`."""
+
+    def __init__(self) -> None:
+        self._exports: dict[tuple, tuple[Minibatches, str, Any]] = {}
+
+    def get(self, rdd: RDD, batch_size: int, directory: str | None,
+            storage_options: dict[str, Any] | None) -> Minibatches:
+        """``rdd``'s minibatch files under ``directory`` (default ``_training/`` under the storage root)."""
+        key = (id(rdd.ctx), rdd.id(), batch_size)
+        if key in self._exports:
+            return dataclasses.replace(self._exports[key][0], seconds=0.0)
+        base, options = storage.resolve(directory or "_training", storage_options)
+        url = f"{base.rstrip('/')}/rdd{rdd.id()}-{uuid.uuid4().hex[:12]}"
+        self._exports[key] = (export(rdd, url, batch_size, options), url, options)
+        return self._exports[key][0]
+
+    def delete(self) -> None:
+        """Delete every exported file."""
+        for _, url, options in self._exports.values():
+            fs, path = storage.open_fs(url, options)
+            if fs.exists(path):
+                fs.rm(path, recursive=True)
+        self._exports.clear()

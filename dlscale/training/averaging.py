@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from distributed import Future
 
-from dlscale import storage
 from dlscale.persist import StorageLevel
 from dlscale.stats import RoundStats, TrainingStats, WorkerRound
 from dlscale.training import _sources, _worker
@@ -65,7 +64,7 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
     collect_training_stats: bool = False
     rng_seed: int | None = None
     storage_options: dict[str, Any] | None = None
-    _exports: dict[tuple, tuple[_sources.Minibatches, str, Any]] = dataclasses.field(default_factory=dict, init=False, repr=False)
+    _exports: _sources.ExportCache = dataclasses.field(default_factory=_sources.ExportCache, init=False, repr=False)
 
     def __post_init__(self) -> None:
         _positive("batch_size_per_worker", self.batch_size_per_worker)
@@ -89,7 +88,9 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
             local = self.repartition == "never" or (
                 self.repartition == "num_partitions_workers_differs" and rdd.getNumPartitions() == len(_workers(net)))
         else:
-            batches, local = self._exported(rdd), False
+            batches = self._exports.get(rdd, self.batch_size_per_worker, self.export_directory,
+                                         self.storage_options)
+            local = False
         _Run(self, net, blob, batches, local).train(epochs)
 
     def fit_paths(self, net: SparkNet, paths: RDD, loader: Callable[[Any], Any] | None, epochs: int) -> None:
@@ -97,24 +98,9 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
         blob = serialise(net.network)
         _Run(self, net, blob, _sources.from_paths(paths, loader), False).train(epochs, probe=True)
 
-    # -- exported files ------------------------------------------------------------------
-    def _exported(self, rdd: RDD) -> _sources.Minibatches:
-        """``rdd``'s minibatch files, written on its first fit and reused by later fits of the same RDD."""
-        key = (id(rdd.ctx), rdd.id(), self.batch_size_per_worker)
-        if key in self._exports:
-            return dataclasses.replace(self._exports[key][0], seconds=0.0)
-        base, options = storage.resolve(self.export_directory or "_training", self.storage_options)
-        url = f"{base.rstrip('/')}/rdd{rdd.id()}-{uuid.uuid4().hex[:12]}"
-        self._exports[key] = (_sources.export(rdd, url, self.batch_size_per_worker, options), url, options)
-        return self._exports[key][0]
-
     def delete_temp_files(self) -> None:
         """Delete the minibatch files this master exported (DL4J's ``deleteTempFiles``)."""
-        for _, url, options in self._exports.values():
-            fs, path = storage.open_fs(url, options)
-            if fs.exists(path):
-                fs.rm(path, recursive=True)
-        self._exports.clear()
+        self._exports.delete()
 
 
 def _workers(net: SparkNet) -> list[str]:

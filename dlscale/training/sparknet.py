@@ -69,3 +69,4 @@ class SparkNet:
         else:
             self.training_stats.prepare_seconds += stats.prepare_seconds
             self.training_stats.rounds.extend(stats.rounds)
+            self.training_stats.trainers.extend(stats.trainers)

@@ -1,0 +1,286 @@
+"""One gradient-sharing trainer: a long-lived task that fits minibatches and exchanges encoded
+updates with its peers until the session's minibatches are done.
+
+Each step fits one minibatch; the optimizer's update (the change it would make to the parameters)
+joins the trainer's residual instead of the parameters, the residual is threshold-encoded (the sent
+part leaves it), and the encoded update is applied to the parameters here and sent to every peer,
+which apply it too. Peers' updates are applied between steps, as they arrive: there is no barrier
+per step. At the end each trainer waits until it has applied every update its live peers sent.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import gc
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import dask.config
+import torch
+from dask.utils import parse_timedelta
+from distributed import Future, get_client, get_worker, secede
+from distributed.utils import sync
+
+from dlscale.data.loaders import prefetch
+from dlscale.encoding import (
+    EncodedUpdate,
+    ResidualPostProcessor,
+    ThresholdAlgorithm,
+    apply,
+    describe,
+    encode,
+)
+from dlscale.training._worker import decode, replica, state_of
+from dlscale.training.sharing._worker_plugin import plugin
+
+logger = logging.getLogger("dlscale.training.sharing")
+
+DEBUG_TOPIC = "dlscale-encoding"
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    """What every trainer of a session is told."""
+
+    threshold_algorithm: ThresholdAlgorithm
+    residual_post_processor: ResidualPostProcessor
+    workers_per_node: int
+    prefetch: int
+    debug: bool
+    collect_stats: bool
+    gc_seconds: float | None
+
+
+@dataclass(frozen=True)
+class HeldMinibatch:
+    """The loader of minibatches held in workers' memory, by Dask key ("direct" training). A trainer
+    binds it to its worker's client, which its prefetching thread could not find by itself."""
+
+    client: Any = None
+
+    def bind(self, client: Any) -> HeldMinibatch:
+        return HeldMinibatch(client)
+
+    def __call__(self, key: str) -> Any:
+        future = Future(key, self.client, state="memory")  # the driver holds it: it is in memory
+        try:
+            return decode(future.result())
+        finally:
+            future.release()
+
+
+class _Stopped(Exception):
+    """The session ended under this trainer: it was lost, or another trainer failed."""
+
+    def __init__(self, state: str) -> None:
+        super().__init__(state)
+        self.state = state
+
+
+class _Control:
+    """Calls to the scheduler's ``dlscale_sharing_*`` handlers from a trainer's threads."""
+
+    def __init__(self, worker: Any, session: str, trainer: str) -> None:
+        self.worker, self.session, self.trainer = worker, session, trainer
+
+    def __call__(self, op: str, **kwargs: Any) -> Any:
+        method = getattr(self.worker.scheduler, f"dlscale_sharing_{op}")
+        return sync(self.worker.loop, method, session=self.session, trainer=self.trainer, **kwargs)
+
+
+def run(session: str, trainer: str, local: int, key: str, blob: bytes, refs: list[Any],
+        loader: Callable[[Any], Any], spec: TrainerSpec) -> dict[str, Any]:
+    """The task of one trainer; returns its final state, or ``{"lost": True}`` for a trainer whose
+    worker was lost (this task then runs again elsewhere and stops at once)."""
+    worker = get_worker()
+    control = _Control(worker, session, trainer)
+    joined = control("join")
+    if not joined["ok"]:
+        return {"trainer": trainer, "lost": True}
+    if isinstance(loader, HeldMinibatch):
+        loader = loader.bind(get_client())
+    secede()  # a trainer runs for the whole fit: it should not hold one of the worker's task slots
+    try:
+        return _Trainer(worker, control, local, key, blob, refs, loader, spec, joined).train()
+    except _Stopped as e:
+        return {"trainer": trainer, "lost": e.state == "lost", "aborted": e.state == "abort"}
+    except BaseException as e:
+        with contextlib.suppress(Exception):  # the original error matters, not this one
+            control("fail", error=f"{type(e).__name__}: {e}")
+        e.add_note(f"in gradient-sharing trainer {trainer} on worker {worker.address}")
+        raise
+
+
+class _Trainer:
+    def __init__(self, worker: Any, control: _Control, local: int, key: str, blob: bytes, refs: list[Any],
+                 loader: Callable[[Any], Any], spec: TrainerSpec, joined: dict[str, Any]) -> None:
+        self.worker, self.control, self.local, self.spec = worker, control, local, spec
+        self.name = control.trainer
+        self.node = plugin(worker).nodes[control.session]
+        self.node.set_nodes(joined["version"], joined["nodes"])
+        self.start_version = joined["version"]
+        self.network, _ = replica(f"{key}/{local}", blob)
+        self.refs, self.loader = refs, loader
+        self.inbox = self.node.inboxes[local]
+        self.applied: collections.Counter[str] = collections.Counter()
+        self.poll = parse_timedelta(dask.config.get("dlscale.sharing.poll-interval"))
+        self.acks: list[list[Any]] = []
+        self.acks_lock = threading.Lock()
+        self.handed: collections.deque[int] = collections.deque()
+        self.stopping = threading.Event()
+        self.stats = {"trainer": self.name, "worker": worker.address, "minibatches": 0, "examples": 0,
+                      "messages_sent": 0, "bytes_sent": 0, "messages_received": 0, "bytes_received": 0,
+                      "phases": [], "steps": []}
+        self._wall0, self._perf0 = time.time(), time.perf_counter()
+
+    # -- bookkeeping ------------------------------------------------------------------------
+    def _phase(self, phase: str, t0: float) -> float:
+        now = time.perf_counter()
+        if self.spec.collect_stats:
+            self.stats["phases"].append((phase, self._wall0 + (t0 - self._perf0), now - t0))
+        return now
+
+    def _apply_inbox(self, params: torch.Tensor) -> None:
+        while self.inbox:
+            origin, _, payload = self.inbox.popleft()
+            try:
+                message = EncodedUpdate.from_bytes(payload)
+            except Exception as e:
+                e.add_note(f"in an update from trainer {origin}")
+                raise
+            apply(message, params)
+            self.applied[origin] += 1
+            self.stats["messages_received"] += 1
+            self.stats["bytes_received"] += len(payload)
+
+    def _items(self) -> Iterator[Any]:
+        """The refs of the minibatches this trainer is handed, pulled from the scheduler one ahead of
+        need (the prefetching thread runs this); ends when the session has no work left."""
+        n = len(self.refs)
+        while not self.stopping.is_set():
+            with self.acks_lock:
+                acks, self.acks = self.acks, []
+            reply = self.control("next", acks=acks, want=1)
+            if reply["state"] in ("lost", "abort"):
+                raise _Stopped(reply["state"])
+            self.node.set_nodes(reply["version"], reply["nodes"])
+            if reply["items"]:
+                for item in reply["items"]:
+                    self.handed.append(item)
+                    yield self.refs[item % n]
+            elif reply["state"] == "end":
+                return
+            else:
+                time.sleep(self.poll)
+
+    # -- the fit ----------------------------------------------------------------------------
+    def train(self) -> dict[str, Any]:
+        net, spec = self.network, self.spec
+        threads = max(1, self.worker.state.nthreads // spec.workers_per_node)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        params = net.params()
+        before = torch.empty_like(params)
+        residual = torch.zeros_like(params)
+        thresholds = spec.threshold_algorithm.clone()
+        post = spec.residual_post_processor.clone()
+        seq = step = 0
+        last_gc = time.monotonic()
+        batches = prefetch(self._items(), self.loader, spec.prefetch)
+        try:
+            t = time.perf_counter()
+            while True:
+                batch = next(batches, None)
+                t = self._phase("wait", t)
+                if batch is None:
+                    break
+                item = self.handed.popleft()
+                self._apply_inbox(params)
+                t = self._phase("apply", t)
+                before.copy_(params)
+                score = net.fit_batch(batch)
+                residual.add_(params).sub_(before)  # the optimizer's update joins the residual...
+                params.copy_(before)  # ...instead of the parameters
+                t = self._phase("fit", t)
+                message = encode(residual, thresholds.threshold)
+                post.process(step, message.threshold, residual)
+                thresholds.update(message.sparsity)
+                apply(message, params)
+                if spec.debug:
+                    self._debug(step, message, residual)
+                t = self._phase("encode", t)
+                size = 0
+                if message.count:
+                    payload = message.to_bytes()
+                    size = len(payload)
+                    self.node.send(self.name, seq, payload, self.local)
+                    seq += 1
+                    self.stats["messages_sent"] += 1
+                    self.stats["bytes_sent"] += size
+                t = self._phase("send", t)
+                if spec.collect_stats:
+                    self.stats["steps"].append((time.time(), message.threshold, message.sparsity, size))
+                examples = batch.num_examples()
+                with self.acks_lock:
+                    self.acks.append([item, examples, score])
+                self.stats["minibatches"] += 1
+                self.stats["examples"] += examples
+                step += 1
+                if spec.gc_seconds is not None and time.monotonic() - last_gc >= spec.gc_seconds:
+                    gc.collect()
+                    last_gc = time.monotonic()
+                    t = time.perf_counter()
+        finally:
+            self.stopping.set()
+            batches.close()
+        self._finish(params, seq)
+        state = state_of(net, with_optimizer=True)
+        return {**state, "trainer": self.name, "residual": residual, "examples": self.stats["examples"],
+                "batches": self.stats["minibatches"], "score": float("nan"), "shares": [], "stats": self.stats}
+
+    def _finish(self, params: torch.Tensor, sent: int) -> None:
+        """Report the end of this trainer's work (every minibatch of the session is fitted by now) and
+        apply updates until every live peer's last one is in."""
+        t = time.perf_counter()
+        reply = self.control("finish", sent=sent)
+        deadline = time.monotonic() + parse_timedelta(dask.config.get("dlscale.sharing.end-timeout"))
+        stalled_since, count = time.monotonic(), sum(self.applied.values())
+        while True:
+            if reply["state"] in ("lost", "abort"):
+                raise _Stopped(reply["state"])
+            self._apply_inbox(params)
+            self.node.set_nodes(reply["version"], reply["nodes"])
+            alive = [o for o in reply["alive"] if o != self.name]
+            if all(o in reply["finished"] for o in alive):
+                missing = {o: reply["finished"][o] - self.applied[o] for o in alive
+                           if self.applied[o] < reply["finished"][o]}
+                if not missing:
+                    break
+                now, total = time.monotonic(), sum(self.applied.values())
+                if total != count:
+                    stalled_since, count = now, total
+                # after a loss, updates relayed by the lost node may never come
+                if reply["version"] != self.start_version and now - stalled_since > 1.0:
+                    logger.warning("trainer %s ends without %d updates lost with a peer", self.name,
+                                   sum(missing.values()))
+                    break
+                if now > deadline:
+                    logger.warning("trainer %s gave up waiting for %d updates from %s", self.name,
+                                   sum(missing.values()), ", ".join(sorted(missing)))
+                    break
+            time.sleep(self.poll / 4)
+            reply = self.control("status")
+        self._apply_inbox(params)
+        self._phase("wait", t)
+
+    def _debug(self, step: int, message: EncodedUpdate, residual: torch.Tensor) -> None:
+        info = {"trainer": self.name, "step": step, **describe(message, residual)}
+        logger.info("trainer %(trainer)s step %(step)d: threshold %(threshold).3g, sparsity %(sparsity).3g, "
+                    "%(form)s message of %(message_bytes)d bytes, residual L2 %(residual_l2).4g, max |r| "
+                    "%(residual_max_abs).3g, %(residual_above_threshold)d elements still above threshold", info)
+        self.worker.log_event(DEBUG_TOPIC, info)

@@ -1,0 +1,252 @@
+"""Gradient sharing on real multi-process clusters: accuracy against single-process training,
+compression, a worker killed mid-training, the mesh on 64 peers, bad input and debug output."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import logging
+import os
+import signal
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import torch
+from distributed.core import ConnectionPool, Server
+from sklearn.datasets import load_digits
+from tornado.ioloop import IOLoop
+
+from dlscale import RDD, SharedTrainingMaster, SparkContext, SparkNet, TrainerLostWarning
+from dlscale.data import DataSet, export_minibatches, list_paths
+from dlscale.encoding import FixedThresholdAlgorithm
+from dlscale.nn import Network
+from dlscale.nn.listeners import TrainingListener
+from dlscale.training.sharing._worker_plugin import Node
+
+BATCH = 16
+EPOCHS = 40
+
+
+def digits() -> tuple[torch.Tensor, ...]:
+    x, y = load_digits(return_X_y=True)
+    x, y = torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    train, test = perm[:1200], perm[1200:]
+    return x[train], y[train], x[test], y[test]
+
+
+def mlp(sizes: list[int], lr: float = 0.01) -> Network:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for a, b in itertools.pairwise(sizes):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    return Network(torch.nn.Sequential(*layers[:-1]), "cross_entropy",
+                   functools.partial(torch.optim.SGD, lr=lr, momentum=0.9))
+
+
+def accuracy(net: Network, x: torch.Tensor, y: torch.Tensor) -> float:
+    return float((net.output(x).argmax(1) == y).float().mean())
+
+
+def single_process(sizes: list[int], x: torch.Tensor, y: torch.Tensor, epochs: int) -> Network:
+    net = mlp(sizes)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(epochs):
+        order = torch.randperm(len(x), generator=g)
+        net.fit([DataSet(x[order[i:i + BATCH]], y[order[i:i + BATCH]]) for i in range(0, len(x), BATCH)])
+    return net
+
+
+def examples_rdd(sc: SparkContext, x: torch.Tensor, y: torch.Tensor, partitions: int = 4) -> RDD:
+    return sc.parallelize([DataSet(x[i:i + 4], y[i:i + 4]) for i in range(0, len(x), 4)], partitions)
+
+
+@pytest.fixture(scope="module")
+def sc3() -> Iterator[SparkContext]:
+    with SparkContext("local[3]", "sharing-3") as ctx:
+        yield ctx
+
+
+@pytest.fixture(scope="module")
+def data() -> tuple[torch.Tensor, ...]:
+    return digits()
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_digits_accuracy_matches_single_process_with_100x_compression(
+        workers: int, sc: SparkContext, sc3: SparkContext, data: tuple[torch.Tensor, ...]) -> None:
+    x, y, tx, ty = data
+    sizes = [64, 256, 256, 10]
+    reference = accuracy(single_process(sizes, x, y, EPOCHS), tx, ty)
+    ctx = sc if workers == 2 else sc3
+    net = mlp(sizes)
+    master = SharedTrainingMaster(BATCH, rng_seed=3, collect_training_stats=True)
+    spark_net = SparkNet(ctx, net, master)
+    spark_net.fit(examples_rdd(ctx, x, y), epochs=EPOCHS)
+    shared = accuracy(net, tx, ty)
+    assert shared >= reference - 0.01, (shared, reference)
+    stats = spark_net.training_stats
+    assert len(stats.trainers) == workers
+    steps = sum(t.minibatches for t in stats.trainers)
+    assert steps == EPOCHS * -(-len(x) // BATCH)  # every minibatch of every epoch, once
+    dense = 4 * net.num_params()
+    assert sum(t.bytes_sent for t in stats.trainers) / steps <= 0.01 * dense
+    assert all(t.messages_received > 0 and t.seconds("fit") > 0 for t in stats.trainers)
+    assert net.epoch == EPOCHS
+
+
+def synthetic(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    prototypes = torch.randn(10, 200, generator=torch.Generator().manual_seed(99))
+    y = torch.randint(0, 10, (n,), generator=g)
+    return torch.tanh(prototypes[y] + 2.5 * torch.randn(n, 200, generator=g)), y
+
+
+def test_larger_synthetic_task_from_paths_matches_single_process(sc: SparkContext, tmp_path: object) -> None:
+    x, y = synthetic(8192)
+    tx, ty = synthetic(2048, seed=1)
+    sizes = [200, 512, 512, 10]
+    epochs = 4
+    reference = accuracy(single_process(sizes, x, y, epochs), tx, ty)
+    export_minibatches([DataSet(x[i:i + BATCH], y[i:i + BATCH]) for i in range(0, len(x), BATCH)],
+                       f"{tmp_path}/train", BATCH)
+    net = mlp(sizes)
+    SparkNet(sc, net, SharedTrainingMaster(BATCH, rng_seed=0)).fit_paths(list_paths(sc, f"{tmp_path}/train"),
+                                                                      epochs=epochs)
+    assert accuracy(net, tx, ty) >= reference - 0.01
+
+
+class _KillAt(TrainingListener):
+    """Kills a worker process once training has passed ``at`` minibatches."""
+
+    def __init__(self, pid: int, at: int) -> None:
+        self.pid, self.at, self.killed = pid, at, False
+
+    def iteration_done(self, network: Network, iteration: int, epoch: int, score: float, examples: int) -> None:
+        if not self.killed and iteration >= self.at:
+            os.kill(self.pid, signal.SIGKILL)
+            self.killed = True
+
+
+def test_killed_worker_mid_training_finishes_with_the_survivors(data: tuple[torch.Tensor, ...]) -> None:
+    x, y, tx, ty = data
+    sizes = [64, 256, 256, 10]
+    reference = accuracy(single_process(sizes, x, y, EPOCHS), tx, ty)
+    with SparkContext("local[3]", "sharing-kill") as ctx:
+        pids = ctx.client.run(os.getpid)
+        victim = sorted(pids)[1]
+        net = mlp(sizes)
+        spark_net = SparkNet(ctx, net, SharedTrainingMaster(BATCH, rng_seed=5, collect_training_stats=True))
+        killer = _KillAt(pids[victim], at=EPOCHS * 75 // 3)
+        spark_net.set_listeners(killer)
+        with pytest.warns(TrainerLostWarning, match=victim):
+            spark_net.fit(examples_rdd(ctx, x, y), epochs=EPOCHS)
+    assert killer.killed
+    assert len(spark_net.training_stats.trainers) == 2
+    assert accuracy(net, tx, ty) >= reference - 0.02
+
+
+def test_a_failing_loader_stops_every_trainer_and_names_the_file(sc: SparkContext, tmp_path: object) -> None:
+    x, y, _, _ = digits()
+    export_minibatches([DataSet(x[i:i + BATCH], y[i:i + BATCH]) for i in range(0, 320, BATCH)],
+                       f"{tmp_path}/train", BATCH)
+    paths = sorted(list_paths(sc, f"{tmp_path}/train").collect())
+    with open(paths[7], "r+b") as f:
+        f.seek(40)
+        f.write(b"\xff" * 16)
+    net = mlp([64, 32, 10])
+    before = net.params().clone()
+    with pytest.raises(Exception, match=os.path.basename(paths[7])):
+        SparkNet(sc, net, SharedTrainingMaster(BATCH)).fit_paths(sc.parallelize(paths, 2), epochs=3)
+    assert torch.equal(net.params(), before)
+
+
+def test_direct_approach_and_two_trainers_per_worker(sc: SparkContext, data: tuple[torch.Tensor, ...]) -> None:
+    x, y, tx, ty = data
+    net = mlp([64, 64, 10])
+    master = SharedTrainingMaster(BATCH, workers_per_node=2, rdd_training_approach="direct", rng_seed=0,
+                                  collect_training_stats=True, mesh_build_mode="mesh")
+    spark_net = SparkNet(sc, net, master)
+    spark_net.fit(examples_rdd(sc, x, y), epochs=3)
+    trainers = spark_net.training_stats.trainers
+    assert len(trainers) == 4 and len({t.worker for t in trainers}) == 2
+    assert sum(t.minibatches for t in trainers) == 3 * 75
+    assert accuracy(net, tx, ty) > 0.8
+
+
+def test_encoding_debug_mode_logs_on_the_driver(sc: SparkContext, data: tuple[torch.Tensor, ...],
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    x, y, _, _ = data
+    master = SharedTrainingMaster(BATCH, encoding_debug_mode=True, threshold_algorithm=FixedThresholdAlgorithm(1e-2))
+    with caplog.at_level(logging.INFO, logger="dlscale.training.sharing"):
+        SparkNet(sc, mlp([64, 32, 10]), master).fit(examples_rdd(sc, x[:320], y[:320]), epochs=1)
+    lines = [r.getMessage() for r in caplog.records if "sparsity" in r.getMessage()]
+    assert lines and all("threshold 0.01" in line and "residual L2" in line for line in lines)
+    assert {line.split()[1] for line in lines} == {f"{w}#0" for w in sc.client.scheduler_info()["workers"]}
+
+
+def test_settings_are_validated() -> None:
+    with pytest.raises(ValueError, match="mesh_build_mode"):
+        SharedTrainingMaster(32, mesh_build_mode="ring")
+    with pytest.raises(ValueError, match="unknown threshold algorithm"):
+        SharedTrainingMaster(32, threshold_algorithm="median")
+    with pytest.raises(ValueError, match="workers_per_node"):
+        SharedTrainingMaster(32, workers_per_node=0)
+    with pytest.raises(ValueError, match="rdd_training_approach"):
+        SharedTrainingMaster(32, rdd_training_approach="stream")
+
+
+# -- the mesh on 64 lightweight peers: real comm servers in one process ------------------------
+
+async def _mesh_round(nodes: dict[str, Node], version: int, seq: int) -> None:
+    for node in nodes.values():
+        node.set_nodes(version, sorted(nodes))
+    await asyncio.sleep(0.05)
+    for address, node in nodes.items():
+        node.send(f"{address}#0", seq, f"{address}/{seq}".encode(), 0)
+    for _ in range(200):
+        if all(len(n.inboxes[0]) == len(nodes) - 1 for n in nodes.values()):
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.1)  # a duplicate would arrive by now
+    for address, node in nodes.items():
+        got = sorted(payload.decode() for _, _, payload in node.inboxes[0])
+        assert got == sorted(f"{a}/{seq}" for a in nodes if a != address)
+        node.inboxes[0].clear()
+
+
+@pytest.mark.parametrize("mode, fanout", [("mesh", 4), ("plain", 4)])
+def test_every_update_reaches_every_peer_once_on_64_nodes(mode: str, fanout: int) -> None:
+    async def main() -> None:
+        pool = await ConnectionPool(limit=1024)
+        servers, nodes = [], {}
+        loop = IOLoop.current()
+        for _ in range(64):
+            server = Server({})
+            await server.listen("tcp://127.0.0.1:0")
+            node = Node("s", server.address, pool, loop, 1, mode, fanout=fanout)
+            server.handlers["dlscale_update"] = lambda session, sender, messages, node=node: node.receive(
+                sender, messages)
+            servers.append(server)
+            nodes[server.address] = node
+        try:
+            await _mesh_round(nodes, 0, 0)
+            links = [len(n._links) for n in nodes.values()]
+            assert max(links) <= (fanout + 1 if mode == "mesh" else 63)
+            # the root of the tree dies: the survivors rebuild it and go on
+            root = min(nodes)
+            await servers[[s.address for s in servers].index(root)].close()
+            nodes.pop(root).close()
+            await _mesh_round(nodes, 1, 1)
+        finally:
+            for node in nodes.values():
+                node.close()
+            for server in servers:
+                await server.close()
+            await pool.close()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        asyncio.run(main())
