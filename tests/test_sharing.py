@@ -176,6 +176,17 @@ def test_direct_approach_and_two_trainers_per_worker(sc: SparkContext, data: tup
     assert accuracy(net, tx, ty) > 0.8
 
 
+def test_fewer_minibatches_than_trainers(sc: SparkContext, data: tuple[torch.Tensor, ...]) -> None:
+    x, y, _, _ = data
+    net = mlp([64, 32, 10])
+    single = mlp([64, 32, 10])
+    single.fit(DataSet(x[:BATCH], y[:BATCH]))
+    SparkNet(sc, net, SharedTrainingMaster(BATCH, threshold_algorithm=FixedThresholdAlgorithm(1e-9))).fit(
+        examples_rdd(sc, x[:BATCH], y[:BATCH], 1))
+    # one trainer idle, the other's one step: what was sent plus what its residual kept is that step
+    assert torch.allclose(net.params(), single.params(), atol=1e-6)
+
+
 def test_encoding_debug_mode_logs_on_the_driver(sc: SparkContext, data: tuple[torch.Tensor, ...],
                                                 caplog: pytest.LogCaptureFixture) -> None:
     x, y, _, _ = data

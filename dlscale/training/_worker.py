@@ -22,6 +22,7 @@ from dlscale.data.dataset import DataSet, MultiDataSet
 from dlscale.data.format import from_bytes
 from dlscale.data.loaders import prefetch
 from dlscale.nn.network import Network
+from dlscale.training._heap import training_heap
 
 _REPLICAS: dict[str, tuple[Network, threading.Lock]] = {}
 _REPLICAS_LOCK = threading.Lock()
@@ -100,7 +101,7 @@ def fit_share(key: str, blob: bytes, states: Sequence[dict[str, Any]], refs: Seq
     ``depth`` ahead) in order, and return the resulting state."""
     start, t0 = time.time(), time.perf_counter()
     network, lock = replica(key, blob)
-    with lock:
+    with lock, training_heap():
         match_threads()
         apply_state(network, average(*states), copy=len(states) == 1)
         examples, score, wait = 0, float("nan"), 0.0

@@ -35,6 +35,7 @@ from dlscale.encoding import (
     describe,
     encode,
 )
+from dlscale.training._heap import training_heap
 from dlscale.training._worker import decode, replica, state_of
 from dlscale.training.sharing._worker_plugin import plugin
 
@@ -106,7 +107,8 @@ def run(session: str, trainer: str, local: int, key: str, blob: bytes, refs: lis
         loader = loader.bind(get_client())
     secede()  # a trainer runs for the whole fit: it should not hold one of the worker's task slots
     try:
-        return _Trainer(worker, control, local, key, blob, refs, loader, spec, joined).train()
+        with training_heap():
+            return _Trainer(worker, control, local, key, blob, refs, loader, spec, joined).train()
     except _Stopped as e:
         return {"trainer": trainer, "lost": e.state == "lost", "aborted": e.state == "abort"}
     except BaseException as e:

@@ -257,7 +257,8 @@ class _Run:
         if lost:
             warnings.warn(f"gradient sharing lost trainer(s) {', '.join(lost)} with their workers; their "
                           f"minibatches were trained by the {len(states)} others", TrainerLostWarning, stacklevel=4)
-        state = _worker.average(*states) if len(states) > 1 else states[0]
+        fitted = [s for s in states if s["examples"]] or states[:1]  # an idle trainer's optimizer has no state
+        state = _worker.average(*fitted)
         state = dict(state, params=state["params"] + torch.stack([s["residual"] for s in states]).sum(0))
         _worker.apply_state(network, state)
         network.iteration += epochs * n

@@ -1,0 +1,206 @@
+"""PyTorch DistributedDataParallel as a baseline: samples/s of synchronous data-parallel training.
+
+``ddp_samples_per_s`` trains a module with ``torch.nn.parallel.DistributedDataParallel`` over the
+gloo backend in ``world_size`` processes (torch.multiprocessing, spawn) talking over 127.0.0.1: what a
+PyTorch user would run instead of dlscale. Every step each process trains on its own minibatch of
+``batch`` examples and DDP all-reduces the gradients, so a step covers a global batch of
+``world_size * batch`` examples, as with a ``DistributedSampler``.
+
+To run it over a rate-limited link, run the command line inside a namespace of ``benchmarks._links``::
+
+    python -m benchmarks._ddp --world-size 2 --epochs 1 --train 3840
+
+prints one JSON line (the result without the state dict). Without ``--data`` it trains the MLP of
+``benchmarks.parameter_averaging`` on that benchmark's data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import importlib
+import json
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ModuleFactory = Callable[[], torch.nn.Module]
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+# The workload of benchmarks.parameter_averaging, repeated here so that the worker processes need not
+# import dlscale: mlp(seed) has the same initial weights as parameter_averaging.network(seed).module.
+SGD = functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9)
+
+
+def mlp(seed: int = 0) -> torch.nn.Module:
+    """The MLP 784-2048-2048-10 (5.8M parameters) of benchmarks.parameter_averaging, seeded alike."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(784, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048),
+                               torch.nn.ReLU(), torch.nn.Linear(2048, 10))
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 just now (of this network namespace)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _steps(n: int, world_size: int, batch: int) -> int:
+    """Steps of an epoch: whole global batches only, so that every process does as many all-reduces."""
+    return n // (world_size * batch)
+
+
+def _shard(order: torch.Tensor, step: int, rank: int, world_size: int, batch: int) -> torch.Tensor:
+    start = (step * world_size + rank) * batch
+    return order[start:start + batch]
+
+
+def _worker(rank: int, world_size: int, port: int, tmp: str, make_module: ModuleFactory,
+            optimizer_factory: OptimizerFactory, loss_fn: LossFn, batch: int, epochs: int,
+            threads: int, warmup_steps: int, seed: int) -> None:
+    torch.set_num_threads(threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # gloo binds to the address of the host name unless told which interface; in a namespace of
+    # benchmarks._links only lo exists, and here everything is on 127.0.0.1 anyway.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        data = torch.load(Path(tmp) / "data.pt", weights_only=True)  # in memory, as the baseline's
+        x, y = data["x"], data["y"]
+        module = make_module()
+        model = torch.nn.parallel.DistributedDataParallel(module)  # broadcasts rank 0's weights
+        optimizer = optimizer_factory(model.parameters())
+        steps = _steps(len(x), world_size, batch)
+
+        def step(idx: torch.Tensor) -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = loss_fn(model(x[idx]), y[idx])
+            loss.backward()
+            optimizer.step()
+            return loss.detach()
+
+        # Warm-up (first all-reduces, DDP's bucket rebuild, allocator), then back to the initial state,
+        # so that the timed epochs train from the same weights as a baseline without warm-up.
+        initial = copy.deepcopy(module.state_dict()), copy.deepcopy(optimizer.state_dict())
+        warm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed + 10**6))
+        for s in range(min(warmup_steps, steps)):
+            step(_shard(warm, s, rank, world_size, batch))
+        module.load_state_dict(initial[0])
+        optimizer.load_state_dict(initial[1])
+
+        g = torch.Generator().manual_seed(seed)  # the same order on every rank, as set_epoch does
+        loss = torch.tensor(float("nan"))
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(epochs):
+            order = torch.randperm(len(x), generator=g)
+            for s in range(steps):
+                loss = step(_shard(order, s, rank, world_size, batch))
+        dist.barrier()
+        seconds = time.perf_counter() - start
+
+        if rank == 0:
+            result: dict[str, Any] = {"seconds": seconds, "final_loss": float(loss)}
+            if "test_x" in data:
+                module.eval()
+                with torch.no_grad():
+                    pred = module(data["test_x"]).argmax(1)
+                result["test_accuracy"] = float((pred == data["test_y"]).float().mean())
+            result["state_dict"] = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+            torch.save(result, Path(tmp) / "result.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def ddp_samples_per_s(world_size: int, make_module: ModuleFactory, x: torch.Tensor, y: torch.Tensor,
+                      batch: int, epochs: int, optimizer_factory: OptimizerFactory,
+                      threads_per_process: int = 1, port: int | None = None, *,
+                      test_x: torch.Tensor | None = None, test_y: torch.Tensor | None = None,
+                      loss_fn: LossFn = torch.nn.functional.cross_entropy, warmup_steps: int = 3,
+                      seed: int = 0) -> dict[str, Any]:
+    """Train with DDP over gloo in ``world_size`` processes; return the throughput of the timed epochs.
+
+    ``make_module``, ``optimizer_factory`` and ``loss_fn`` go to the workers by pickling: module-level
+    functions or ``functools.partial`` of them. The data goes through a temporary file (``torch.save``,
+    loaded with ``weights_only=True``). Each epoch is one random order shared by all processes, cut
+    into global batches of ``world_size * batch``; process ``r`` trains on the ``r``-th ``batch`` of
+    each, and an incomplete last global batch is dropped. Timed: ``epochs`` epochs, after
+    ``warmup_steps`` steps whose effect is undone.
+
+    Returns samples/s (training examples of the timed epochs per second), seconds, steps,
+    ``grad_bytes_per_step`` (bytes of gradients all-reduced a step), rank 0's final ``state_dict``
+    (CPU tensors), ``final_loss`` (rank 0's last minibatch) and ``test_accuracy`` when test data is
+    given.
+    """
+    steps = _steps(len(x), world_size, batch)
+    if steps == 0:
+        raise ValueError(f"{len(x)} examples make no global batch of {world_size} x {batch}")
+    module = make_module()
+    params = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    with tempfile.TemporaryDirectory(prefix="dlscale-ddp-") as tmp:
+        data = {"x": x.contiguous(), "y": y.contiguous()}
+        if test_x is not None and test_y is not None:
+            data.update(test_x=test_x.contiguous(), test_y=test_y.contiguous())
+        torch.save(data, Path(tmp) / "data.pt")
+        mp.spawn(_worker, nprocs=world_size, join=True,
+                 args=(world_size, port or free_port(), tmp, make_module, optimizer_factory, loss_fn, batch,
+                       epochs, threads_per_process, warmup_steps, seed))
+        result = torch.load(Path(tmp) / "result.pt", weights_only=True)
+    samples = epochs * steps * world_size * batch
+    return {"world_size": world_size, "batch": batch, "global_batch": world_size * batch, "epochs": epochs,
+            "steps_per_epoch": steps, "samples": samples, "samples_per_s": samples / result["seconds"],
+            "threads_per_process": threads_per_process, "parameters": params,
+            "grad_bytes_per_step": grad_bytes, **result}
+
+
+def _resolve(spec: str) -> Any:
+    """The object named ``package.module:attribute``."""
+    module, _, attr = spec.partition(":")
+    return functools.reduce(getattr, attr.split("."), importlib.import_module(module))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="DDP (gloo) samples/s; prints one JSON line.")
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=64, help="examples per process per step")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--port", type=int, default=None)
+    parser.add_argument("--warmup-steps", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default="benchmarks._ddp:mlp",
+                        help="module:callable returning the nn.Module (default: the benchmark MLP)")
+    parser.add_argument("--optimizer", default="benchmarks._ddp:SGD",
+                        help="module:callable(params) returning the optimizer (default: SGD lr 0.01 momentum 0.9)")
+    parser.add_argument("--data", type=Path, default=None,
+                        help="torch.save'd dict of tensors x, y and optionally test_x, test_y "
+                             "(default: benchmarks.parameter_averaging.make_data())")
+    parser.add_argument("--train", type=int, default=None, help="use only the first TRAIN training examples")
+    args = parser.parse_args(argv)
+    if args.data is not None:
+        data = torch.load(args.data, weights_only=True)
+    else:
+        from benchmarks.parameter_averaging import make_data
+        data = dict(zip(("x", "y", "test_x", "test_y"), make_data(), strict=True))
+    x, y = data["x"][:args.train], data["y"][:args.train]
+    result = ddp_samples_per_s(args.world_size, _resolve(args.model), x, y, args.batch, args.epochs,
+                               _resolve(args.optimizer), args.threads, args.port, test_x=data.get("test_x"),
+                               test_y=data.get("test_y"), warmup_steps=args.warmup_steps, seed=args.seed)
+    result.pop("state_dict")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
