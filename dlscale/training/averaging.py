@@ -24,19 +24,21 @@ from distributed import Future
 from dlscale.persist import StorageLevel
 from dlscale.stats import RoundStats, TrainingStats, WorkerRound
 from dlscale.training import _sources, _worker
-from dlscale.training.master import TrainingMaster, check_epochs, probe_rdd, serialise
+from dlscale.training.master import (
+    TrainingMaster,
+    check_count,
+    check_epochs,
+    check_source,
+    probe_rdd,
+    serialise,
+)
 
 if TYPE_CHECKING:
     from dlscale.rdd import RDD
     from dlscale.training.sparknet import SparkNet
 
 REPARTITION = ("always", "never", "num_partitions_workers_differs")
-APPROACHES = ("export", "direct")
 
-
-def _positive(name: str, value: Any, minimum: int = 1) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 @dataclasses.dataclass
@@ -67,16 +69,13 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
     _exports: _sources.ExportCache = dataclasses.field(default_factory=_sources.ExportCache, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        _positive("batch_size_per_worker", self.batch_size_per_worker)
-        _positive("averaging_frequency", self.averaging_frequency)
-        _positive("worker_prefetch_num_batches", self.worker_prefetch_num_batches, 0)
-        _positive("aggregation_depth", self.aggregation_depth)
+        check_count("batch_size_per_worker", self.batch_size_per_worker)
+        check_count("averaging_frequency", self.averaging_frequency)
+        check_count("worker_prefetch_num_batches", self.worker_prefetch_num_batches, 0)
+        check_count("aggregation_depth", self.aggregation_depth)
         if self.repartition not in REPARTITION:
             raise ValueError(f"repartition must be one of {REPARTITION}, got {self.repartition!r}")
-        if self.rdd_training_approach not in APPROACHES:
-            raise ValueError(f"rdd_training_approach must be one of {APPROACHES}, got {self.rdd_training_approach!r}")
-        if not isinstance(self.storage_level, StorageLevel):
-            raise TypeError(f"storage_level must be a StorageLevel, not {type(self.storage_level).__name__}")
+        check_source(self.rdd_training_approach, self.storage_level)
 
     # -- the two entry points ------------------------------------------------------------
     def fit(self, net: SparkNet, rdd: RDD, epochs: int) -> None:

@@ -11,6 +11,7 @@ import cloudpickle
 
 from dlscale.data.dataset import DataSet, MultiDataSet
 from dlscale.errors import NetworkSerializationError
+from dlscale.persist import StorageLevel
 
 if TYPE_CHECKING:
     from dlscale.nn.network import Network
@@ -28,6 +29,24 @@ class TrainingMaster(abc.ABC):
     @abc.abstractmethod
     def fit_paths(self, net: SparkNet, paths: RDD, loader: Callable[[Any], Any] | None, epochs: int) -> None:
         """Train ``net.network`` on the minibatches that ``loader`` reads from ``paths``."""
+
+
+APPROACHES = ("export", "direct")
+"""How ``fit`` trains on an RDD: from minibatch files written first, or from minibatches in memory."""
+
+
+def check_source(approach: str, storage_level: Any) -> None:
+    """Refuse an unknown ``rdd_training_approach`` or a ``storage_level`` that is not a StorageLevel."""
+    if approach not in APPROACHES:
+        raise ValueError(f"rdd_training_approach must be one of {APPROACHES}, got {approach!r}")
+    if not isinstance(storage_level, StorageLevel):
+        raise TypeError(f"storage_level must be a StorageLevel, not {type(storage_level).__name__}")
+
+
+def check_count(name: str, value: Any, minimum: int = 1) -> None:
+    """Refuse a setting that is not an integer of at least ``minimum``, naming it."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 def check_epochs(epochs: int) -> None:

@@ -42,6 +42,9 @@ from dlscale.training.sharing._worker_plugin import plugin
 logger = logging.getLogger("dlscale.training.sharing")
 
 DEBUG_TOPIC = "dlscale-encoding"
+DEBUG_FORMAT = ("trainer %(trainer)s step %(step)d: threshold %(threshold).3g, sparsity %(sparsity).3g, %(form)s "
+                "message of %(message_bytes)d bytes, residual L2 %(residual_l2).4g, max |r| %(residual_max_abs).3g, "
+                "%(residual_above_threshold)d elements still above threshold")
 
 
 @dataclass(frozen=True)
@@ -282,7 +285,5 @@ class _Trainer:
 
     def _debug(self, step: int, message: EncodedUpdate, residual: torch.Tensor) -> None:
         info = {"trainer": self.name, "step": step, **describe(message, residual)}
-        logger.info("trainer %(trainer)s step %(step)d: threshold %(threshold).3g, sparsity %(sparsity).3g, "
-                    "%(form)s message of %(message_bytes)d bytes, residual L2 %(residual_l2).4g, max |r| "
-                    "%(residual_max_abs).3g, %(residual_above_threshold)d elements still above threshold", info)
+        logger.info(DEBUG_FORMAT, info)
         self.worker.log_event(DEBUG_TOPIC, info)

@@ -38,7 +38,14 @@ from dlscale.errors import TrainerLostWarning
 from dlscale.persist import StorageLevel
 from dlscale.stats import TrainerStats, TrainingStats
 from dlscale.training import _sources, _worker
-from dlscale.training.master import TrainingMaster, check_epochs, probe_rdd, serialise
+from dlscale.training.master import (
+    TrainingMaster,
+    check_count,
+    check_epochs,
+    check_source,
+    probe_rdd,
+    serialise,
+)
 from dlscale.training.sharing import _mesh, _trainer
 from dlscale.training.sharing._scheduler_plugin import SharingSchedulerPlugin
 from dlscale.training.sharing._worker_plugin import SharingWorkerPlugin, plugin
@@ -49,12 +56,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("dlscale.training.sharing")
 
-APPROACHES = ("export", "direct")
 
-
-def _positive(name: str, value: Any, minimum: int = 1) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 @dataclasses.dataclass
@@ -91,18 +93,15 @@ class SharedTrainingMaster(TrainingMaster):
     _exports: _sources.ExportCache = dataclasses.field(default_factory=_sources.ExportCache, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        _positive("batch_size_per_worker", self.batch_size_per_worker)
-        _positive("workers_per_node", self.workers_per_node)
-        _positive("prefetch", self.prefetch, 0)
-        _positive("worker_gc_frequency_ms", self.worker_gc_frequency_ms)
+        check_count("batch_size_per_worker", self.batch_size_per_worker)
+        check_count("workers_per_node", self.workers_per_node)
+        check_count("prefetch", self.prefetch, 0)
+        check_count("worker_gc_frequency_ms", self.worker_gc_frequency_ms)
         self.threshold_algorithm = threshold_algorithm(self.threshold_algorithm)
         self.residual_post_processor = residual_post_processor(self.residual_post_processor)
         if self.mesh_build_mode not in _mesh.MODES:
             raise ValueError(f"mesh_build_mode must be one of {_mesh.MODES}, got {self.mesh_build_mode!r}")
-        if self.rdd_training_approach not in APPROACHES:
-            raise ValueError(f"rdd_training_approach must be one of {APPROACHES}, got {self.rdd_training_approach!r}")
-        if not isinstance(self.storage_level, StorageLevel):
-            raise TypeError(f"storage_level must be a StorageLevel, not {type(self.storage_level).__name__}")
+        check_source(self.rdd_training_approach, self.storage_level)
 
     def fit(self, net: SparkNet, rdd: RDD, epochs: int) -> None:
         check_epochs(epochs)
@@ -279,6 +278,4 @@ def _lost_worker(future: Future) -> bool:
 
 def _log_debug(event: tuple[float, dict[str, Any]]) -> None:
     _, info = event
-    logger.info("trainer %(trainer)s step %(step)d: threshold %(threshold).3g, sparsity %(sparsity).3g, "
-                "%(form)s message of %(message_bytes)d bytes, residual L2 %(residual_l2).4g, max |r| "
-                "%(residual_max_abs).3g, %(residual_above_threshold)d elements still above threshold", info)
+    logger.info(_trainer.DEBUG_FORMAT, info)
