@@ -60,8 +60,6 @@ class Node:
         self.nodes: list[str] = [address]
         self.version = -1
         self.closed = False
-        self.messages_received = 0
-        self.bytes_received = 0
         self._seen: dict[str, _mesh.Seen] = collections.defaultdict(_mesh.Seen)  # event loop only
         self._links: dict[str, _Link] = {}
         self._buffered = 0
@@ -155,8 +153,6 @@ class Node:
             item = (origin, seq, payload)
             for box in self.inboxes:
                 box.append(item)
-            self.messages_received += 1
-            self.bytes_received += len(payload)
             if self.mode == "mesh":
                 self._route(item, sender)
 
