@@ -320,26 +320,25 @@ def test_stats_summary_and_json(sc, tmp_path: Path) -> None:
 
 
 _HEAP_PROBE = """
-import resource, torch
+import resource, statistics, torch
 from dlscale.training._heap import training_heap
 
 def faults():
-    x = torch.empty(4 * 2**20); x.fill_(1.0); del x  # 16 MiB allocated, touched and freed
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    x = torch.empty(4 * 2**20); x.fill_(1.0); del x
+    x = torch.empty(4 * 2**20); x.fill_(1.0); del x  # 16 MiB allocated, touched and freed
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 with training_heap():
-    inside = faults()
-print(inside, faults())
+    inside = [faults() for _ in range(8)][1:]
+print(statistics.median(inside), max(faults() for _ in range(4)))
 """
 
 
 def test_training_tasks_keep_large_temporaries_on_the_heap() -> None:
-    """Under Dask's worker setting a freed 16 MiB tensor is unmapped and its successor page-faults
-    afresh; inside a training task it is reused, and the setting is restored afterwards."""
+    """Under Dask's worker setting every 16 MiB tensor is a fresh mapping that page-faults; inside a
+    training task the freed memory is reused, and the setting is restored afterwards."""
     env = {**os.environ, "MALLOC_TRIM_THRESHOLD_": "65536"}
     done = subprocess.run([sys.executable, "-c", _HEAP_PROBE], env=env, capture_output=True, text=True, check=True)
-    inside, outside = map(int, done.stdout.split())
+    inside, outside = map(float, done.stdout.split())
     assert outside > 3000  # 4,096 pages of 4 KiB
-    assert inside < outside / 10
+    assert inside < 100
