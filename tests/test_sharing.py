@@ -26,7 +26,7 @@ from dlscale.nn.listeners import TrainingListener
 from dlscale.training.sharing._worker_plugin import Node
 
 BATCH = 16
-EPOCHS = 40
+EPOCHS = 60
 
 
 def digits() -> tuple[torch.Tensor, ...]:
