@@ -47,3 +47,11 @@ class NetworkSerializationError(DlscaleError, TypeError):
 
 class TrainerLostWarning(UserWarning):
     """A training run that lost a worker and finished without it (its work done by the others)."""
+
+
+class EvaluationError(DlscaleError, ValueError):
+    """Labels, predictions or masks that an evaluation cannot use (wrong shape, NaN, unknown class)."""
+
+
+class IncompatibleEvaluationError(DlscaleError, TypeError):
+    """Two evaluations that cannot be merged (different types or settings), or JSON of another type."""
