@@ -216,7 +216,7 @@ class RDD:
             raise ValueError(f"the sum of weights must be positive, got {weights}")
         bounds = list(itertools.accumulate((w / total for w in weights), initial=0.0))
         seed = random.randint(0, 2**32 - 1) if seed is None else seed
-        return [self.mapPartitionsWithIndex(RangeSampler(lo, hi, seed), True) for lo, hi in zip(bounds, bounds[1:])]
+        return [self.mapPartitionsWithIndex(RangeSampler(lo, hi, seed), True) for lo, hi in itertools.pairwise(bounds)]
 
     # -- wide transformations ------------------------------------------------------------
     def _check_num_partitions(self, n: Any, name: str) -> int:
@@ -437,7 +437,7 @@ class RDD:
         n = self.getNumPartitions()
         if n == 0:
             return zeroValue
-        scale = max(int(math.ceil(n ** (1.0 / depth))), 2)
+        scale = max(math.ceil(n ** (1.0 / depth)), 2)
         return self._reduce(
             partial(_ops.aggregate_partition, zeroValue, seqOp),
             lambda parts: reduce(combOp, parts),
@@ -448,7 +448,7 @@ class RDD:
         if depth < 1:
             raise ValueError(f"Depth cannot be smaller than 1 but got {depth}.")
         n = self.getNumPartitions()
-        scale = max(int(math.ceil(max(n, 1) ** (1.0 / depth))), 2)
+        scale = max(math.ceil(max(n, 1) ** (1.0 / depth)), 2)
         vals = self._reduce(partial(_ops.reduce_partition, f), partial(_ops.reduce_results, f), scale) if n else []
         if vals:
             return vals[0]

@@ -107,6 +107,4 @@ class StatCounter:
         }
 
     def __repr__(self) -> str:
-        return "(count: %s, mean: %s, stdev: %s, max: %s, min: %s)" % (
-            self.count(), self.mean(), self.stdev(), self.max(), self.min()
-        )
+        return f"(count: {self.count()}, mean: {self.mean()}, stdev: {self.stdev()}, max: {self.max()}, min: {self.min()})"

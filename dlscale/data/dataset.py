@@ -7,7 +7,7 @@ minibatches of sequences of different lengths can be merged by padding the time 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -262,3 +262,31 @@ class MultiDataSet(_Minibatch):
             labels.append(t)
             lmasks.append(m)
         return MultiDataSet(features, labels, fmasks, lmasks)
+
+
+def rebatch(batches: Iterable[DataSet | MultiDataSet], size: int) -> Iterator[DataSet | MultiDataSet]:
+    """The examples of ``batches``, in order, as minibatches of exactly ``size`` (the last may be
+    smaller): evaluation and inference compute in batches of their own size, whatever the data's."""
+    if size < 1:
+        raise ValueError(f"batch size must be at least 1, got {size}")
+    pending: list[Any] = []
+    count = 0
+    for batch in batches:
+        while batch.num_examples():
+            head, batch = batch.split(min(size - count, batch.num_examples()))
+            pending.append(head)
+            count += head.num_examples()
+            if count == size:
+                yield _joined(pending)
+                pending, count = [], 0
+    if pending:
+        yield _joined(pending)
+
+
+def _joined(batches: list[Any]) -> DataSet | MultiDataSet:
+    if len(batches) == 1:
+        return batches[0]
+    kinds = {type(b) for b in batches}
+    if len(kinds) > 1:
+        raise DataShapeError(f"cannot batch {' and '.join(sorted(k.__name__ for k in kinds))} together")
+    return batches[0].merge(batches)

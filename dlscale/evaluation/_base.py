@@ -68,6 +68,8 @@ def rows(labels: Any, predictions: Any, mask: Any = None, *, per_output_mask: bo
     """
     p = as_numpy(predictions, "predictions")
     y = as_numpy(labels, "labels")
+    if y.dtype == np.bool_:
+        y = y.astype(np.int64)
     if p.ndim == 1:
         p = p[:, None]
         if y.ndim == 1:

@@ -43,20 +43,29 @@ LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
 }
 
 
-def named_loss(name: str, output: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """The mean of loss ``name`` over examples (and time steps), leaving out masked steps."""
+def _unreduced(name: str, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Loss ``name`` per example, step and output; labels that do not fit it are reported as such."""
     try:
-        per = LOSSES[name](output, labels)
+        return LOSSES[name](output, labels)
     except (RuntimeError, ValueError, IndexError) as e:
         raise DataShapeError(
             f"labels of shape {tuple(labels.shape)} ({labels.dtype}) do not fit loss {name!r} for outputs of "
             f"shape {tuple(output.shape)} ({output.dtype}): {e}"
         ) from e
-    if mask is None:
-        return per.mean()
+
+
+def _check_mask(mask: torch.Tensor, per: torch.Tensor) -> None:
     if per.dim() < 2 or per.shape[:2] != mask.shape:
         raise DataShapeError(f"labels_mask of shape {tuple(mask.shape)} does not fit a per-step loss of shape "
                              f"{tuple(per.shape)}; a mask is [examples, time]")
+
+
+def named_loss(name: str, output: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The mean of loss ``name`` over examples (and time steps), leaving out masked steps."""
+    per = _unreduced(name, output, labels)
+    if mask is None:
+        return per.mean()
+    _check_mask(mask, per)
     per = per.reshape(*mask.shape, -1).mean(dim=2)
     mask = mask.to(per.dtype)
     return (per * mask).sum() / mask.sum().clamp_min(1)
@@ -83,4 +92,32 @@ def compute(loss: str | LossFn, outputs: list[torch.Tensor], labels: list[torch.
     total: Any = 0
     for out, y, m in zip(outputs, labels, masks):
         total = total + named_loss(loss, out, y, m)
+    return total
+
+
+def _per_example_named(name: str, output: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    per = _unreduced(name, output, labels)
+    if mask is None:
+        return per.reshape(per.shape[0], -1).mean(dim=1)
+    _check_mask(mask, per)
+    per = per.reshape(*mask.shape, -1).mean(dim=2)
+    mask = mask.to(per.dtype)
+    return (per * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1)
+
+
+def per_example(loss: str | LossFn, outputs: list[torch.Tensor], labels: list[torch.Tensor],
+                masks: list[torch.Tensor | None], single: bool) -> torch.Tensor:
+    """The loss of each example: for a named loss, its mean over the example's outputs and unmasked
+    time steps, summed over output/label pairs (their mean over examples is :func:`compute` when
+    nothing is masked); a callable loss is applied to one example at a time."""
+    n = outputs[0].shape[0]
+    if not isinstance(loss, str):
+        pick = (lambda ts, i: ts[0][i:i + 1]) if single else (lambda ts, i: [t[i:i + 1] for t in ts])
+        return torch.stack([torch.as_tensor(loss(pick(outputs, i), pick(labels, i)), dtype=torch.float32).reshape(())
+                            for i in range(n)]) if n else torch.zeros(0)
+    if len(outputs) != len(labels):
+        raise DataShapeError(f"the network gives {len(outputs)} outputs for {len(labels)} label arrays")
+    total = torch.zeros(n, dtype=outputs[0].dtype, device=outputs[0].device)
+    for out, y, m in zip(outputs, labels, masks):
+        total = total + _per_example_named(loss, out, y, m)
     return total

@@ -93,13 +93,21 @@ class Network:
         return self.optimizer
 
     # -- computing -------------------------------------------------------------------------
+    def _call(self, features: list[torch.Tensor], masks: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+        """The module on ``features``. Where the data has feature masks, the module receives them as
+        the keyword argument ``mask`` (a tensor for one input, a list with one entry per input for
+        several), as DL4J feeds masks to its layers: padded steps are the module's to ignore."""
+        if all(m is None for m in masks):
+            return _as_list(self.module(*features))
+        return _as_list(self.module(*features, mask=masks[0] if len(masks) == 1 else list(masks)))
+
     def _forward(self, batch: Minibatch) -> tuple[list[torch.Tensor], list[torch.Tensor], list, bool]:
         if isinstance(batch, DataSet):
             if batch.labels is None:
-                raise ValueError("cannot compute a loss for a DataSet without labels")
-            return _as_list(self.module(batch.features)), [batch.labels], [batch.labels_mask], True
+                raise ValueError("a DataSet without labels cannot be scored or evaluated")
+            return self._call([batch.features], [batch.features_mask]), [batch.labels], [batch.labels_mask], True
         if isinstance(batch, MultiDataSet):
-            return _as_list(self.module(*batch.features)), batch.labels, batch.labels_masks, False
+            return self._call(batch.features, batch.features_masks), batch.labels, batch.labels_masks, False
         raise TypeError(f"a network fits DataSet or MultiDataSet minibatches, not {type(batch).__name__}")
 
     def fit_batch(self, batch: Minibatch) -> float:
@@ -127,12 +135,15 @@ class Network:
             self.epoch += 1
         return score
 
-    def output(self, *features: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
-        """The network's output for ``features`` (one tensor per input), in evaluation mode."""
+    def output(self, *features: torch.Tensor, mask: torch.Tensor | list[torch.Tensor | None] | None = None
+               ) -> torch.Tensor | list[torch.Tensor]:
+        """The network's output for ``features`` (one tensor per input), in evaluation mode; ``mask``
+        is passed on to the module (see :meth:`_call`)."""
+        masks = mask if isinstance(mask, list) else [mask] * (1 if mask is not None else len(features))
         self.module.eval()
         with torch.no_grad():
-            out = self.module(*features)
-        return out if isinstance(out, torch.Tensor) else list(out)
+            out = self._call(list(features), masks)
+        return out[0] if len(out) == 1 else out
 
     def score(self, batch: Minibatch) -> float:
         """The loss on ``batch`` in evaluation mode, without training."""
@@ -140,6 +151,34 @@ class Network:
         with torch.no_grad():
             outputs, labels, masks, single = self._forward(batch)
             return float(losses.compute(self.loss, outputs, labels, masks, single))
+
+    def evaluate_batch(self, batch: Minibatch) -> tuple[list[torch.Tensor], list[torch.Tensor], list]:
+        """``(outputs, labels, label masks)`` of ``batch`` in evaluation mode: what evaluations read."""
+        self.module.eval()
+        with torch.no_grad():
+            outputs, labels, masks, _ = self._forward(batch)
+        return outputs, labels, masks
+
+    def score_examples(self, batch: Minibatch, include_regularization: bool = False) -> torch.Tensor:
+        """The loss of each example of ``batch`` (see :func:`dlscale.nn.losses.per_example`), plus the
+        regularization term when ``include_regularization``; a vector of ``num_examples()``."""
+        self.module.eval()
+        with torch.no_grad():
+            outputs, labels, masks, single = self._forward(batch)
+            scores = losses.per_example(self.loss, outputs, labels, masks, single)
+        return scores + self.regularization_score() if include_regularization else scores
+
+    def regularization_score(self) -> float:
+        """The L2 penalty the optimizer's ``weight_decay`` stands for, ``sum(wd / 2 * |w|^2)`` over its
+        parameter groups (DL4J adds its l1/l2 terms to scores the same way); 0 without an optimizer."""
+        if self.optimizer is None:
+            return 0.0
+        total = 0.0
+        for group in self.optimizer.param_groups:
+            decay = float(group.get("weight_decay", 0.0) or 0.0)
+            if decay:
+                total += decay / 2 * sum(float(p.detach().pow(2).sum()) for p in group["params"])
+        return total
 
     # -- archives --------------------------------------------------------------------------
     def save(self, url: str, save_updater: bool = True, storage_options: dict[str, Any] | None = None) -> None:

@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from distributed import get_worker
 
+from dlscale._tasks import match_threads, worker_address
 from dlscale.data.dataset import DataSet, MultiDataSet
 from dlscale.data.format import from_bytes
 from dlscale.data.loaders import prefetch
@@ -42,17 +42,6 @@ def drop_replica(key: str) -> None:
     """Forget the replica of ``key`` (run on every worker when a fit ends)."""
     with _REPLICAS_LOCK:
         _REPLICAS.pop(key, None)
-
-
-def match_threads() -> int:
-    """Give torch as many intra-op threads as this worker runs tasks on; returns that number."""
-    try:
-        n = get_worker().state.nthreads
-    except ValueError:  # not on a worker
-        return torch.get_num_threads()
-    if torch.get_num_threads() != n:
-        torch.set_num_threads(n)
-    return n
 
 
 def _cloned(value: Any) -> Any:
@@ -118,16 +107,9 @@ def fit_share(key: str, blob: bytes, states: Sequence[dict[str, Any]], refs: Seq
         finally:
             batches.close()
         out = state_of(network, with_optimizer)
-    share = {"worker": _address(), "batches": list(names), "examples": examples, "score": score,
+    share = {"worker": worker_address(), "batches": list(names), "examples": examples, "score": score,
              "fit_seconds": time.perf_counter() - t0, "wait_seconds": wait, "start": start, "end": time.time()}
     return {**out, "examples": examples, "batches": len(refs), "score": score, "shares": [share]}
-
-
-def _address() -> str:
-    try:
-        return get_worker().address
-    except ValueError:
-        return "local"
 
 
 def _weighted_mean(values: list[Any], weights: list[int]) -> Any:

@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from distributed import Future
 
+from dlscale._tasks import check_count
 from dlscale.persist import StorageLevel
 from dlscale.stats import RoundStats, TrainingStats, WorkerRound
 from dlscale.training import _sources, _worker
 from dlscale.training.master import (
     TrainingMaster,
-    check_count,
     check_epochs,
     check_source,
     probe_rdd,

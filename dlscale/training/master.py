@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import abc
-import pickle
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import cloudpickle
-
 from dlscale.data.dataset import DataSet, MultiDataSet
-from dlscale.errors import NetworkSerializationError
+from dlscale.nn import shipping
 from dlscale.persist import StorageLevel
 
 if TYPE_CHECKING:
@@ -43,46 +40,17 @@ def check_source(approach: str, storage_level: Any) -> None:
         raise TypeError(f"storage_level must be a StorageLevel, not {type(storage_level).__name__}")
 
 
-def check_count(name: str, value: Any, minimum: int = 1) -> None:
-    """Refuse a setting that is not an integer of at least ``minimum``, naming it."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
 def check_epochs(epochs: int) -> None:
     if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
         raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
 
 
 def serialise(network: Network) -> bytes:
-    """``network`` pickled for the workers, without its listeners (they run on the driver); a network
-    that cannot be pickled is refused here, naming the attribute at fault."""
+    """``network`` pickled for the workers to train (see :func:`dlscale.nn.shipping.serialise`)."""
     if network.optimizer is None:
         raise ValueError("the network has no optimizer: pass one (e.g. functools.partial(torch.optim.SGD, lr=0.1)) "
                          "to train it")
-    listeners, network.listeners = network.listeners, []
-    try:
-        return cloudpickle.dumps(network, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as e:
-        raise NetworkSerializationError(
-            f"the network cannot be serialised to send it to the workers: {_culprit(network)}: {e}") from e
-    finally:
-        network.listeners = listeners
-
-
-def _culprit(network: Network) -> str:
-    """The first part of ``network`` that does not pickle, by name."""
-    candidates = [("the loss", network.loss), ("the optimizer factory", network.optimizer_factory)]
-    for name, module in network.module.named_modules():
-        for attr, value in vars(module).items():
-            if attr not in ("_parameters", "_buffers", "_modules"):
-                candidates.append((f"attribute {attr!r} of module {name or type(module).__name__!r}", value))
-    for what, value in candidates:
-        try:
-            cloudpickle.dumps(value)
-        except Exception:  # noqa: BLE001 - looking for the first failure
-            return what
-    return "an unknown part"
+    return shipping.serialise(network)
 
 
 def probe_rdd(network: Network, rdd: RDD, batch_size: int) -> None:

@@ -6,6 +6,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+from dlscale import inference
+from dlscale.evaluation import (
+    ROC,
+    BaseEvaluation,
+    Evaluation,
+    RegressionEvaluation,
+    ROCMultiClass,
+    do_evaluation,
+)
+from dlscale.evaluation.distributed import Loader
 from dlscale.nn.listeners import TrainingListener
 from dlscale.nn.network import Network
 from dlscale.stats import TrainingStats
@@ -47,6 +57,56 @@ class SparkNet:
         read on the workers by ``loader`` (default: ``.dlb`` files); returns :attr:`network`."""
         self.training_master.fit_paths(self, paths, loader, epochs)
         return self.network
+
+    # -- evaluation (DL4J's evaluate, evaluateROC, evaluateRegression, doEvaluation) ------------
+    def evaluate(self, data: RDD, batch_size: int | None = None, top_n: int = 1, labels: list[str] | None = None,
+                 loader: Loader | None = None) -> Evaluation:
+        """Classification metrics (accuracy, precision, recall, F1, top-N accuracy, ...) of the network on
+        ``data``; see :meth:`do_evaluation` for ``data``, ``batch_size`` and ``loader``."""
+        return self.do_evaluation(data, Evaluation(labels=labels, top_n=top_n), batch_size=batch_size,
+                                  loader=loader)[0]
+
+    def evaluate_roc(self, data: RDD, threshold_steps: int = 0, batch_size: int | None = None,
+                     loader: Loader | None = None) -> ROC:
+        """The ROC curve, AUC and AUPRC of a binary classifier (exact when ``threshold_steps`` is 0)."""
+        return self.do_evaluation(data, ROC(threshold_steps), batch_size=batch_size, loader=loader)[0]
+
+    def evaluate_roc_multiclass(self, data: RDD, threshold_steps: int = 0, batch_size: int | None = None,
+                                loader: Loader | None = None) -> ROCMultiClass:
+        """One-vs-all ROC curves and AUCs of a multi-class classifier."""
+        return self.do_evaluation(data, ROCMultiClass(threshold_steps), batch_size=batch_size, loader=loader)[0]
+
+    def evaluate_regression(self, data: RDD, batch_size: int | None = None,
+                            loader: Loader | None = None) -> RegressionEvaluation:
+        """Per-column MSE, MAE, RMSE, RSE, Pearson correlation and R² of a regression network."""
+        return self.do_evaluation(data, RegressionEvaluation(), batch_size=batch_size, loader=loader)[0]
+
+    def do_evaluation(self, data: RDD, *evaluations: BaseEvaluation, batch_size: int | None = None,
+                      num_workers: int | None = None, loader: Loader | None = None,
+                      output: int = 0) -> list[BaseEvaluation]:
+        """Several evaluations in one pass over ``data`` (an RDD of DataSet/MultiDataSet, or of paths read
+        by ``loader``); see :func:`dlscale.evaluation.do_evaluation`."""
+        return do_evaluation(self.network, data, *evaluations, batch_size=batch_size, num_workers=num_workers,
+                             loader=loader, output=output)
+
+    # -- inference (DL4J's feedForwardWithKey, scoreExamples, calculateScore) -------------------
+    def feed_forward_with_key(self, pair_rdd: RDD, batch_size: int | None = None) -> RDD:
+        """``(key, output)`` for every ``(key, features)``; see :func:`dlscale.inference.feed_forward_with_key`."""
+        return inference.feed_forward_with_key(self.network, pair_rdd, batch_size)
+
+    def feed_forward_with_mask_and_key(self, pair_rdd: RDD, batch_size: int | None = None) -> RDD:
+        """``(key, output)`` for every ``(key, (features, mask))``; see
+        :func:`dlscale.inference.feed_forward_with_mask_and_key`."""
+        return inference.feed_forward_with_mask_and_key(self.network, pair_rdd, batch_size)
+
+    def score_examples(self, rdd: RDD, include_regularization: bool = False, batch_size: int | None = None) -> RDD:
+        """The loss of every example (keyed for an RDD of ``(key, DataSet)``); see
+        :func:`dlscale.inference.score_examples`."""
+        return inference.score_examples(self.network, rdd, include_regularization, batch_size)
+
+    def calculate_score(self, rdd: RDD, average: bool = True, batch_size: int | None = None) -> float:
+        """The mean (``average``) or total loss over ``rdd``."""
+        return inference.calculate_score(self.network, rdd, average, batch_size)
 
     def get_network(self) -> Network:
         """The network on the driver, with the parameters of the last ``fit``."""

@@ -26,6 +26,7 @@ import torch
 from dask.utils import parse_timedelta
 from distributed import Future, wait
 
+from dlscale._tasks import check_count
 from dlscale.encoding import (
     AdaptiveThresholdAlgorithm,
     ResidualClippingPostProcessor,
@@ -40,7 +41,6 @@ from dlscale.stats import TrainerStats, TrainingStats
 from dlscale.training import _sources, _worker
 from dlscale.training.master import (
     TrainingMaster,
-    check_count,
     check_epochs,
     check_source,
     probe_rdd,

@@ -1,0 +1,118 @@
+"""Evaluating a network across the cluster (DL4J's ``doEvaluation``).
+
+Each partition is evaluated on its worker with one of that worker's copies of the network (shipped
+once per worker, see :mod:`dlscale.nn.shipping`), in minibatches of ``batch_size`` examples
+whatever the data's own minibatch size; the partitions' evaluations are merged in a tree on the
+workers, and only the merged ones reach the driver.
+"""
+
+from __future__ import annotations
+
+import copy
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from distributed import get_worker
+
+from dlscale import _graph, config
+from dlscale._tasks import check_count, match_threads, worker_address
+from dlscale.data.dataset import DataSet, MultiDataSet, rebatch
+from dlscale.data.format import load
+from dlscale.data.loaders import prefetch
+from dlscale.evaluation._base import BaseEvaluation
+from dlscale.nn import shipping
+
+if TYPE_CHECKING:
+    from dlscale.nn.network import Network
+    from dlscale.rdd import RDD
+
+Loader = Callable[[Any], DataSet | MultiDataSet]
+
+
+def do_evaluation(network: Network, data: RDD, *evaluations: BaseEvaluation, batch_size: int | None = None,
+                  num_workers: int | None = None, loader: Loader | None = None, output: int = 0
+                  ) -> list[BaseEvaluation]:
+    """Evaluate ``network`` on ``data`` with every one of ``evaluations`` in one pass.
+
+    ``data`` is an RDD of DataSet or MultiDataSet, or of paths (URLs of minibatch files) read by
+    ``loader`` (default: ``.dlb`` files). ``batch_size`` is the number of examples per forward
+    pass (default ``dlscale.evaluation.batch-size``); ``num_workers`` the number of network copies
+    per worker (default: one per worker thread); ``output`` the output (and label array) of a
+    multi-output network that the evaluations read. Returns copies of ``evaluations`` with the
+    data's batches added; the arguments are left as they are.
+    """
+    if not evaluations:
+        raise ValueError("do_evaluation needs at least one evaluation, e.g. dlscale.evaluation.Evaluation()")
+    for i, e in enumerate(evaluations):
+        if not isinstance(e, BaseEvaluation):
+            raise TypeError(f"evaluation {i} is a {type(e).__name__}, not a dlscale evaluation")
+    batch_size = config.get("evaluation.batch-size") if batch_size is None else batch_size
+    check_count("batch_size", batch_size)
+    if num_workers is not None:
+        check_count("num_workers", num_workers)
+    check_count("output", output, 0)
+    templates = []
+    for e in evaluations:
+        t = copy.deepcopy(e)
+        t.reset()
+        templates.append(t)
+    key = f"dlscale-network-{uuid.uuid4().hex}"
+    task = partial(_evaluate_partition, key, templates, batch_size, num_workers, loader, output)
+    bag = _graph.partitionwise("evaluate", task, data.to_bag(), shared=shipping.serialise(network, False))
+    if data.getNumPartitions() == 0:
+        merged = templates
+    else:
+        merged = data._derive(bag).treeReduce(_merge_lists)
+    return [copy.deepcopy(e).merge(m) for e, m in zip(evaluations, merged)]
+
+
+def minibatches(elements: Iterable[Any], loader: Loader | None) -> Iterator[DataSet | MultiDataSet]:
+    """The minibatches of a partition: its elements, or what ``loader`` (or, for strings, the
+    ``.dlb`` loader) reads from them, a few loaded ahead."""
+    elements = list(elements)
+    if loader is None and elements and isinstance(elements[0], str):
+        loader = load
+    if loader is not None:
+        yield from prefetch(elements, loader)
+        return
+    for element in elements:
+        if not isinstance(element, (DataSet, MultiDataSet)):
+            raise TypeError(f"the RDD holds {type(element).__name__} elements; evaluation reads DataSet or "
+                            "MultiDataSet, or paths with a loader")
+        yield element
+
+
+def worker_copies(num_workers: int | None) -> int:
+    """Network copies per worker: ``num_workers``, or one per thread of this worker."""
+    if num_workers is not None:
+        return num_workers
+    try:
+        return get_worker().state.nthreads
+    except ValueError:  # not on a worker
+        return 1
+
+
+def _evaluate_partition(key: str, templates: list[BaseEvaluation], batch_size: int, num_workers: int | None,
+                        loader: Loader | None, output: int, index: int, blob: bytes, elements: Iterable[Any]
+                        ) -> list[list[BaseEvaluation]]:
+    evaluations = [copy.deepcopy(t) for t in templates]
+    try:
+        match_threads()
+        with shipping.borrow(key, blob, worker_copies(num_workers)) as network:
+            for batch in rebatch(minibatches(elements, loader), batch_size):
+                outputs, labels, masks = network.evaluate_batch(batch)
+                if output >= len(outputs) or output >= len(labels):
+                    raise ValueError(f"output={output}, but the network gives {len(outputs)} outputs for "
+                                     f"{len(labels)} label arrays")
+                for e in evaluations:
+                    e.eval(labels[output], outputs[output], masks[output])
+    except Exception as e:
+        e.add_note(f"while evaluating partition {index} on worker {worker_address()}")
+        raise
+    return [evaluations]
+
+
+def _merge_lists(a: list[BaseEvaluation], b: list[BaseEvaluation]) -> list[BaseEvaluation]:
+    return [x.merge(y) for x, y in zip(a, b)]
