@@ -76,28 +76,37 @@ def test_several_inputs_and_outputs(sc) -> None:
     torch.manual_seed(2)
     net = Network(TwoInTwoOut(), "cross_entropy")
     g = torch.Generator().manual_seed(3)
-    a, b = torch.randn(500, 10, generator=g), torch.randn(500, 4, generator=g)
-    pairs = sc.parallelize([(i, [a[i].clone(), b[i].clone()]) for i in range(500)], 5)
-    got = dict(SparkNet(sc, net).feed_forward_with_key(pairs, 32).collect())
+    a, b = torch.randn(10_000, 10, generator=g), torch.randn(10_000, 4, generator=g)
+    pairs = sc.parallelize([(i, [a[i].clone(), b[i].clone()]) for i in range(10_000)], 5)
+    result = SparkNet(sc, net).feed_forward_with_key(pairs, 32).collect()
+    got = dict(result)
+    assert len(result) == len(got) == 10_000
     first, second = net.output(a, b)
-    torch.testing.assert_close(torch.stack([got[i][0] for i in range(500)]), first, atol=1e-6, rtol=0)
-    torch.testing.assert_close(torch.stack([got[i][1] for i in range(500)]), second, atol=1e-6, rtol=0)
+    torch.testing.assert_close(torch.stack([got[i][0] for i in range(10_000)]), first, atol=1e-6, rtol=0)
+    torch.testing.assert_close(torch.stack([got[i][1] for i in range(10_000)]), second, atol=1e-6, rtol=0)
 
 
 def test_masked_sequences_of_different_lengths(sc) -> None:
     torch.manual_seed(4)
     net = Network(MaskedSequence(), "mse")
     g = torch.Generator().manual_seed(5)
-    lengths = torch.randint(1, 12, (600,), generator=g).tolist()
+    lengths = torch.randint(1, 12, (10_000,), generator=g).tolist()
     examples = [torch.randn(t, 6, generator=g) for t in lengths]
+    # the reference: examples of one length together, unpadded, without masks
+    expected: dict[int, list[torch.Tensor]] = {}
+    for t in set(lengths):
+        idx = [i for i, n in enumerate(lengths) if n == t]
+        steps, pooled = net.output(torch.stack([examples[i] for i in idx]))
+        expected.update({i: [steps[j], pooled[j]] for j, i in enumerate(idx)})
     pairs = sc.parallelize([(i, (x, torch.ones(len(x)))) for i, x in enumerate(examples)], 5)
     for batch_size in (1, 50):
-        got = dict(feed_forward_with_mask_and_key(net, pairs, batch_size).collect())
-        for i in range(0, 600, 37):
-            steps, pooled = net.output(examples[i][None])
+        result = feed_forward_with_mask_and_key(net, pairs, batch_size).collect()
+        got = dict(result)
+        assert len(result) == len(got) == 10_000
+        for i in range(10_000):
             assert got[i][0].shape == (lengths[i], 3)
-            torch.testing.assert_close(got[i][0], steps[0], atol=1e-6, rtol=0)
-            torch.testing.assert_close(got[i][1], pooled[0], atol=1e-6, rtol=0)
+            torch.testing.assert_close(got[i][0], expected[i][0], atol=1e-6, rtol=0)
+            torch.testing.assert_close(got[i][1], expected[i][1], atol=1e-6, rtol=0)
 
 
 def test_score_examples_and_calculate_score(sc) -> None:
