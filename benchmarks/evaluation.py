@@ -14,7 +14,8 @@ same script:
   outputs left on the workers (``count``), and the same with the outputs collected on the driver;
 - **predict**: ``dlscale.predict`` over a persisted Dask array, the predictions persisted on the workers.
 
-Every configuration runs ``REPEATS`` times in ABBA order and the median is reported. Target: two
+Every configuration runs ``REPEATS`` times in ABBA order and the median is reported, as is the time to
+send the network to the workers, which every evaluation and inference call pays once. Target: two
 workers reach at least 1.7x the one-thread baseline's examples/s. Results go to
 ``benchmarks/results/evaluation.json``.
 """
@@ -43,7 +44,7 @@ from dlscale import __version__ as dlscale_version
 from dlscale.data import DataSet, export_minibatches, list_paths
 from dlscale.evaluation import Evaluation, ROCMultiClass, do_evaluation
 from dlscale.inference import feed_forward_with_key, predict
-from dlscale.nn import Network
+from dlscale.nn import Network, shipping
 
 RESULTS = Path(__file__).resolve().parent / "results" / "evaluation.json"
 BATCH = 64
@@ -124,6 +125,14 @@ def main() -> None:
                      ("feed_forward_with_key_collect", keyed_collect), ("predict_dask_array", predicted)]]
         for _, run in configs[len(configs) - 4:]:
             run()  # warm-up: worker imports, first network copies
+
+        def ship_seconds() -> float:
+            start = time.perf_counter()
+            shipping.ship(sc.client, net).release()
+            return time.perf_counter() - start
+
+        report["network_ship_s"] = statistics.median(ship_seconds() for _ in range(REPEATS))
+        print(f"sending the network to both workers: {report['network_ship_s']:.2f} s per call")
         for repeat in range(REPEATS):
             for name, run in configs if repeat % 2 == 0 else configs[::-1]:
                 runs.setdefault(name, []).append(EXAMPLES / run())

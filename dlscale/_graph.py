@@ -92,10 +92,10 @@ def from_calls(prefix: str, calls: Sequence[tuple[Callable[..., Iterable[Any]], 
     return _bag(name, dsk, [], len(calls))
 
 
-def partitionwise(prefix: str, func: Callable[..., Iterable[Any]], *parents: Bag, shared: Any = None) -> Bag:
-    """Partition ``i`` of the result is ``list(func(i, part_i_of_each_parent...))``; with ``shared``
-    (e.g. a pickled network), ``list(func(i, shared, part_i...))``, the value held in the graph once,
-    so that it reaches each worker once however many partitions use it there."""
+def partitionwise(prefix: str, func: Callable[..., Iterable[Any]], *parents: Bag, shared: TaskRef | None = None
+                  ) -> Bag:
+    """Partition ``i`` of the result is ``list(func(i, part_i_of_each_parent...))``; with ``shared``, a
+    future (e.g. of a network held on every worker), ``list(func(i, shared_value, part_i...))``."""
     n = parents[0].npartitions
     if any(p.npartitions != n for p in parents):
         raise ValueError(
@@ -104,14 +104,11 @@ def partitionwise(prefix: str, func: Callable[..., Iterable[Any]], *parents: Bag
         )
     name = _name(prefix)
     fn = DataNode(None, func)
-    dsk: dict = {}
-    extra = []
-    if shared is not None:
-        shared_key = f"{name}-shared"
-        dsk[shared_key] = DataNode(shared_key, shared)
-        extra = [TaskRef(shared_key)]
-    for i in range(n):
-        dsk[(name, i)] = Task((name, i), partition_of, fn, i, *extra, *[TaskRef((p.name, i)) for p in parents])
+    extra = [shared] if shared is not None else []
+    dsk = {
+        (name, i): Task((name, i), partition_of, fn, i, *extra, *[TaskRef((p.name, i)) for p in parents])
+        for i in range(n)
+    }
     return _bag(name, dsk, parents, n)
 
 

@@ -2,21 +2,20 @@
 ``feedForwardWithKey`` and ``scoreExamples``), and predictions over Dask arrays and dataframes that
 stay distributed.
 
-Every task borrows a worker's copy of the network (shipped once per worker, see
-:mod:`dlscale.nn.shipping`) and computes in minibatches of ``batch_size`` examples; the batch size
+Every task borrows a worker's copy of the network (sent to each worker once and held there while
+the result is in use, see :mod:`dlscale.nn.shipping`) and computes in minibatches of ``batch_size`` examples; the batch size
 trades memory for speed and never changes a result.
 """
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-import dask
 import numpy as np
 import torch
+from distributed import get_client
 
 from dlscale import _graph, config
 from dlscale._tasks import check_count, match_threads, worker_address
@@ -37,9 +36,8 @@ def _batch_size(batch_size: int | None) -> int:
 
 def _shipped(network: Network, prefix: str, task: Any, rdd: RDD, batch_size: int,
              with_optimizer: bool = False) -> RDD:
-    key = f"dlscale-network-{uuid.uuid4().hex}"
-    bag = _graph.partitionwise(prefix, partial(task, key, batch_size), rdd.to_bag(),
-                               shared=shipping.serialise(network, with_optimizer))
+    shipped = shipping.ship(rdd.ctx.client, network, with_optimizer)
+    bag = _graph.partitionwise(prefix, partial(task, shipped.key, batch_size), rdd.to_bag(), shared=shipped)
     return rdd._derive(bag)
 
 
@@ -237,8 +235,8 @@ def predict(network: Network, data: Any, batch_size: int | None = None, columns:
     import dask.array as da
 
     size = _batch_size(batch_size)
-    key = f"dlscale-network-{uuid.uuid4().hex}"
-    blob = dask.delayed(shipping.serialise(network, False), name=f"{key}-blob", pure=True)
+    blob = shipping.ship(get_client(), network)
+    key = blob.key
     if isinstance(data, da.Array):
         if data.ndim < 1:
             raise ValueError("predict needs examples along axis 0 of the array")

@@ -1,7 +1,7 @@
 """Evaluating a network across the cluster (DL4J's ``doEvaluation``).
 
-Each partition is evaluated on its worker with one of that worker's copies of the network (shipped
-once per worker, see :mod:`dlscale.nn.shipping`), in minibatches of ``batch_size`` examples
+Each partition is evaluated on its worker with one of that worker's copies of the network (sent
+to each worker once, see :mod:`dlscale.nn.shipping`), in minibatches of ``batch_size`` examples
 whatever the data's own minibatch size; the partitions' evaluations are merged in a tree on the
 workers, and only the merged ones reach the driver.
 """
@@ -9,7 +9,6 @@ workers, and only the merged ones reach the driver.
 from __future__ import annotations
 
 import copy
-import uuid
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -58,13 +57,14 @@ def do_evaluation(network: Network, data: RDD, *evaluations: BaseEvaluation, bat
         t = copy.deepcopy(e)
         t.reset()
         templates.append(t)
-    key = f"dlscale-network-{uuid.uuid4().hex}"
-    task = partial(_evaluate_partition, key, templates, batch_size, num_workers, loader, output)
-    bag = _graph.partitionwise("evaluate", task, data.to_bag(), shared=shipping.serialise(network, False))
     if data.getNumPartitions() == 0:
         merged = templates
     else:
-        merged = data._derive(bag).treeReduce(_merge_lists)
+        shipped = shipping.ship(data.ctx.client, network)
+        task = partial(_evaluate_partition, shipped.key, templates, batch_size, num_workers, loader, output)
+        merged = data._derive(_graph.partitionwise("evaluate", task, data.to_bag(), shared=shipped)
+                              ).treeReduce(_merge_lists)
+        shipped.release()
     return [copy.deepcopy(e).merge(m) for e, m in zip(evaluations, merged)]
 
 

@@ -1,6 +1,9 @@
 """Sending a network to the workers: pickled once on the driver, unpickled once per worker copy.
 
-Evaluation and inference tasks borrow a copy from :func:`borrow`: each worker process keeps up to
+:func:`ship` puts the pickled network on every worker, as a broadcast variable is, and returns its
+future; a graph that refers to the future keeps it alive, and tasks find it already local wherever
+they run (a network held by one worker only would draw every task to that worker). Evaluation and
+inference tasks borrow an unpickled copy from :func:`borrow`: each worker process keeps up to
 ``copies`` unpickled networks per shipped network (DL4J's ``evalNumWorkers``), lends each to one
 task at a time, and forgets the least recently used networks beyond
 ``dlscale.inference.cached-networks``.
@@ -19,9 +22,12 @@ from typing import TYPE_CHECKING
 import cloudpickle
 
 from dlscale import config
+from dlscale._replicas import EVERY_WORKER, set_replication
 from dlscale.errors import NetworkSerializationError
 
 if TYPE_CHECKING:
+    from distributed import Client, Future
+
     from dlscale.nn.network import Network
 
 
@@ -40,6 +46,14 @@ def serialise(network: Network, with_optimizer: bool = True) -> bytes:
             f"the network cannot be serialised to send it to the workers: {_culprit(network)}: {e}") from e
     finally:
         network.listeners, network.optimizer, network.optimizer_factory = saved
+
+
+def ship(client: Client, network: Network, with_optimizer: bool = False) -> Future:
+    """``network`` pickled (see :func:`serialise`) and held on every worker, those joining later
+    included; the future's key names it in :func:`borrow`."""
+    future = client.scatter([serialise(network, with_optimizer)], broadcast=True, hash=False)[0]
+    set_replication(client, [future], EVERY_WORKER)
+    return future
 
 
 def _culprit(network: Network) -> str:
