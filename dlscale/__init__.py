@@ -27,6 +27,7 @@ _EXPORTS = {
     "TrainingMaster": "dlscale.training.master",
     "SharedTrainingMaster": "dlscale.training.sharing",
     "TrainingStats": "dlscale.stats",
+    "predict": "dlscale.inference",
     "write_string_to_file": "dlscale.storage",
     "read_string_from_file": "dlscale.storage",
     "DlscaleError": "dlscale.errors",
@@ -40,6 +41,8 @@ _EXPORTS = {
     "LabelError": "dlscale.errors",
     "NetworkSerializationError": "dlscale.errors",
     "TrainerLostWarning": "dlscale.errors",
+    "EvaluationError": "dlscale.errors",
+    "IncompatibleEvaluationError": "dlscale.errors",
 }
 
 __all__ = [*sorted(_EXPORTS), "__version__"]

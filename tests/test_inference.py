@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import dlscale
 from dlscale import SparkNet
 from dlscale.data import DataSet, MultiDataSet
 from dlscale.data.dataset import DataShapeError
@@ -131,7 +132,7 @@ def test_predict_on_dask_arrays_and_dataframes(sc) -> None:
     x = np.random.default_rng(7).standard_normal((2_000, 10)).astype(np.float32)
     expected = net.output(torch.from_numpy(x)).numpy()
     arr = da.from_array(x, chunks=(300, 5))
-    out = predict(net, arr, batch_size=64)
+    out = dlscale.predict(net, arr, batch_size=64)
     assert isinstance(out, da.Array) and out.shape == (2_000, 4)
     np.testing.assert_allclose(sc.client.compute(out).result(), expected, atol=1e-6)
     dd = pytest.importorskip("dask.dataframe")
