@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from collections.abc import Iterable
+
+SUBMIT_ENV = "DLSCALE_CONF"
+"""The environment variable through which ``dlscale run`` hands its settings to the script (JSON)."""
 
 _SPARK_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)b?\s*$", re.IGNORECASE)
 
@@ -25,11 +30,21 @@ class SparkConf:
     ``spark.master``, ``spark.app.name``, ``spark.default.parallelism`` (default partition count
     of shuffles), and for an embedded cluster ``spark.executor.instances`` (worker processes),
     ``spark.executor.cores`` (threads per worker) and ``spark.executor.memory`` (memory limit
-    per worker). Other keys are kept and returned by :meth:`get`.
+    per worker), ``spark.executor.resource.<NAME>.amount`` (an abstract resource each worker offers,
+    such as ``GPU``). Other keys are kept and returned by :meth:`get`.
+
+    With ``loadDefaults``, settings that ``dlscale run`` passes to the script (as ``spark-submit``
+    passes its flags to PySpark) are loaded first; what the script sets afterwards wins.
     """
 
     def __init__(self, loadDefaults: bool = True, pairs: Iterable[tuple[str, str]] = ()) -> None:
         self._conf: dict[str, str] = {}
+        if loadDefaults and os.environ.get(SUBMIT_ENV):
+            try:
+                submitted = json.loads(os.environ[SUBMIT_ENV])
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{SUBMIT_ENV} holds no JSON object of settings: {e}") from e
+            self.setAll(submitted.items())
         self.setAll(pairs)
 
     def set(self, key: str, value: object) -> SparkConf:

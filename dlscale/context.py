@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 _LOCAL = re.compile(r"^local(?:\[(\d+|\*)\])?$")
 _ADDRESS = re.compile(r"^(tcp|tls|ws|wss|inproc)://.+")
+_RESOURCE = re.compile(r"^spark\.executor\.resource\.([^.]+)\.amount$")
 _SPARK_MANAGERS = ("spark://", "yarn", "mesos://", "k8s://")
 
 
@@ -41,7 +42,8 @@ class SparkContext:
 
     ``master`` is ``local`` (one worker process), ``local[N]`` (N worker processes),
     ``local[*]`` (one per core; the default) or the address of a running Dask scheduler
-    (``tcp://host:8786``, ``tls://...``). Alternatively pass ``client=`` (an existing
+    (``tcp://host:8786``, ``tls://...``; ``security`` is the :class:`distributed.Security` for
+    ``tls://``, by default the one Dask's configuration describes). Alternatively pass ``client=`` (an existing
     :class:`distributed.Client`) or ``cluster=`` (any Dask cluster object, such as a
     dask-jobqueue ``SLURMCluster``). The context closes what it created on :meth:`stop` and
     never what it was given.
@@ -58,6 +60,7 @@ class SparkContext:
         client: distributed.Client | None = None,
         cluster: Any = None,
         conf: SparkConf | dict[str, Any] | None = None,
+        security: distributed.Security | None = None,
     ) -> None:
         if conf is not None and not isinstance(conf, (SparkConf, dict)):
             raise TypeError(f"conf must be a SparkConf or a dict, not {type(conf).__name__}")
@@ -78,7 +81,7 @@ class SparkContext:
             self._client = distributed.Client(cluster)
         else:
             self.master = master or self._conf.get("spark.master") or "local[*]"
-            self._client = self._connect(self.master)
+            self._client = self._connect(self.master, security)
         self._conf.set("spark.master", self.master).set("spark.app.name", self.appName)
 
         self.startTime = int(time.time() * 1000)
@@ -93,7 +96,7 @@ class SparkContext:
             SparkContext._running.append(self)
 
     # -- cluster ownership ---------------------------------------------------------------
-    def _connect(self, master: str) -> distributed.Client:
+    def _connect(self, master: str, security: distributed.Security | None) -> distributed.Client:
         n = _parse_local(master)
         if n is not None:
             if n < 1:
@@ -103,7 +106,14 @@ class SparkContext:
         if _ADDRESS.match(master):
             timeout = config.get("connect-timeout")
             try:
-                return distributed.Client(master, timeout=timeout)
+                return distributed.Client(master, timeout=timeout, security=security)
+            except TypeError as e:
+                if not master.startswith("tls://"):
+                    raise
+                raise ClusterConnectionError(
+                    f"{master} needs TLS credentials: pass security=distributed.Security(...) or set "
+                    f"distributed.comm.tls.ca-file and distributed.comm.tls.client.cert/key in Dask's configuration ({e})"
+                ) from e
             except (OSError, TimeoutError) as e:
                 raise ClusterConnectionError(
                     f"could not reach the Dask scheduler at {master} within {timeout} "
@@ -127,12 +137,14 @@ class SparkContext:
         if conf.contains("spark.executor.memory"):
             memory = spark_size_to_bytes(conf.get("spark.executor.memory"), "spark.executor.memory")
         workers = int(conf.get("spark.executor.instances") or n)
+        resources = {m.group(1): float(v) for k, v in conf.getAll() if (m := _RESOURCE.match(k))}
         return {
             "n_workers": workers,
             "threads_per_worker": threads,
             "processes": True,
             "memory_limit": memory,
             "dashboard_address": config.get("local.dashboard-address"),
+            **({"resources": resources} if resources else {}),
         }
 
     @property

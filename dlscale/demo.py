@@ -1,99 +1,137 @@
-"""The main job: ``python -m dlscale.demo`` runs the Spark-compatible facade on an embedded cluster.
+"""The main job: ``python -m dlscale.demo`` trains, evaluates, saves and serves a CNN on a cluster.
 
-It writes text files under ``demo`` in the storage root (``storage/data/demo`` in a checkout; or
-``--storage``), counts words with a shuffle, joins against a broadcast table, persists torch tensors
-serialized with spilling allowed, exports minibatches and reads them back from their paths with
-prefetching, and prints what the cluster holds.
+On an embedded ``LocalCluster`` (or any ``--master``): export the bundled handwritten digits to
+minibatch files under ``demo/digits`` in the storage root, train a small CNN with gradient sharing
+(``SharedTrainingMaster``) from those files, evaluate it on the held-out files (accuracy, top-3
+accuracy, F1, one-vs-all AUC), save it with its optimizer state, load it back, and run keyed
+inference over the test images, printing progress and a final report.
 """
 
 from __future__ import annotations
 
 import argparse
-import operator
-import shutil
+import functools
 import time
-from collections.abc import Iterator
-from pathlib import Path
+from typing import Any
 
 import torch
 
-from dlscale import SparkContext, StorageLevel, storage
-from dlscale.data import (
-    DataSet,
-    DataSetLoader,
-    export_minibatches,
-    list_paths,
-    prefetch,
-)
+from dlscale import SharedTrainingMaster, SparkConf, SparkContext, SparkNet, storage
+from dlscale.data import DataSet, export_minibatches, list_paths, load_digits
+from dlscale.evaluation import Evaluation, ROCMultiClass
+from dlscale.nn import Network, TrainingListener, build, model_factory
 
-_TEXT = """\
-Deeplearning4j on Spark trains networks across a cluster with parameter averaging or gradient sharing.
-dlscale does the same for PyTorch models on Dask, with the names Spark users already know.
-Minibatches are exported once to shared storage and every epoch trains from their paths.
-"""
+TEST_EXAMPLES = 297
 
 
-def _embed(i: int) -> torch.Tensor:
-    return torch.sin(torch.arange(4096, dtype=torch.float32) * (i + 1))
+@model_factory
+def digits_cnn(channels: int = 16, hidden: int = 64) -> torch.nn.Module:
+    """A small CNN for 8x8 grey images and 10 classes."""
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, channels, 3, padding=1), torch.nn.ReLU(),
+        torch.nn.Conv2d(channels, 2 * channels, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(), torch.nn.Linear(2 * channels * 16, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
 
 
-def _example(i: int) -> DataSet:
-    x = _embed(i)[:16]
-    return DataSet(x.unsqueeze(0), torch.tensor([int(x.sum() > 0)]))
+class EpochProgress(TrainingListener):
+    """Prints a line as each epoch starts: the mean loss of the minibatches reported since the last
+    line, and the examples per second since training began. Gradient-sharing trainers report
+    asynchronously, so one may already be in the next epoch while another finishes this one."""
+
+    def __init__(self, epochs: int) -> None:
+        self.epochs, self.epoch, self.loss, self.examples, self.total = epochs, 0, 0.0, 0, 0
+        self.start = time.perf_counter()
+
+    def iteration_done(self, network: Network, iteration: int, epoch: int, score: float, examples: int) -> None:
+        if epoch > self.epoch:
+            self.report()
+            self.epoch, self.loss, self.examples = epoch, 0.0, 0
+        self.loss += score * examples
+        self.examples += examples
+        self.total += examples
+
+    def report(self) -> None:
+        if self.examples:
+            rate = self.total / (time.perf_counter() - self.start)
+            print(f"  epoch {self.epoch + 1:2d}/{self.epochs}: loss {self.loss / self.examples:.4f}, "
+                  f"{rate:,.0f} examples/s", flush=True)
 
 
-def _count_examples(paths: Iterator[str]) -> Iterator[int]:
-    return (ds.num_examples() for ds in prefetch(paths, DataSetLoader()))
+def _split(seed: int = 0) -> tuple[torch.Tensor, ...]:
+    images, labels = load_digits()
+    order = torch.randperm(len(images), generator=torch.Generator().manual_seed(seed))
+    test, train = order[:TEST_EXAMPLES], order[TEST_EXAMPLES:]
+    return images[train], labels[train], images[test], labels[test]
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Run the job and print a short report."""
+def _export(x: torch.Tensor, y: torch.Tensor, url: str, batch: int) -> None:
+    export_minibatches([DataSet(x[i:i + batch], y[i:i + batch]) for i in range(0, len(x), batch)], url, batch)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the job, print its report, and return the report's figures."""
     parser = argparse.ArgumentParser(prog="python -m dlscale.demo", description=__doc__)
-    parser.add_argument("--master", default="local[2]", help="local[N], local[*] or tcp://host:port")
-    parser.add_argument("--storage", default="demo", help="local directory for the job's files "
-                        "(a relative one is under the storage root)")
+    parser.add_argument("--master", default=None, help="local[N], local[*] or tcp://host:port (default: local[2], "
+                        "or what `dlscale run --master` set)")
+    parser.add_argument("--storage", default="demo/digits", help="where the job's files go (a relative path is "
+                        "under the storage root)")
+    parser.add_argument("--epochs", type=int, default=15, help="training epochs (default 15)")
+    parser.add_argument("--batch-size", type=int, default=32, help="minibatch size per worker (default 32)")
     args = parser.parse_args(argv)
+    if args.epochs < 1 or args.batch_size < 1:
+        parser.error("--epochs and --batch-size must be positive")
 
-    root = Path(storage.resolve(args.storage)[0])
-    shutil.rmtree(root, ignore_errors=True)
-    (root / "text").mkdir(parents=True)
-    for i in range(4):
-        (root / "text" / f"doc-{i}.txt").write_text(_TEXT * (i + 1))
+    base, options = storage.resolve(args.storage)
+    fs, path = storage.open_fs(base, options)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+    started = time.perf_counter()
+    x, y, test_x, test_y = _split()
+    print(f"data: {len(x)} training and {len(test_x)} test images of handwritten digits (8x8)")
+    _export(x, y, f"{base}/train", args.batch_size)
+    _export(test_x, test_y, f"{base}/test", 64)
+    print(f"exported minibatch files to {base}/train and {base}/test")
 
-    start = time.perf_counter()
-    with SparkContext(args.master, "dlscale-demo") as sc:
+    conf = SparkConf().setIfMissing("spark.master", "local[2]")  # `dlscale run --master` sets it
+    if args.master is not None:
+        conf.setMaster(args.master)
+    with SparkContext(conf=conf, appName="dlscale-demo") as sc:
         print(f"cluster: {sc.master}, {sc.defaultParallelism} worker threads, dashboard {sc.uiWebUrl}")
-        lines = sc.textFile(str(root / "text"), minPartitions=4)
-        counts = (
-            lines.flatMap(str.split)
-            .map(lambda w: (w.strip(".,").lower(), 1))
-            .reduceByKey(operator.add)
-            .sortBy(lambda kv: (-kv[1], kv[0]))
-        )
-        print(f"{lines.count()} lines in {lines.getNumPartitions()} partitions; top words: {counts.take(5)}")
-        counts.saveAsTextFile(str(root / "word-counts"))
+        network = build(digits_cnn, {}, "cross_entropy", functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9))
+        print(f"network: CNN with {network.num_params():,} parameters; training with gradient sharing")
+        master = SharedTrainingMaster(args.batch_size, collect_training_stats=True, rng_seed=0)
+        spark_net = SparkNet(sc, network, master)
+        progress = EpochProgress(args.epochs)
+        spark_net.set_listeners(progress)
+        t0 = time.perf_counter()
+        spark_net.fit_paths(list_paths(sc, f"{base}/train"), epochs=args.epochs)
+        progress.report()
+        train_seconds = time.perf_counter() - t0
 
-        stop_words = sc.broadcast({"the", "and", "with", "on", "for", "a", "of", "to", "are", "or"})
-        content = counts.filter(lambda kv: kv[0] not in stop_words.value)
-        print(f"most frequent content word: {content.first()}")
+        test_paths = list_paths(sc, f"{base}/test")
+        evaluation, roc = spark_net.do_evaluation(test_paths, Evaluation(top_n=3), ROCMultiClass())
+        print(evaluation.stats())
 
-        vectors = sc.range(256, numSlices=8).map(lambda i: (i % 4, _embed(i)))
-        vectors.persist(StorageLevel.MEMORY_AND_DISK_SER)
-        means = vectors.mapValues(lambda t: (t, 1)).reduceByKey(lambda a, b: (a[0] + b[0], a[1] + b[1]))
-        norms = {k: round(float((s / n).norm()), 4) for k, (s, n) in means.collect()}
-        print(f"norms of the per-key mean vectors: {norms}")
-        for info in sc.getRDDStorageInfo():
-            print(
-                f"persisted RDD {info.id}: {info.storageLevel}, {info.numCachedPartitions}/{info.numPartitions} "
-                f"partitions, {info.memSize / 2**20:.1f} MiB in memory, {info.diskSize / 2**20:.1f} MiB on disk"
-            )
-        vectors.unpersist()
-
-        examples = sc.range(1000, numSlices=3).map(_example)
-        paths = export_minibatches(examples, str(root / "minibatches"), batch_size=64)
-        counts = list_paths(sc, str(root / "minibatches")).mapPartitions(_count_examples).collect()
-        print(f"exported 1000 examples as {len(paths)} minibatch files; read back from their paths: {counts}")
-    print(f"done in {time.perf_counter() - start:.1f} s; word counts in {root / 'word-counts'}")
+        model_url = f"{base}/digits-cnn.dln"
+        network.save(model_url, storage_options=options)
+        restored = Network.load(model_url, storage_options=options)
+        print(f"saved the network with its optimizer state to {model_url} and loaded it back")
+        pairs = sc.parallelize([(f"test-{i}", test_x[i].clone()) for i in range(len(test_x))], 4)
+        outputs = dict(SparkNet(sc, restored).feed_forward_with_key(pairs).collect())
+        predicted = torch.stack([outputs[f"test-{i}"] for i in range(len(test_x))]).argmax(1)
+        keyed_accuracy = int((predicted == test_y).sum()) / len(test_y)
+        sent = spark_net.training_stats.summary() if spark_net.training_stats is not None else ""
+    report = {
+        "train_seconds": train_seconds, "accuracy": evaluation.accuracy(), "top_3_accuracy": evaluation.top_n_accuracy(),
+        "f1_macro": evaluation.f1(), "auc": roc.calculate_average_auc(), "keyed_accuracy": keyed_accuracy,
+        "keyed_outputs": len(outputs), "seconds": time.perf_counter() - started,
+    }
+    print(sent)
+    print(f"report: trained {args.epochs} epochs in {train_seconds:.1f} s; test accuracy {report['accuracy']:.4f}, "
+          f"top-3 {report['top_3_accuracy']:.4f}, macro F1 {report['f1_macro']:.4f}, mean one-vs-all AUC "
+          f"{report['auc']:.4f}; keyed inference on {len(outputs)} images from the reloaded network: "
+          f"accuracy {keyed_accuracy:.4f}; done in {report['seconds']:.1f} s")
+    return report
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ trades memory for speed and never changes a result.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterable, Iterator, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 from distributed import get_client
 
-from dlscale import _graph, config
+from dlscale import _graph, config, storage
 from dlscale._tasks import check_count, match_threads, worker_address
 from dlscale.data.dataset import DataSet, DataShapeError, MultiDataSet, rebatch
 from dlscale.evaluation.distributed import minibatches, worker_copies
@@ -224,6 +225,50 @@ def _sum_count(scores: Iterable[float]) -> list[tuple[float, int]]:
 
 def _add_pairs(a: tuple[float, int], b: tuple[float, int]) -> tuple[float, int]:
     return a[0] + b[0], a[1] + b[1]
+
+
+# -- predictions for minibatch files --------------------------------------------------------
+def predict_files(network: Network, paths: RDD, output: str, loader: Any = None, batch_size: int | None = None,
+                  storage_options: dict[str, Any] | None = None) -> list[int]:
+    """Apply ``network`` to the minibatch files named by ``paths`` (read by ``loader``, default
+    ``.dlb``) and write each file's outputs to ``output/<file name>.npy``; returns the number of
+    examples of each file. ``output`` must not exist yet (a relative URL is under the storage root)."""
+    url, options = storage.resolve(output, storage_options)
+    fs, path = storage.check_empty(url, options)
+    fs.makedirs(path, exist_ok=True)
+    task = partial(_predict_files_partition, url, options, loader)
+    return _shipped(network, "predictFiles", task, paths, _batch_size(batch_size)).collect()
+
+
+def _predict_files_partition(url: str, options: dict[str, Any] | None, loader: Any, key: str, batch_size: int,
+                             index: int, blob: bytes, elements: Iterable[Any]) -> list[int]:
+    elements = list(elements)
+    counts = []
+    try:
+        match_threads()
+        with shipping.borrow(key, blob, worker_copies(None)) as network:
+            for source, batch in zip(elements, minibatches(elements, loader)):
+                inputs = [batch.features] if isinstance(batch, DataSet) else batch.features
+                out = torch.cat([_as_tensor(network.output(*[t[i:i + batch_size] for t in inputs]), source)
+                                 for i in range(0, batch.num_examples(), batch_size)])
+                name = str(source).rstrip("/").rsplit("/", 1)[-1].rsplit(".", 1)[0] + ".npy"
+                fs, path = storage.open_fs(f"{url.rstrip('/')}/{name}", options)
+                buffer = io.BytesIO()
+                np.save(buffer, out.numpy(), allow_pickle=False)
+                data = buffer.getvalue()
+                storage.atomic_write(fs, path, lambda f, data=data: f.write(data))
+                counts.append(batch.num_examples())
+    except Exception as e:
+        e.add_note(f"while predicting partition {index} on worker {worker_address()}")
+        raise
+    return counts
+
+
+def _as_tensor(out: Any, source: Any) -> torch.Tensor:
+    if isinstance(out, list):
+        raise TypeError(f"predict_files writes one output per file; the network gives {len(out)} for {source} "
+                        "(use feed_forward_with_key)")
+    return out
 
 
 # -- predictions on Dask collections --------------------------------------------------------

@@ -1,15 +1,18 @@
-"""Persisting three times the workers' memory never pauses or kills a worker, and the storage
-report counts the bytes exactly."""
+"""Persisting three times the workers' memory, or training over twice of it, never pauses or kills
+a worker, and the storage report counts the bytes exactly."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 
 import pytest
 import torch
 
-from dlscale import SparkConf, SparkContext, StorageLevel
+from dlscale import SharedTrainingMaster, SparkConf, SparkContext, SparkNet, StorageLevel
+from dlscale.data import DataSet, export_minibatches, list_paths
+from dlscale.nn import Network
 
 WORKERS = 2
 MEMORY_LIMIT = 768 * 2**20
@@ -60,3 +63,34 @@ def test_three_times_memory_persisted_and_counted_twice(level: StorageLevel, sma
     assert ctx.client.run(os.getpid) == pids, "a worker was restarted"
     assert _memory_events(ctx) == []
     rdd.unpersist(blocking=True)
+
+
+TRAIN_FEATURES = 4096
+TRAIN_BATCH = 512  # 8 MiB of features per minibatch
+
+
+def _minibatches(count: int) -> Iterator[DataSet]:
+    g = torch.Generator().manual_seed(7)
+    for _ in range(count):
+        x = torch.rand(TRAIN_BATCH, TRAIN_FEATURES, generator=g)
+        yield DataSet(x, (x[:, :10].sum(1) > 5).long())
+
+
+def test_training_over_more_data_than_the_workers_memory(small_sc: SparkContext, tmp_path) -> None:
+    """Gradient sharing over minibatch files holding more than each worker's memory limit, twice
+    over: the files stream through the workers, and no worker is paused, killed or restarted."""
+    ctx = small_sc
+    pids = ctx.client.run(os.getpid)
+    count = 2 * WORKERS * MEMORY_LIMIT // (TRAIN_BATCH * TRAIN_FEATURES * 4)  # 2x the workers' memory in all
+    export_minibatches(_minibatches(count), str(tmp_path / "train"), TRAIN_BATCH)
+    network = Network(torch.nn.Linear(TRAIN_FEATURES, 2), "cross_entropy",
+                      functools.partial(torch.optim.SGD, lr=0.01))
+    before = network.params().clone()
+    spark_net = SparkNet(ctx, network, SharedTrainingMaster(TRAIN_BATCH, collect_training_stats=True, rng_seed=0))
+    spark_net.fit_paths(list_paths(ctx, str(tmp_path / "train")), epochs=2)
+    trainers = spark_net.training_stats.trainers
+    assert sum(t.minibatches for t in trainers) == 2 * count
+    assert all(t.minibatches * TRAIN_BATCH * TRAIN_FEATURES * 4 > MEMORY_LIMIT for t in trainers)
+    assert not torch.equal(network.params(), before)
+    assert ctx.client.run(os.getpid) == pids, "a worker was restarted"
+    assert _memory_events(ctx) == []

@@ -4,6 +4,7 @@ paths, loaders with prefetching, file batches of raw files, and zarr groups."""
 from __future__ import annotations
 
 from dlscale.data.dataset import DataSet, DataShapeError, MultiDataSet
+from dlscale.data.datasets import load_digits
 from dlscale.data.export import export_minibatches, list_paths
 from dlscale.data.filebatch import FileBatch, create_file_batches
 from dlscale.data.format import load, save
@@ -18,5 +19,5 @@ from dlscale.data.zarr_batches import ZarrLoader, export_zarr, list_zarr_batches
 __all__ = [
     "DataSet", "DataSetLoader", "DataShapeError", "FileBatch", "ImageFileBatchLoader", "ImagePreProcessingScaler",
     "MultiDataSet", "MultiDataSetLoader", "ZarrLoader", "create_file_batches", "export_minibatches", "export_zarr",
-    "list_paths", "list_zarr_batches", "load", "parent_path_labels", "prefetch", "save",
+    "list_paths", "list_zarr_batches", "load", "load_digits", "parent_path_labels", "prefetch", "save",
 ]

@@ -1,0 +1,260 @@
+"""The ``dlscale`` command, spark-submit's counterpart: run a script on a cluster, export data to
+minibatch files, evaluate or apply a saved network, and compare versions across a cluster.
+
+    dlscale run script.py --master local[4] --workers 2 --worker-memory 8GB -- --epochs 3
+    dlscale export data.npz train/ --batch-size 64
+    dlscale evaluate model.dln test/ --top-n 5 --output results/eval.json
+    dlscale predict model.dln test/ predictions/
+    dlscale info --master tcp://scheduler:8786
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from dlscale.conf import SUBMIT_ENV, SparkConf
+
+DEFAULT_MASTER = "local[2]"
+
+
+def _resource(text: str) -> tuple[str, float]:
+    name, _, amount = text.partition("=")
+    try:
+        return name.strip(), float(amount)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected NAME=AMOUNT such as GPU=1, got {text!r}") from None
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _cluster_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--master", help=f"local[N], local[*], tcp://host:port or tls://host:port (default {DEFAULT_MASTER})")
+    p.add_argument("--workers", type=_positive, help="worker processes of an embedded cluster (overrides local[N])")
+    p.add_argument("--threads-per-worker", type=_positive, help="threads per worker process of an embedded cluster")
+    p.add_argument("--worker-memory", help="memory limit per worker of an embedded cluster, e.g. 8GB or 512m")
+    p.add_argument("--resources", type=_resource, action="append", default=[], metavar="NAME=AMOUNT",
+                   help="an abstract resource each worker of an embedded cluster offers, e.g. GPU=1 (repeatable)")
+
+
+def _settings(args: argparse.Namespace) -> dict[str, str]:
+    """The SparkConf settings the cluster flags stand for."""
+    settings = {"spark.master": args.master} if args.master else {}
+    if args.workers:
+        settings["spark.executor.instances"] = str(args.workers)
+    if args.threads_per_worker:
+        settings["spark.executor.cores"] = str(args.threads_per_worker)
+    if args.worker_memory:
+        from dlscale.conf import spark_size_to_bytes
+
+        try:
+            settings["spark.executor.memory"] = str(spark_size_to_bytes(args.worker_memory, "--worker-memory"))
+        except ValueError as e:
+            raise SystemExit(f"dlscale: error: argument --worker-memory: {e}") from None
+    for name, amount in args.resources:
+        settings[f"spark.executor.resource.{name}.amount"] = str(amount)
+    return settings
+
+
+def _context(args: argparse.Namespace) -> Any:
+    from dlscale import SparkContext
+
+    conf = SparkConf().setAll(_settings(args).items()).setIfMissing("spark.master", DEFAULT_MASTER)
+    return SparkContext(conf=conf, appName=f"dlscale {args.command}")
+
+
+def _import_modules(names: Sequence[str]) -> None:
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise SystemExit(f"dlscale: error: argument --import: cannot import {name}: {e}") from None
+
+
+def _load_network(args: argparse.Namespace) -> Any:
+    from dlscale.nn import Network
+
+    _import_modules(args.imports)
+    return Network.load(args.model)
+
+
+# -- subcommands ---------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> int:
+    """Run ``script`` with the cluster flags handed to its SparkContext; returns its exit status."""
+    if not os.path.isfile(args.script):
+        raise SystemExit(f"dlscale: error: argument script: no such file: {args.script}")
+    env = dict(os.environ)
+    env[SUBMIT_ENV] = json.dumps(_settings(args))
+    return subprocess.call([sys.executable, args.script, *args.script_args], env=env)
+
+
+def export(args: argparse.Namespace) -> int:
+    """Write the arrays of an ``.npz`` file as minibatch files."""
+    import numpy as np
+    import torch
+
+    from dlscale.data import DataSet, export_minibatches
+
+    try:
+        with np.load(args.source, allow_pickle=False) as data:
+            missing = [k for k in (args.features, args.labels) if k not in data]
+            if missing:
+                raise SystemExit(f"dlscale: error: {args.source} has no array {missing[0]!r} "
+                                 f"(it has {sorted(data.files)}); name them with --features and --labels")
+            x, y = torch.from_numpy(data[args.features]), torch.from_numpy(data[args.labels])
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"dlscale: error: argument source: cannot read {args.source} as .npz: {e}") from None
+    batches = [DataSet(x[i:i + args.batch_size], y[i:i + args.batch_size]) for i in range(0, len(x), args.batch_size)]
+    paths = export_minibatches(batches, args.destination, args.batch_size)
+    print(f"wrote {len(x)} examples as {len(paths)} minibatch files of {args.batch_size} to {args.destination}")
+    return 0
+
+
+def evaluate(args: argparse.Namespace) -> int:
+    """Evaluate a saved classifier on minibatch files; print the report, optionally save it as JSON."""
+    from dlscale import SparkNet, write_string_to_file
+    from dlscale.data import list_paths
+    from dlscale.evaluation import Evaluation, RegressionEvaluation
+
+    network = _load_network(args)
+    with _context(args) as sc:
+        kind = RegressionEvaluation() if args.regression else Evaluation(top_n=args.top_n)
+        (result,) = SparkNet(sc, network).do_evaluation(list_paths(sc, args.data), kind, batch_size=args.batch_size)
+    print(result.stats())
+    if args.output:
+        write_string_to_file(args.output, result.to_json())
+        print(f"wrote {args.output}")
+    return 0
+
+
+def predict(args: argparse.Namespace) -> int:
+    """Apply a saved network to minibatch files; one ``.npy`` file of outputs per input file."""
+    from dlscale.data import list_paths
+    from dlscale.inference import predict_files
+
+    network = _load_network(args)
+    with _context(args) as sc:
+        written = predict_files(network, list_paths(sc, args.data), args.output, batch_size=args.batch_size)
+    print(f"wrote the outputs of {sum(written)} examples in {len(written)} files to {args.output}")
+    return 0
+
+
+PACKAGES = ("python", "dlscale", "torch", "numpy", "dask", "distributed", "cloudpickle", "msgpack", "fsspec")
+
+
+def info(args: argparse.Namespace) -> int:
+    """Versions on the client, the scheduler and every worker; returns 1 when they disagree."""
+    with _context(args) as sc:
+        versions = sc.client.run(_versions)
+        versions["client"] = _versions()
+        versions["scheduler"] = sc.client.run_on_scheduler(_versions)
+        print(f"cluster: {sc.master}, {len(versions) - 2} workers")
+    table, mismatched = version_table(versions)
+    print(table)
+    if mismatched:
+        print(f"\nMISMATCH: {', '.join(mismatched)} differ between processes; install the same versions "
+              "everywhere (tasks and pickled networks may fail in confusing ways otherwise)")
+        return 1
+    print("\nall processes run the same versions")
+    return 0
+
+
+def _versions() -> dict[str, str | None]:
+    import platform
+    from importlib import metadata
+
+    found: dict[str, str | None] = {"python": platform.python_version()}
+    for package in PACKAGES[1:]:
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            found[package] = None
+    return found
+
+
+def version_table(versions: dict[str, dict[str, str | None]]) -> tuple[str, list[str]]:
+    """A table of package versions per process (client, scheduler, workers), and the packages
+    whose versions differ between processes."""
+    names = ["client", "scheduler", *sorted(k for k in versions if k not in ("client", "scheduler"))]
+    packages = list(dict.fromkeys(p for n in names for p in versions[n]))
+    mismatched = [p for p in packages if len({versions[n].get(p) for n in names}) > 1]
+    width = max(len(n) for n in names)
+    lines = [f"{'package':12s} " + "  ".join(f"{n:>{width}s}" for n in names)]
+    for p in packages:
+        cells = "  ".join(f"{versions[n].get(p)!s:>{width}s}" for n in names)
+        lines.append(f"{p:12s} {cells}" + ("   <-- differs" if p in mismatched else ""))
+    return "\n".join(lines), mismatched
+
+
+# -- the parser ------------------------------------------------------------------------------
+def parser() -> argparse.ArgumentParser:
+    """The ``dlscale`` argument parser."""
+    main_parser = argparse.ArgumentParser(prog="dlscale", description=__doc__,
+                                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = main_parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, fn: Callable[[argparse.Namespace], int], help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(run=fn)
+        return p
+
+    p = command("run", run, "run a Python script whose SparkContext uses the cluster given here; "
+                "the script's own arguments follow --")
+    p.add_argument("script", help="the script to run")
+    _cluster_flags(p)
+
+    p = command("export", export, "write the arrays of an .npz file as minibatch files")
+    p.add_argument("source", help="an .npz file")
+    p.add_argument("destination", help="a directory URL for the minibatch files (must not exist)")
+    p.add_argument("--batch-size", type=_positive, default=64, help="examples per file (default 64)")
+    p.add_argument("--features", default="x", help="name of the features array in the .npz file (default x)")
+    p.add_argument("--labels", default="y", help="name of the labels array in the .npz file (default y)")
+
+    for name, fn, help_text in (("evaluate", evaluate, "evaluate a saved network on minibatch files"),
+                                ("predict", predict, "apply a saved network to minibatch files")):
+        p = command(name, fn, help_text)
+        p.add_argument("model", help="a network archive written by Network.save")
+        p.add_argument("data", help="a directory URL of minibatch files")
+        if name == "predict":
+            p.add_argument("output", help="a directory URL for the outputs (one .npy file per input file)")
+        else:
+            p.add_argument("--top-n", type=_positive, default=1, help="also report top-N accuracy")
+            p.add_argument("--regression", action="store_true", help="regression metrics instead of classification")
+            p.add_argument("--output", help="write the evaluation as JSON to this URL")
+        p.add_argument("--batch-size", type=_positive, default=None, help="examples per forward pass (default 64)")
+        p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                       help="import MODULE first (e.g. the one that registers the network's model factory)")
+        _cluster_flags(p)
+
+    p = command("info", info, "versions on the client, the scheduler and every worker, mismatches flagged")
+    _cluster_flags(p)
+    return main_parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``dlscale`` command."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = parser().parse_args(argv[:split])
+    args.script_args = argv[split + 1:]
+    if args.script_args and args.command != "run":
+        parser().error(f"only 'dlscale run' passes arguments after -- (to its script); got {args.script_args}")
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

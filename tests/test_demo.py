@@ -1,0 +1,20 @@
+"""The main job end to end on its own embedded cluster: export, gradient sharing, evaluation, save,
+reload and keyed inference agree with each other."""
+
+from __future__ import annotations
+
+import pytest
+
+from dlscale import demo
+
+
+def test_main_job(tmp_path, capsys) -> None:
+    report = demo.main(["--epochs", "8", "--storage", str(tmp_path / "digits")])
+    out = capsys.readouterr().out
+    assert "epoch  8/8" in out and "Top-3 Accuracy" in out
+    assert report["accuracy"] > 0.9  # a trained CNN; chance is 0.1
+    assert report["top_3_accuracy"] >= report["accuracy"]
+    # keyed inference with the reloaded network predicts what the evaluation counted
+    assert report["keyed_outputs"] == demo.TEST_EXAMPLES
+    assert report["keyed_accuracy"] == pytest.approx(report["accuracy"], abs=1e-9)
+    assert (tmp_path / "digits" / "digits-cnn.dln").exists()

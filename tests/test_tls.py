@@ -1,0 +1,55 @@
+"""TLS end to end: a cluster that only speaks TLS, reached through a ``tls://`` master URL; gradient
+sharing (updates sent worker to worker), evaluation and keyed inference all run over it."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+
+import pytest
+import torch
+from distributed import LocalCluster, Security
+
+from dlscale import ClusterConnectionError, SharedTrainingMaster, SparkContext, SparkNet
+from dlscale.data import DataSet, load_digits
+from dlscale.nn import Network
+
+
+@pytest.fixture(scope="module")
+def tls_cluster() -> Iterator[tuple[LocalCluster, Security]]:
+    pytest.importorskip("cryptography")
+    security = Security.temporary()
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, protocol="tls", security=security,
+                      dashboard_address=None) as cluster:
+        yield cluster, security
+
+
+def test_training_evaluation_and_inference_over_tls(tls_cluster, tmp_path) -> None:
+    cluster, security = tls_cluster
+    assert cluster.scheduler_address.startswith("tls://")
+    x, y = load_digits()
+    x, y = x.flatten(1)[:600], y[:600]
+    torch.manual_seed(0)
+    network = Network(torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10)),
+                      "cross_entropy", functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9))
+    before = network.params().clone()
+    with SparkContext(cluster.scheduler_address, "tls", security=security) as sc:
+        workers = sc.client.scheduler_info(n_workers=-1)["workers"]
+        assert len(workers) == 2 and all(w.startswith("tls://") for w in workers)
+        master = SharedTrainingMaster(16, rng_seed=0, export_directory=str(tmp_path / "export"),
+                                      collect_training_stats=True)
+        spark_net = SparkNet(sc, network, master)
+        rdd = sc.parallelize(DataSet(x, y).batch_by(20), 4)
+        spark_net.fit(rdd, epochs=5)
+        assert not torch.equal(network.params(), before)
+        assert {t.worker for t in spark_net.training_stats.trainers} == set(workers)
+        evaluation = spark_net.evaluate(rdd)
+        assert evaluation.accuracy() > 0.8
+        keyed = dict(spark_net.feed_forward_with_key(sc.parallelize([(i, x[i].clone()) for i in range(50)], 2)).collect())
+        torch.testing.assert_close(torch.stack([keyed[i] for i in range(50)]), network.output(x[:50]), atol=1e-6, rtol=0)
+
+
+def test_without_credentials_the_connection_is_refused(tls_cluster) -> None:
+    cluster, _ = tls_cluster
+    with pytest.raises(ClusterConnectionError, match="needs TLS credentials: pass security="):
+        SparkContext(cluster.scheduler_address, "no credentials")
