@@ -10,7 +10,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from dlscale import SharedTrainingMaster, SparkConf, SparkContext, SparkNet, StorageLevel
+from dlscale import (
+    SharedTrainingMaster,
+    SparkConf,
+    SparkContext,
+    SparkNet,
+    StorageLevel,
+)
 from dlscale.data import DataSet, export_minibatches, list_paths
 from dlscale.nn import Network
 
