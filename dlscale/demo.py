@@ -14,12 +14,13 @@ import functools
 import time
 from typing import Any
 
+import dask
 import torch
 
 from dlscale import SharedTrainingMaster, SparkConf, SparkContext, SparkNet, storage
 from dlscale.data import DataSet, export_minibatches, list_paths, load_digits
 from dlscale.evaluation import Evaluation, ROCMultiClass
-from dlscale.nn import Network, TrainingListener, build, model_factory
+from dlscale.nn import Network, build, model_factory
 
 TEST_EXAMPLES = 297
 
@@ -31,30 +32,6 @@ def digits_cnn(channels: int = 16, hidden: int = 64) -> torch.nn.Module:
         torch.nn.Conv2d(1, channels, 3, padding=1), torch.nn.ReLU(),
         torch.nn.Conv2d(channels, 2 * channels, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
         torch.nn.Flatten(), torch.nn.Linear(2 * channels * 16, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
-
-
-class EpochProgress(TrainingListener):
-    """Prints a line as each epoch starts: the mean loss of the minibatches reported since the last
-    line, and the examples per second since training began. Gradient-sharing trainers report
-    asynchronously, so one may already be in the next epoch while another finishes this one."""
-
-    def __init__(self, epochs: int) -> None:
-        self.epochs, self.epoch, self.loss, self.examples, self.total = epochs, 0, 0.0, 0, 0
-        self.start = time.perf_counter()
-
-    def iteration_done(self, network: Network, iteration: int, epoch: int, score: float, examples: int) -> None:
-        if epoch > self.epoch:
-            self.report()
-            self.epoch, self.loss, self.examples = epoch, 0.0, 0
-        self.loss += score * examples
-        self.examples += examples
-        self.total += examples
-
-    def report(self) -> None:
-        if self.examples:
-            rate = self.total / (time.perf_counter() - self.start)
-            print(f"  epoch {self.epoch + 1:2d}/{self.epochs}: loss {self.loss / self.examples:.4f}, "
-                  f"{rate:,.0f} examples/s", flush=True)
 
 
 def _split(seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -101,11 +78,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"network: CNN with {network.num_params():,} parameters; training with gradient sharing")
         master = SharedTrainingMaster(args.batch_size, collect_training_stats=True, rng_seed=0)
         spark_net = SparkNet(sc, network, master)
-        progress = EpochProgress(args.epochs)
-        spark_net.set_listeners(progress)
         t0 = time.perf_counter()
-        spark_net.fit_paths(list_paths(sc, f"{base}/train"), epochs=args.epochs)
-        progress.report()
+        with dask.config.set({"dlscale.progress": True}):  # a line per epoch, a live bar on a terminal
+            spark_net.fit_paths(list_paths(sc, f"{base}/train"), epochs=args.epochs)
         train_seconds = time.perf_counter() - t0
 
         test_paths = list_paths(sc, f"{base}/test")

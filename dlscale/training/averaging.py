@@ -23,6 +23,7 @@ from distributed import Future
 
 from dlscale._tasks import check_count
 from dlscale.persist import StorageLevel
+from dlscale.progress import Progress
 from dlscale.stats import RoundStats, TrainingStats, WorkerRound
 from dlscale.training import _sources, _worker
 from dlscale.training.master import (
@@ -133,6 +134,7 @@ class _Run:
                 self.client.submit(_worker.probe, self.key, self.blob, self.batches.refs[0], self.batches.loader,
                                    pure=False).result()
             states = self.client.scatter([_worker.state_of(network, self.master.save_updater)], hash=False)
+            self.progress = Progress("parameter averaging", len(self.batches.refs), epochs, network.epoch)
             for _ in range(epochs):
                 states = self._epoch(states, network.epoch)
                 network.epoch += 1
@@ -210,6 +212,7 @@ class _Run:
     def _done(self, epoch: int, r: int, info: dict[str, Any], seconds: float) -> None:
         network = self.net.network
         network.iteration += info["batches"]
+        self.progress.advance(sum(len(s["batches"]) for s in info["shares"]), info["examples"], info["score"])
         for listener in self.net.listeners:
             listener.iteration_done(network, network.iteration, epoch, info["score"], info["examples"])
         if self.stats is not None:

@@ -37,6 +37,7 @@ from dlscale.encoding import (
 )
 from dlscale.errors import TrainerLostWarning
 from dlscale.persist import StorageLevel
+from dlscale.progress import Progress
 from dlscale.stats import TrainerStats, TrainingStats
 from dlscale.training import _sources, _worker
 from dlscale.training.master import (
@@ -198,7 +199,8 @@ class _Run:
                                         self.batches.loader, spec, workers=[w], allow_other_workers=True,
                                         pure=False, key=f"{self.session}-trainer-{k}")
                        for k, (t, (w, i)) in enumerate(self.trainers.items())}
-            results, progress = self._follow(futures, n)
+            bar = Progress("gradient sharing", n, epochs, self.net.network.epoch)
+            results, progress = self._follow(futures, n, bar)
         finally:
             if master.encoding_debug_mode:
                 client.unsubscribe_topic(_trainer.DEBUG_TOPIC)
@@ -209,9 +211,11 @@ class _Run:
             blob.release()
         self._conclude(results, progress, epochs, n, time.perf_counter() - t0)
 
-    def _follow(self, futures: dict[str, Future], n: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        """Wait for the trainers, calling listeners as minibatches are acknowledged; returns the
-        results of the trainers that finished and the session's last progress report."""
+    def _follow(self, futures: dict[str, Future], n: int, bar: Progress
+                ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """Wait for the trainers, calling listeners and advancing the progress bar as minibatches
+        are acknowledged; returns the results of the trainers that finished and the session's last
+        progress report."""
         network = self.net.network
         iteration = network.iteration
         progress: dict[str, Any] = {}
@@ -223,6 +227,7 @@ class _Run:
             progress = self._call("progress")
             for item, examples, score in progress["reports"]:
                 iteration += 1
+                bar.advance(1, examples, score)
                 for listener in self.net.listeners:
                     listener.iteration_done(network, iteration, network.epoch + item // n, score, examples)
             failed = [f for f in futures.values() if f.status == "error" and not _lost_worker(f)]
