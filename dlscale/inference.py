@@ -3,8 +3,8 @@
 stay distributed.
 
 Every task borrows a worker's copy of the network (sent to each worker once and held there while
-the result is in use, see :mod:`dlscale.nn.shipping`) and computes in minibatches of ``batch_size`` examples; the batch size
-trades memory for speed and never changes a result.
+the result is in use, see :mod:`dlscale.nn.shipping`) and computes in minibatches of
+``batch_size`` examples; the batch size trades memory for speed and never changes a result.
 """
 
 from __future__ import annotations
