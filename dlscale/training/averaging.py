@@ -15,7 +15,6 @@ import math
 import secrets
 import time
 import uuid
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,14 +27,10 @@ from dlscale.stats import RoundStats, TrainingStats, WorkerRound
 from dlscale.training import _sources, _worker
 from dlscale.training.master import (
     TrainingMaster,
-    check_epochs,
     check_source,
-    probe_rdd,
-    serialise,
 )
 
 if TYPE_CHECKING:
-    from dlscale.rdd import RDD
     from dlscale.training.sparknet import SparkNet
 
 REPARTITION = ("always", "never", "num_partitions_workers_differs")
@@ -78,29 +73,11 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
             raise ValueError(f"repartition must be one of {REPARTITION}, got {self.repartition!r}")
         check_source(self.rdd_training_approach, self.storage_level)
 
-    # -- the two entry points ------------------------------------------------------------
-    def fit(self, net: SparkNet, rdd: RDD, epochs: int) -> None:
-        check_epochs(epochs)
-        blob = serialise(net.network)
-        probe_rdd(net.network, rdd, self.batch_size_per_worker)
-        if self.rdd_training_approach == "direct":
-            batches = _sources.in_memory(rdd, self.batch_size_per_worker, self.storage_level)
-            local = self.repartition == "never" or (
-                self.repartition == "num_partitions_workers_differs" and rdd.getNumPartitions() == len(_workers(net)))
-        else:
-            batches = self._exports.get(rdd, self.batch_size_per_worker, self.export_directory,
-                                         self.storage_options)
-            local = False
-        _Run(self, net, blob, batches, local).train(epochs)
-
-    def fit_paths(self, net: SparkNet, paths: RDD, loader: Callable[[Any], Any] | None, epochs: int) -> None:
-        check_epochs(epochs)
-        blob = serialise(net.network)
-        _Run(self, net, blob, _sources.from_paths(paths, loader), False).train(epochs, probe=True)
-
-    def delete_temp_files(self) -> None:
-        """Delete the minibatch files this master exported (DL4J's ``deleteTempFiles``)."""
-        self._exports.delete()
+    def _train(self, net: SparkNet, blob: bytes, batches: _sources.Minibatches, epochs: int, *,
+               partitions: int | None = None, probe: bool = False) -> None:
+        local = partitions is not None and (self.repartition == "never" or (
+            self.repartition == "num_partitions_workers_differs" and partitions == len(_workers(net))))
+        _Run(self, net, blob, batches, local).train(epochs, probe=probe)
 
 
 def _workers(net: SparkNet) -> list[str]:

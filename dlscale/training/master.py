@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from dlscale.data.dataset import DataSet, MultiDataSet
 from dlscale.nn import shipping
 from dlscale.persist import StorageLevel
+from dlscale.training import _sources
 
 if TYPE_CHECKING:
     from dlscale.nn.network import Network
@@ -17,15 +18,49 @@ if TYPE_CHECKING:
 
 
 class TrainingMaster(abc.ABC):
-    """How a :class:`~dlscale.SparkNet` trains across the cluster (DL4J's ``TrainingMaster``)."""
+    """How a :class:`~dlscale.SparkNet` trains across the cluster (DL4J's ``TrainingMaster``).
 
-    @abc.abstractmethod
+    A master has the settings ``batch_size_per_worker``, ``rdd_training_approach``,
+    ``storage_level``, ``export_directory`` and ``storage_options``, and an ``_exports`` cache.
+    :meth:`fit` and :meth:`fit_paths` check what they are given, prepare the minibatches and hand
+    them to :meth:`_train`, the one method a master implements.
+    """
+
+    batch_size_per_worker: int
+    rdd_training_approach: str
+    storage_level: StorageLevel
+    export_directory: str | None
+    storage_options: dict[str, Any] | None
+    _exports: _sources.ExportCache
+
     def fit(self, net: SparkNet, rdd: RDD, epochs: int) -> None:
         """Train ``net.network`` on an RDD of DataSet or MultiDataSet."""
+        check_epochs(epochs)
+        blob = serialise(net.network)
+        probe_rdd(net.network, rdd, self.batch_size_per_worker)
+        if self.rdd_training_approach == "direct":
+            batches = _sources.in_memory(rdd, self.batch_size_per_worker, self.storage_level)
+            self._train(net, blob, batches, epochs, partitions=rdd.getNumPartitions())
+        else:
+            batches = self._exports.get(rdd, self.batch_size_per_worker, self.export_directory, self.storage_options)
+            self._train(net, blob, batches, epochs)
 
-    @abc.abstractmethod
     def fit_paths(self, net: SparkNet, paths: RDD, loader: Callable[[Any], Any] | None, epochs: int) -> None:
         """Train ``net.network`` on the minibatches that ``loader`` reads from ``paths``."""
+        check_epochs(epochs)
+        blob = serialise(net.network)
+        self._train(net, blob, _sources.from_paths(paths, loader), epochs, probe=True)
+
+    def delete_temp_files(self) -> None:
+        """Delete the minibatch files this master exported (DL4J's ``deleteTempFiles``)."""
+        self._exports.delete()
+
+    @abc.abstractmethod
+    def _train(self, net: SparkNet, blob: bytes, batches: _sources.Minibatches, epochs: int, *,
+               partitions: int | None = None, probe: bool = False) -> None:
+        """Train on ``batches`` for ``epochs`` epochs with the network pickled in ``blob``.
+        ``partitions`` is the RDD's partition count when the minibatches are held in memory
+        ("direct"); ``probe`` asks to check one minibatch on a worker first (files from a loader)."""
 
 
 APPROACHES = ("export", "direct")

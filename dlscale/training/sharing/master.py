@@ -17,7 +17,6 @@ import secrets
 import time
 import uuid
 import warnings
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import dask.config
@@ -42,17 +41,13 @@ from dlscale.stats import TrainerStats, TrainingStats
 from dlscale.training import _sources, _worker
 from dlscale.training.master import (
     TrainingMaster,
-    check_epochs,
     check_source,
-    probe_rdd,
-    serialise,
 )
 from dlscale.training.sharing import _mesh, _trainer
 from dlscale.training.sharing._scheduler_plugin import SharingSchedulerPlugin
 from dlscale.training.sharing._worker_plugin import SharingWorkerPlugin, plugin
 
 if TYPE_CHECKING:
-    from dlscale.rdd import RDD
     from dlscale.training.sparknet import SparkNet
 
 logger = logging.getLogger("dlscale.training.sharing")
@@ -104,26 +99,13 @@ class SharedTrainingMaster(TrainingMaster):
             raise ValueError(f"mesh_build_mode must be one of {_mesh.MODES}, got {self.mesh_build_mode!r}")
         check_source(self.rdd_training_approach, self.storage_level)
 
-    def fit(self, net: SparkNet, rdd: RDD, epochs: int) -> None:
-        check_epochs(epochs)
-        blob = serialise(net.network)
-        probe_rdd(net.network, rdd, self.batch_size_per_worker)
-        if self.rdd_training_approach == "direct":
-            batches = _sources.in_memory(rdd, self.batch_size_per_worker, self.storage_level)
-            keyed = dataclasses.replace(batches, refs=[f.key for f in batches.refs], loader=_trainer.HeldMinibatch())
-            _Run(self, net, blob, keyed).train(epochs)  # batches holds the minibatches until it returns
-        else:
-            batches = self._exports.get(rdd, self.batch_size_per_worker, self.export_directory, self.storage_options)
-            _Run(self, net, blob, batches).train(epochs)
-
-    def fit_paths(self, net: SparkNet, paths: RDD, loader: Callable[[Any], Any] | None, epochs: int) -> None:
-        check_epochs(epochs)
-        blob = serialise(net.network)
-        _Run(self, net, blob, _sources.from_paths(paths, loader)).train(epochs, probe=True)
-
-    def delete_temp_files(self) -> None:
-        """Delete the minibatch files this master exported (DL4J's ``deleteTempFiles``)."""
-        self._exports.delete()
+    def _train(self, net: SparkNet, blob: bytes, batches: _sources.Minibatches, epochs: int, *,
+               partitions: int | None = None, probe: bool = False) -> None:
+        if partitions is None:
+            _Run(self, net, blob, batches).train(epochs, probe=probe)
+            return
+        keyed = dataclasses.replace(batches, refs=[f.key for f in batches.refs], loader=_trainer.HeldMinibatch())
+        _Run(self, net, blob, keyed).train(epochs)  # batches holds the minibatches until it returns
 
 
 def _ensure_plugins(client: Any) -> None:
