@@ -145,27 +145,24 @@ class Network:
             out = self._call(list(features), masks)
         return out[0] if len(out) == 1 else out
 
-    def score(self, batch: Minibatch) -> float:
-        """The loss on ``batch`` in evaluation mode, without training."""
+    def _inferred(self, batch: Minibatch) -> tuple[list[torch.Tensor], list[torch.Tensor], list, bool]:
+        """:meth:`_forward` in evaluation mode, without gradients."""
         self.module.eval()
         with torch.no_grad():
-            outputs, labels, masks, single = self._forward(batch)
-            return float(losses.compute(self.loss, outputs, labels, masks, single))
+            return self._forward(batch)
+
+    def score(self, batch: Minibatch) -> float:
+        """The loss on ``batch`` in evaluation mode, without training."""
+        return float(losses.compute(self.loss, *self._inferred(batch)))
 
     def evaluate_batch(self, batch: Minibatch) -> tuple[list[torch.Tensor], list[torch.Tensor], list]:
         """``(outputs, labels, label masks)`` of ``batch`` in evaluation mode: what evaluations read."""
-        self.module.eval()
-        with torch.no_grad():
-            outputs, labels, masks, _ = self._forward(batch)
-        return outputs, labels, masks
+        return self._inferred(batch)[:3]
 
     def score_examples(self, batch: Minibatch, include_regularization: bool = False) -> torch.Tensor:
         """The loss of each example of ``batch`` (see :func:`dlscale.nn.losses.per_example`), plus the
         regularization term when ``include_regularization``; a vector of ``num_examples()``."""
-        self.module.eval()
-        with torch.no_grad():
-            outputs, labels, masks, single = self._forward(batch)
-            scores = losses.per_example(self.loss, outputs, labels, masks, single)
+        scores = losses.per_example(self.loss, *self._inferred(batch))
         return scores + self.regularization_score() if include_regularization else scores
 
     def regularization_score(self) -> float:
