@@ -14,8 +14,9 @@ same script:
   outputs left on the workers (``count``), and the same with the outputs collected on the driver;
 - **predict**: ``dlscale.predict`` over a persisted Dask array, the predictions persisted on the workers.
 
-Every configuration runs ``REPEATS`` times in ABBA order and the median is reported, as is the time to
-send the network to the workers, which every evaluation and inference call pays once. Target: two
+Every configuration runs ``REPEATS`` times in ABBA order and the median is reported, as are the time to
+send the network to the workers, which every evaluation and inference call pays once, and the time
+of one evaluation's worker tasks. Target: two
 workers reach at least 1.7x the one-thread baseline's examples/s. Results go to
 ``benchmarks/results/evaluation.json``.
 """
@@ -36,7 +37,7 @@ from typing import Any
 
 import dask.array as da
 import torch
-from distributed import wait
+from distributed import get_task_stream, wait
 
 from benchmarks.parameter_averaging import network
 from dlscale import SparkContext, StorageLevel
@@ -132,7 +133,20 @@ def main() -> None:
             return time.perf_counter() - start
 
         report["network_ship_s"] = statistics.median(ship_seconds() for _ in range(REPEATS))
-        print(f"sending the network to both workers: {report['network_ship_s']:.2f} s per call")
+        start = time.perf_counter()
+        shipping.serialise(net, False)
+        report["network_pickle_s"] = time.perf_counter() - start
+        print(f"sending the network to both workers: {report['network_ship_s']:.2f} s per call, of which "
+              f"{report['network_pickle_s']:.2f} s pickling")
+        with get_task_stream(sc.client) as stream:
+            evaluate()
+        tasks = [t for t in stream.data if str(t["key"]).startswith("('evaluate")]
+        report["evaluation_tasks"] = {
+            "count": len(tasks), "examples_per_task": EXAMPLES / len(tasks),
+            "mean_seconds": statistics.mean(sum(s["stop"] - s["start"] for s in t["startstops"]
+                                                if s["action"] == "compute") for t in tasks)}
+        print(f"evaluation tasks: {len(tasks)} of {EXAMPLES / len(tasks):.0f} examples, "
+              f"{report['evaluation_tasks']['mean_seconds']:.2f} s each")
         for repeat in range(REPEATS):
             for name, run in configs if repeat % 2 == 0 else configs[::-1]:
                 runs.setdefault(name, []).append(EXAMPLES / run())
