@@ -43,6 +43,7 @@ _EXPORTS = {
     "TrainerLostWarning": "dlscale.errors",
     "EvaluationError": "dlscale.errors",
     "IncompatibleEvaluationError": "dlscale.errors",
+    "DeviceError": "dlscale.errors",
 }
 
 __all__ = [*sorted(_EXPORTS), "__version__"]

@@ -55,3 +55,7 @@ class EvaluationError(DlscaleError, ValueError):
 
 class IncompatibleEvaluationError(DlscaleError, TypeError):
     """Two evaluations that cannot be merged (different types or settings), or JSON of another type."""
+
+
+class DeviceError(DlscaleError, RuntimeError):
+    """A device setting (``DLSCALE_DEVICE``) that a worker cannot honour, e.g. ``cuda`` without a GPU."""

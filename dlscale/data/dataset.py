@@ -119,6 +119,16 @@ class _Minibatch:
     def _pickled_args(self) -> tuple:
         raise NotImplementedError
 
+    def to(self, device: torch.device | str) -> Any:
+        """This minibatch with every tensor on ``device`` (itself when they are there already)."""
+        device = torch.device(device)
+        if all(t is None or t.device == device for t in self._tensors()):
+            return self
+        return self._moved(device)
+
+    def _moved(self, device: torch.device) -> Any:
+        raise NotImplementedError
+
     def nbytes(self) -> int:
         """Bytes of tensor data held."""
         return sum(t.nelement() * t.element_size() for t in self._tensors() if t is not None)
@@ -172,6 +182,9 @@ class DataSet(_Minibatch):
 
     def _select(self, idx: Any) -> DataSet:
         return DataSet(*(_index(t, idx) for t in self._fields().values()))
+
+    def _moved(self, device: torch.device) -> DataSet:
+        return DataSet(*(None if t is None else t.to(device) for t in self._fields().values()))
 
     @staticmethod
     def merge(datasets: Sequence[DataSet]) -> DataSet:
@@ -243,6 +256,9 @@ class MultiDataSet(_Minibatch):
             [t[idx] for t in self.features], [t[idx] for t in self.labels],
             [_index(m, idx) for m in self.features_masks], [_index(m, idx) for m in self.labels_masks],
         )
+
+    def _moved(self, device: torch.device) -> MultiDataSet:
+        return MultiDataSet(*([None if t is None else t.to(device) for t in getattr(self, g)] for g in self.GROUPS))
 
     @staticmethod
     def merge(datasets: Sequence[MultiDataSet]) -> MultiDataSet:

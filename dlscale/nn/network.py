@@ -3,10 +3,14 @@
 Every parameter (and its gradient) is a view into one contiguous vector, as DL4J keeps a network's
 parameters in one flattened array: averaging parameters, sending them and encoding updates work on
 that one vector without copying per layer.
+
+A network computes on its :attr:`~Network.device` but takes and returns CPU tensors, and pickles as
+CPU tensors: a driver without a GPU can send it to GPU workers and read what they send back.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -18,6 +22,18 @@ from dlscale.nn.listeners import TrainingListener
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 Minibatch = DataSet | MultiDataSet
+
+
+def cpu_copy(value: Any) -> Any:
+    """A (nested) state such as an optimizer's ``state_dict`` with every tensor copied to the CPU,
+    so that it shares no storage with the original and crosses the network as CPU tensors."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: cpu_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [cpu_copy(v) for v in value]
+    return value
 
 
 def _as_list(value: Any) -> list[torch.Tensor]:
@@ -61,6 +77,23 @@ class Network:
             p.grad = self._flat_grad[offset : offset + n].view_as(p)
             offset += n
 
+    @property
+    def device(self) -> torch.device:
+        """Where the parameters live and the module computes."""
+        return self._flat.device
+
+    def to(self, device: torch.device | str) -> Network:
+        """Move the module, its flat buffers and the optimizer's state to ``device``; returns ``self``."""
+        device = torch.device(device)
+        if device == self._flat.device:
+            return self
+        state = self.optimizer.state_dict() if self.optimizer is not None else None
+        self.module.to(device)
+        self._flatten()
+        if state is not None:
+            self.optimizer.load_state_dict(state)  # casts the state to its parameters' device
+        return self
+
     def num_params(self) -> int:
         """The number of parameters (the length of :meth:`params`)."""
         return self._flat.numel()
@@ -102,6 +135,8 @@ class Network:
         return _as_list(self.module(*features, mask=masks[0] if len(masks) == 1 else list(masks)))
 
     def _forward(self, batch: Minibatch) -> tuple[list[torch.Tensor], list[torch.Tensor], list, bool]:
+        if isinstance(batch, (DataSet, MultiDataSet)):
+            batch = batch.to(self._flat.device)
         if isinstance(batch, DataSet):
             if batch.labels is None:
                 raise ValueError("a DataSet without labels cannot be scored or evaluated")
@@ -140,9 +175,11 @@ class Network:
         """The network's output for ``features`` (one tensor per input), in evaluation mode; ``mask``
         is passed on to the module (see :meth:`_call`)."""
         masks = mask if isinstance(mask, list) else [mask] * (1 if mask is not None else len(features))
+        device = self._flat.device
         self.module.eval()
         with torch.no_grad():
-            out = self._call(list(features), masks)
+            out = self._call([f.to(device) for f in features], [None if m is None else m.to(device) for m in masks])
+        out = [o.cpu() for o in out]
         return out[0] if len(out) == 1 else out
 
     def _inferred(self, batch: Minibatch) -> tuple[list[torch.Tensor], list[torch.Tensor], list, bool]:
@@ -157,12 +194,13 @@ class Network:
 
     def evaluate_batch(self, batch: Minibatch) -> tuple[list[torch.Tensor], list[torch.Tensor], list]:
         """``(outputs, labels, label masks)`` of ``batch`` in evaluation mode: what evaluations read."""
-        return self._inferred(batch)[:3]
+        outputs, labels, masks, _ = self._inferred(batch)
+        return ([o.cpu() for o in outputs], [t.cpu() for t in labels], [None if m is None else m.cpu() for m in masks])
 
     def score_examples(self, batch: Minibatch, include_regularization: bool = False) -> torch.Tensor:
         """The loss of each example of ``batch`` (see :func:`dlscale.nn.losses.per_example`), plus the
         regularization term when ``include_regularization``; a vector of ``num_examples()``."""
-        scores = losses.per_example(self.loss, *self._inferred(batch))
+        scores = losses.per_example(self.loss, *self._inferred(batch)).cpu()
         return scores + self.regularization_score() if include_regularization else scores
 
     def regularization_score(self) -> float:
@@ -195,7 +233,11 @@ class Network:
     # -- pickling (networks travel to the workers) ----------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = {k: v for k, v in self.__dict__.items() if k not in ("_flat", "_flat_grad", "optimizer")}
-        state["_optimizer_state"] = self.optimizer.state_dict() if self.optimizer is not None else None
+        optimizer_state = self.optimizer.state_dict() if self.optimizer is not None else None
+        if self._flat.device.type != "cpu":  # a network travels as CPU tensors
+            state["module"] = copy.deepcopy(self.module).cpu()
+            optimizer_state = cpu_copy(optimizer_state)
+        state["_optimizer_state"] = optimizer_state
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

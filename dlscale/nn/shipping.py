@@ -23,6 +23,7 @@ import cloudpickle
 
 from dlscale import config
 from dlscale._replicas import EVERY_WORKER, set_replication
+from dlscale.devices import device_for
 from dlscale.errors import NetworkSerializationError
 
 if TYPE_CHECKING:
@@ -86,10 +87,10 @@ class _Copies:
         except queue.Empty:
             pass
         with self.lock:
-            make = self.made < self.limit
-            if make:
+            index = self.made
+            if index < self.limit:
                 self.made += 1
-        return pickle.loads(self.blob) if make else self.idle.get()
+        return pickle.loads(self.blob).to(device_for(index, self.limit)) if index < self.limit else self.idle.get()
 
 
 _CACHE: OrderedDict[str, _Copies] = OrderedDict()

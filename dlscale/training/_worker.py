@@ -21,20 +21,23 @@ from dlscale._tasks import match_threads, worker_address
 from dlscale.data.dataset import DataSet, MultiDataSet
 from dlscale.data.format import from_bytes
 from dlscale.data.loaders import prefetch
-from dlscale.nn.network import Network
+from dlscale.devices import device_for
+from dlscale.nn.network import Network, cpu_copy
 from dlscale.training._heap import training_heap
 
 _REPLICAS: dict[str, tuple[Network, threading.Lock]] = {}
 _REPLICAS_LOCK = threading.Lock()
 
 
-def replica(key: str, blob: bytes) -> tuple[Network, threading.Lock]:
-    """This process's copy of the network pickled in ``blob`` (unpickled once per worker), and the
-    lock that keeps two tasks from training it at once."""
+def replica(key: str, blob: bytes, local: int = 0, per_worker: int = 1) -> tuple[Network, threading.Lock]:
+    """This process's copy of the network pickled in ``blob`` (unpickled once per worker, on the
+    device of the ``local``-th of its ``per_worker`` trainers), and the lock that keeps two tasks
+    from training it at once."""
     with _REPLICAS_LOCK:
         found = _REPLICAS.get(key)
         if found is None:
-            found = _REPLICAS[key] = (pickle.loads(blob), threading.Lock())
+            network = pickle.loads(blob).to(device_for(local, per_worker))
+            found = _REPLICAS[key] = (network, threading.Lock())
         return found
 
 
@@ -44,23 +47,12 @@ def drop_replica(key: str) -> None:
         _REPLICAS.pop(key, None)
 
 
-def _cloned(value: Any) -> Any:
-    """A deep copy of the tensors in a (nested) optimizer state, so no two owners share storage."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _cloned(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_cloned(v) for v in value]
-    return value
-
-
 def state_of(network: Network, with_optimizer: bool) -> dict[str, Any]:
-    """A copy of ``network``'s parameters, buffers and (when asked) optimizer state."""
+    """A CPU copy of ``network``'s parameters, buffers and (when asked) optimizer state."""
     return {
-        "params": network.params().detach().clone(),
-        "buffers": {name: b.detach().clone() for name, b in network.module.named_buffers()},
-        "optimizer": _cloned(network.optimizer_state()) if with_optimizer else None,
+        "params": cpu_copy(network.params()),
+        "buffers": {name: cpu_copy(b) for name, b in network.module.named_buffers()},
+        "optimizer": cpu_copy(network.optimizer_state()) if with_optimizer else None,
     }
 
 
@@ -73,7 +65,7 @@ def apply_state(network: Network, state: dict[str, Any], copy: bool = True) -> N
         for name, value in state["buffers"].items():
             buffers[name].copy_(value)
     if state["optimizer"] is not None:
-        network.set_optimizer_state(_cloned(state["optimizer"]) if copy else state["optimizer"])
+        network.set_optimizer_state(cpu_copy(state["optimizer"]) if copy else state["optimizer"])
     else:
         network.optimizer.state.clear()
 

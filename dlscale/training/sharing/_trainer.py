@@ -129,7 +129,11 @@ class _Trainer:
         self.node = plugin(worker).nodes[control.session]
         self.node.set_nodes(joined["version"], joined["nodes"])
         self.start_version = joined["version"]
-        self.network, _ = replica(f"{key}/{local}", blob)
+        self.network, _ = replica(f"{key}/{local}", blob, local, spec.workers_per_node)
+        self.params = self.network.params()
+        # The codec works on CPU vectors: on a GPU, updates are applied to a CPU vector of zeros
+        # that is then added to the parameters in one copy.
+        self.host = self.params if self.params.device.type == "cpu" else torch.zeros(self.params.numel(), dtype=self.params.dtype)
         self.refs, self.loader = refs, loader
         self.inbox = self.node.inboxes[local]
         self.applied: collections.Counter[str] = collections.Counter()
@@ -150,7 +154,9 @@ class _Trainer:
             self.stats["phases"].append((phase, self._wall0 + (t0 - self._perf0), now - t0))
         return now
 
-    def _apply_inbox(self, params: torch.Tensor) -> None:
+    def _apply_inbox(self) -> None:
+        if not self.inbox:
+            return
         while self.inbox:
             origin, _, payload = self.inbox.popleft()
             try:
@@ -158,10 +164,17 @@ class _Trainer:
             except Exception as e:
                 e.add_note(f"in an update from trainer {origin}")
                 raise
-            apply(message, params)
+            apply(message, self.host)
             self.applied[origin] += 1
             self.stats["messages_received"] += 1
             self.stats["bytes_received"] += len(payload)
+        self._flush()
+
+    def _flush(self) -> None:
+        """Move the updates applied to the CPU vector onto the parameters (on a GPU)."""
+        if self.host is not self.params:
+            self.params.add_(self.host.to(self.params.device))
+            self.host.zero_()
 
     def _items(self) -> Iterator[Any]:
         """The refs of the minibatches this trainer is handed, pulled from the scheduler one ahead of
@@ -189,9 +202,9 @@ class _Trainer:
         threads = max(1, self.worker.state.nthreads // spec.workers_per_node)
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
-        params = net.params()
+        params = self.params
         before = torch.empty_like(params)
-        residual = torch.zeros_like(params)
+        residual = torch.zeros(params.numel(), dtype=params.dtype)  # on the CPU, where the codec works
         thresholds = spec.threshold_algorithm.clone()
         post = spec.residual_post_processor.clone()
         seq = step = 0
@@ -205,17 +218,22 @@ class _Trainer:
                 if batch is None:
                     break
                 item = self.handed.popleft()
-                self._apply_inbox(params)
+                self._apply_inbox()
                 t = self._phase("apply", t)
                 before.copy_(params)
                 score = net.fit_batch(batch)
-                residual.add_(params).sub_(before)  # the optimizer's update joins the residual...
-                params.copy_(before)  # ...instead of the parameters
+                # the optimizer's update joins the residual instead of the parameters
+                if self.host is params:
+                    residual.add_(params).sub_(before)
+                else:
+                    residual.add_(params.sub_(before).cpu())
+                params.copy_(before)
                 t = self._phase("fit", t)
                 message = encode(residual, thresholds.threshold)
                 post.process(step, message.threshold, residual)
                 thresholds.update(message.sparsity)
-                apply(message, params)
+                apply(message, self.host)
+                self._flush()
                 if spec.debug:
                     self._debug(step, message, residual)
                 t = self._phase("encode", t)
@@ -243,12 +261,12 @@ class _Trainer:
         finally:
             self.stopping.set()
             batches.close()
-        self._finish(params, seq)
+        self._finish(seq)
         state = state_of(net, with_optimizer=True)
         return {**state, "trainer": self.name, "residual": residual, "examples": self.stats["examples"],
                 "batches": self.stats["minibatches"], "score": float("nan"), "shares": [], "stats": self.stats}
 
-    def _finish(self, params: torch.Tensor, sent: int) -> None:
+    def _finish(self, sent: int) -> None:
         """Report the end of this trainer's work (every minibatch of the session is fitted by now) and
         apply updates until every live peer's last one is in."""
         t = time.perf_counter()
@@ -258,7 +276,7 @@ class _Trainer:
         while True:
             if reply["state"] in ("lost", "abort"):
                 raise _Stopped(reply["state"])
-            self._apply_inbox(params)
+            self._apply_inbox()
             self.node.set_nodes(reply["version"], reply["nodes"])
             alive = [o for o in reply["alive"] if o != self.name]
             if all(o in reply["finished"] for o in alive):
@@ -280,7 +298,7 @@ class _Trainer:
                     break
             time.sleep(self.poll / 4)
             reply = self.control("status")
-        self._apply_inbox(params)
+        self._apply_inbox()
         self._phase("wait", t)
 
     def _debug(self, step: int, message: EncodedUpdate, residual: torch.Tensor) -> None:
