@@ -33,7 +33,7 @@ class Progress:
     :meth:`advance` reports them (in any order across epochs, as gradient sharing acknowledges them)."""
 
     def __init__(self, label: str, per_epoch: int, epochs: int, first_epoch: int = 0,
-                 stream: TextIO | None = None) -> None:
+                 stream: TextIO | None = None, panel_url: str | None = None) -> None:
         self.label, self.per_epoch, self.epochs, self.first_epoch = label, per_epoch, epochs, first_epoch
         self.stream = stream or sys.stderr
         self.show = enabled(self.stream)
@@ -42,6 +42,9 @@ class Progress:
         self.loss = 0.0
         self.epoch_examples = 0
         self.start = self.epoch_start = self.drawn = time.perf_counter()
+        if self.show and panel_url:
+            self.stream.write(f"{label}: live panel at {panel_url}\n")
+            self.stream.flush()
 
     def advance(self, minibatches: int, examples: int, mean_loss: float) -> None:
         """``minibatches`` more were fitted, on ``examples`` examples with mean loss ``mean_loss``."""

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from distributed import Future
 
+from dlscale import panel
 from dlscale._tasks import check_count
 from dlscale.persist import StorageLevel
 from dlscale.progress import Progress
@@ -100,6 +101,7 @@ class _Run:
         seed = master.rng_seed if master.rng_seed is not None else secrets.randbits(63)
         self.seed = seed
         self.tag = uuid.uuid4().hex[:8]
+        self.fit_id: str | None = None  # in the live panel
         self.stats = TrainingStats("parameter averaging", len(self.workers), batches.seconds) \
             if master.collect_training_stats else None
 
@@ -111,7 +113,9 @@ class _Run:
                 self.client.submit(_worker.probe, self.key, self.blob, self.batches.refs[0], self.batches.loader,
                                    pure=False).result()
             states = self.client.scatter([_worker.state_of(network, self.master.save_updater)], hash=False)
-            self.progress = Progress("parameter averaging", len(self.batches.refs), epochs, network.epoch)
+            self.fit_id = panel.open_fit(self.client, "parameter averaging", epochs * len(self.batches.refs))
+            self.progress = Progress("parameter averaging", len(self.batches.refs), epochs, network.epoch,
+                                     panel_url=panel.url(self.client) if self.fit_id else None)
             for _ in range(epochs):
                 states = self._epoch(states, network.epoch)
                 network.epoch += 1
@@ -120,6 +124,7 @@ class _Run:
             network.iteration, network.epoch = counters  # the network is as it was before the fit
             raise
         finally:
+            panel.close_fit(self.client, self.fit_id)
             self.client.run(_worker.drop_replica, self.key)
             self.blob.release()
         if self.stats is not None:
@@ -190,6 +195,9 @@ class _Run:
         network = self.net.network
         network.iteration += info["batches"]
         self.progress.advance(sum(len(s["batches"]) for s in info["shares"]), info["examples"], info["score"])
+        panel.record(self.client, self.fit_id, [
+            {"row": s["worker"], "worker": s["worker"], "minibatches": len(s["batches"]), "examples": s["examples"],
+             "loss": s["score"]} for s in info["shares"]])
         for listener in self.net.listeners:
             listener.iteration_done(network, network.iteration, epoch, info["score"], info["examples"])
         if self.stats is not None:

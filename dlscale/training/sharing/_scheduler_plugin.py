@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from dlscale import panel
+
 if TYPE_CHECKING:
     from distributed.scheduler import Scheduler, WorkerState
 
@@ -32,7 +34,7 @@ class _Session:
     assigned: dict[str, set[int]] = field(default_factory=dict)
     joined: set[str] = field(default_factory=set)
     finished: dict[str, int] = field(default_factory=dict)  # trainer -> messages it sent
-    reports: list[tuple[int, int, float]] = field(default_factory=list)  # (item, examples, score)
+    reports: list[tuple[int, int, float]] = field(default_factory=list)  # (item, examples, score) for the driver
     lost: list[str] = field(default_factory=list)  # trainers lost, in order
     failed: str | None = None
     version: int = 0
@@ -81,6 +83,10 @@ class SharingSchedulerPlugin(SchedulerPlugin):
         self.sessions[session] = _Session(dict(worker_of), collections.deque(order), alive,
                                           {t: set() for t in worker_of})
         self.sessions[session].lost.extend(sorted(set(worker_of) - alive))
+        live = panel.in_scheduler(self.scheduler)
+        if live is not None:  # every trainer gets its row before its first report
+            live.record(session, [{"row": t, "worker": w, "minibatches": 0, "examples": 0, "loss": float("nan")}
+                                  for t, w in sorted(worker_of.items())])
 
     def close_session(self, session: str) -> None:
         self.sessions.pop(session, None)
@@ -102,21 +108,34 @@ class SharingSchedulerPlugin(SchedulerPlugin):
         return {"ok": ok, **(s.view() if s is not None else {})}
 
     def next(self, session: str, trainer: str, acks: list[list[Any]], want: int) -> dict[str, Any]:
-        """Acknowledge fitted items (``[item, examples, score]``) and hand out up to ``want`` more."""
+        """Acknowledge fitted items (``[item, examples, score, threshold, sparsity, bytes sent]``)
+        and hand out up to ``want`` more."""
         s = self.sessions.get(session)
         if s is None or trainer not in s.alive:
             return {"state": "lost", "items": []}
         mine = s.assigned[trainer]
-        for item, examples, score in acks:
-            if item in mine:
-                mine.discard(item)
-                s.reports.append((item, examples, score))
+        fresh = [ack for ack in acks if ack[0] in mine]
+        for item, examples, score, *_ in fresh:
+            mine.discard(item)
+            s.reports.append((item, examples, score))
+        if fresh:
+            self._to_panel(session, s.worker_of[trainer], trainer, fresh)
         items = []
         if s.failed is None:
             while s.pending and len(items) < want:
                 items.append(s.pending.popleft())
         mine.update(items)
         return {"items": items, **s.view()}
+
+    def _to_panel(self, session: str, worker: str, trainer: str, acks: list[list[Any]]) -> None:
+        live = panel.in_scheduler(self.scheduler)
+        if live is None:
+            return
+        examples = sum(a[1] for a in acks)
+        loss = sum(a[1] * a[2] for a in acks) / examples if examples else float("nan")
+        live.record(session, [{"row": trainer, "worker": worker, "minibatches": len(acks), "examples": examples,
+                               "loss": loss, "threshold": acks[-1][3], "sparsity": acks[-1][4],
+                               "bytes_sent": sum(a[5] for a in acks)}])
 
     def finish(self, session: str, trainer: str, sent: int) -> dict[str, Any]:
         """A trainer done with its minibatches, having sent ``sent`` updates."""

@@ -250,7 +250,7 @@ class _Trainer:
                     self.stats["steps"].append((time.time(), message.threshold, message.sparsity, size))
                 examples = batch.num_examples()
                 with self.acks_lock:
-                    self.acks.append([item, examples, score])
+                    self.acks.append([item, examples, score, message.threshold, message.sparsity, size])
                 self.stats["minibatches"] += 1
                 self.stats["examples"] += examples
                 step += 1

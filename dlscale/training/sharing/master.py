@@ -25,6 +25,7 @@ import torch
 from dask.utils import parse_timedelta
 from distributed import Future, wait
 
+from dlscale import panel
 from dlscale._tasks import check_count
 from dlscale.encoding import (
     AdaptiveThresholdAlgorithm,
@@ -173,6 +174,7 @@ class _Run:
         t0 = time.perf_counter()
         if master.encoding_debug_mode:
             client.subscribe_topic(_trainer.DEBUG_TOPIC, _log_debug)
+        fit = panel.open_fit(client, "gradient sharing", epochs * n, fit=self.session)
         self._call("open", worker_of={t: w for t, (w, _) in self.trainers.items()}, order=self._order(epochs))
         try:
             client.run(_open_node, self.session, master.workers_per_node, master.mesh_build_mode,
@@ -181,12 +183,13 @@ class _Run:
                                         self.batches.loader, spec, workers=[w], allow_other_workers=True,
                                         pure=False, key=f"{self.session}-trainer-{k}")
                        for k, (t, (w, i)) in enumerate(self.trainers.items())}
-            bar = Progress("gradient sharing", n, epochs, self.net.network.epoch)
+            bar = Progress("gradient sharing", n, epochs, self.net.network.epoch, panel_url=panel.url(client) if fit else None)
             results, progress = self._follow(futures, n, bar)
         finally:
             if master.encoding_debug_mode:
                 client.unsubscribe_topic(_trainer.DEBUG_TOPIC)
             self._call("close")
+            panel.close_fit(client, fit)
             alive = set(client.scheduler_info(n_workers=-1)["workers"])  # a lost worker would take a timeout
             client.run(_close_node, self.session, keys, workers=[w for w in self.workers if w in alive],
                        on_error="ignore")
