@@ -270,6 +270,31 @@ class SparkContext:
 
         return Broadcast(self, value)
 
+    def addPyFile(self, path: str, *, storage_options: dict[str, Any] | None = None) -> None:
+        """Make a ``.py`` module or a ``.zip`` / ``.egg`` of packages importable on every worker,
+        those that join later included (Dask's upload plugin). ``path`` is a local file or a URL
+        with a protocol (``s3://...``); the driver imports it from its own ``sys.path`` as usual."""
+        import tempfile
+
+        from dlscale import storage
+
+        name = os.path.basename(path.rstrip("/"))
+        if not name.endswith((".py", ".zip", ".egg")):
+            raise ValueError(f"addPyFile takes a .py, .zip or .egg file, got {path!r}")
+        if not storage.has_protocol(path):
+            path = os.path.expanduser(path)
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"addPyFile: no such file {path!r}")
+            self.client.upload_file(path)
+            return
+        fs, remote = storage.open_fs(path, storage_options)
+        if not fs.isfile(remote):
+            raise FileNotFoundError(f"addPyFile: no such file {path!r}")
+        with tempfile.TemporaryDirectory() as tmp:  # the upload keeps the file's name
+            local = os.path.join(tmp, name)
+            fs.get_file(remote, local)
+            self.client.upload_file(local)
+
     def textFile(
         self, name: str, minPartitions: int | None = None, use_unicode: bool = True, *,
         storage_options: dict[str, Any] | None = None,

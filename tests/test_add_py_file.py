@@ -1,0 +1,78 @@
+"""Shipping the user's own code to the workers with ``SparkContext.addPyFile`` (PySpark's name): a
+network whose module class lives in a file the workers cannot import trains once the file is added."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+
+from dlscale import ParameterAveragingTrainingMaster, SparkNet
+from dlscale.data import DataSet
+from dlscale.nn import Network
+
+SOURCE = textwrap.dedent("""
+    import torch
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return 2 * self.linear(x)
+""")
+
+
+def a_module(directory: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, Path]:
+    """A module of a fresh name in ``directory``, importable on the driver only."""
+    name = f"user_models_{uuid.uuid4().hex[:8]}"
+    path = directory / f"{name}.py"
+    path.write_text(SOURCE)
+    monkeypatch.syspath_prepend(str(directory))
+    return name, path
+
+
+def fit_once(sc, name: str, tmp_path: Path) -> Network:
+    module = importlib.import_module(name).Scaled()
+    net = Network(module, "cross_entropy", functools.partial(torch.optim.SGD, lr=0.1))
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+    rdd = sc.parallelize(DataSet(x, (x[:, 0] > 0).long()).batch_by(8), 2)
+    master = ParameterAveragingTrainingMaster(8, averaging_frequency=2, export_directory=str(tmp_path / uuid.uuid4().hex))
+    SparkNet(sc, net, master).fit(rdd)
+    return net
+
+
+def test_a_module_the_workers_lack_trains_once_added(sc, tmp_path, monkeypatch) -> None:
+    name, path = a_module(tmp_path, monkeypatch)
+    with pytest.raises(ModuleNotFoundError, match=name):
+        fit_once(sc, name, tmp_path)
+    sc.addPyFile(str(path))
+    net = fit_once(sc, name, tmp_path)
+    assert type(net.module).__module__ == name
+    found = sc.client.run(lambda: sys.modules[name].__file__)
+    assert len(found) == 2 and all(f.endswith(f"{name}.py") for f in found.values())
+
+
+def test_from_object_storage(sc, tmp_path, monkeypatch, s3) -> None:
+    name, local = a_module(tmp_path, monkeypatch)
+    url = f"s3://test-bucket/code/{name}.py"
+    with fsspec.open(url, "w", **s3) as f:
+        f.write(local.read_text())
+    sc.addPyFile(url, storage_options=s3)
+    fit_once(sc, name, tmp_path)
+
+
+def test_bad_paths_are_named(sc, tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="no such file .*missing.py"):
+        sc.addPyFile(str(tmp_path / "missing.py"))
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(ValueError, match=r"\.py, \.zip or \.egg file, got .*notes.txt"):
+        sc.addPyFile(str(tmp_path / "notes.txt"))
