@@ -11,6 +11,7 @@ import weakref
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
+import dask.config
 import distributed
 
 from dlscale import _graph, config
@@ -138,7 +139,12 @@ class SparkContext:
             memory = spark_size_to_bytes(conf.get("spark.executor.memory"), "spark.executor.memory")
         workers = int(conf.get("spark.executor.instances") or n)
         resources = {m.group(1): float(v) for k, v in conf.getAll() if (m := _RESOURCE.match(k))}
+        memory_settings = {name: value for name in ("target", "spill", "pause")
+                           if (value := config.get(f"local.memory-{name}")) is not None}
+        # the workers' Dask configuration, with these thresholds (a nanny merges it over the global one)
+        worker_config = dask.config.merge(dask.config.config, {"distributed": {"worker": {"memory": memory_settings}}})
         return {
+            **({"config": {"distributed": worker_config["distributed"]}} if memory_settings else {}),
             "n_workers": workers,
             "threads_per_worker": threads,
             "processes": True,

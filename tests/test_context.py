@@ -60,6 +60,15 @@ def test_given_client_and_cluster_are_not_closed() -> None:
         assert cluster.status.name == "running"
 
 
+def test_memory_thresholds_reach_the_embedded_workers() -> None:
+    settings = {"dlscale.local.memory-target": 0.4, "dlscale.local.memory-spill": 0.5,
+                "dlscale.local.memory-pause": False}
+    with dask.config.set(settings), SparkContext("local[1]") as ctx:
+        seen = ctx.client.run(lambda dask_worker: [getattr(dask_worker.memory_manager, f"memory_{n}_fraction")
+                                                   for n in ("target", "spill", "pause")])
+    assert list(seen.values()) == [[0.4, 0.5, False]]
+
+
 def test_conf_sets_the_embedded_cluster() -> None:
     conf = SparkConf().setMaster("local[2]").setAppName("configured").set("spark.executor.memory", "700m")
     conf.set("spark.executor.cores", "2").set("spark.default.parallelism", "5")
