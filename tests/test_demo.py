@@ -12,7 +12,7 @@ def test_main_job(tmp_path, capsys) -> None:
     report = demo.main(["--epochs", "8", "--storage", str(tmp_path / "digits")])
     captured = capsys.readouterr()
     assert "gradient sharing: epoch 8/8 done" in captured.err and "Top-3 Accuracy" in captured.out
-    assert report["accuracy"] > 0.9  # a trained CNN; chance is 0.1
+    assert report["accuracy"] > 0.8  # trained (chance is 0.1); accuracy against single-process is test_sharing's
     assert report["top_3_accuracy"] >= report["accuracy"]
     # keyed inference with the reloaded network predicts what the evaluation counted
     assert report["keyed_outputs"] == demo.TEST_EXAMPLES
