@@ -4,7 +4,8 @@
 gloo backend in ``world_size`` processes (torch.multiprocessing, spawn) talking over 127.0.0.1: what a
 PyTorch user would run instead of dlscale. Every step each process trains on its own minibatch of
 ``batch`` examples and DDP all-reduces the gradients, so a step covers a global batch of
-``world_size * batch`` examples, as with a ``DistributedSampler``.
+``world_size * batch`` examples, as with a ``DistributedSampler``. ``train_rank`` is the training of one
+process; ``benchmarks._torch_distributor`` runs the same under PySpark's TorchDistributor.
 
 To run it over a rate-limited link, run the command line inside a namespace of ``benchmarks._links``::
 
@@ -22,6 +23,7 @@ import functools
 import importlib
 import json
 import os
+import resource
 import socket
 import tempfile
 import time
@@ -66,11 +68,25 @@ def _shard(order: torch.Tensor, step: int, rank: int, world_size: int, batch: in
     return order[start:start + batch]
 
 
-def _worker(rank: int, world_size: int, port: int, tmp: str, make_module: ModuleFactory,
-            optimizer_factory: OptimizerFactory, loss_fn: LossFn, batch: int, epochs: int,
-            threads: int, warmup_steps: int, seed: int) -> None:
+def _accuracy(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    module.eval()
+    with torch.no_grad():
+        accuracy = float((module(x).argmax(1) == y).float().mean())
+    module.train()
+    return accuracy
+
+
+def train_rank(rank: int, world_size: int, tmp: str, make_module: ModuleFactory,
+               optimizer_factory: OptimizerFactory, loss_fn: LossFn, batch: int, epochs: int, threads: int,
+               warmup_steps: int, seed: int) -> None:
+    """Process ``rank`` of the DDP training of ``ddp_samples_per_s`` on ``tmp/data.pt``; rank 0 writes
+    ``tmp/result.pt``.
+
+    Joins the gloo process group at MASTER_ADDR:MASTER_PORT of the environment and leaves it at the
+    end. Each epoch is timed between barriers; after each, rank 0 evaluates on the test data (if any)
+    with the clock stopped, while the others wait at the next epoch's barrier.
+    """
     torch.set_num_threads(threads)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # gloo binds to the address of the host name unless told which interface; in a namespace of
     # benchmarks._links only lo exists, and here everything is on 127.0.0.1 anyway.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -101,26 +117,66 @@ def _worker(rank: int, world_size: int, port: int, tmp: str, make_module: Module
 
         g = torch.Generator().manual_seed(seed)  # the same order on every rank, as set_epoch does
         loss = torch.tensor(float("nan"))
-        dist.barrier()
-        start = time.perf_counter()
+        seconds = cpu_seconds = 0.0
+        epoch_seconds: list[float] = []
+        epoch_accuracy: list[float] = []
         for _ in range(epochs):
+            dist.barrier()
+            start, cpu_start = time.perf_counter(), time.process_time()
             order = torch.randperm(len(x), generator=g)
             for s in range(steps):
                 loss = step(_shard(order, s, rank, world_size, batch))
-        dist.barrier()
-        seconds = time.perf_counter() - start
+            dist.barrier()
+            seconds += time.perf_counter() - start
+            cpu_seconds += time.process_time() - cpu_start
+            epoch_seconds.append(seconds)
+            if rank == 0 and "test_x" in data:
+                epoch_accuracy.append(_accuracy(module, data["test_x"], data["test_y"]))
 
+        usage: list[Any] = [None] * world_size  # (peak RSS bytes, timed CPU seconds) of every rank
+        dist.all_gather_object(usage, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, cpu_seconds))
         if rank == 0:
-            result: dict[str, Any] = {"seconds": seconds, "final_loss": float(loss)}
-            if "test_x" in data:
-                module.eval()
-                with torch.no_grad():
-                    pred = module(data["test_x"]).argmax(1)
-                result["test_accuracy"] = float((pred == data["test_y"]).float().mean())
+            result: dict[str, Any] = {
+                "seconds": seconds, "final_loss": float(loss), "epoch_seconds": epoch_seconds,
+                "epoch_accuracy": epoch_accuracy, "peak_rss_bytes": max(rss for rss, _ in usage),
+                "cpu_seconds": sum(cpu for _, cpu in usage)}
+            if epoch_accuracy:
+                result["test_accuracy"] = epoch_accuracy[-1]
             result["state_dict"] = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
             torch.save(result, Path(tmp) / "result.pt")
     finally:
         dist.destroy_process_group()
+
+
+def _worker(rank: int, world_size: int, port: int, tmp: str, *args: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    train_rank(rank, world_size, tmp, *args)
+
+
+def train_with(launch: Callable[[str], dict[str, Any]], world_size: int, make_module: ModuleFactory,
+               x: torch.Tensor, y: torch.Tensor, batch: int, epochs: int, threads_per_process: int,
+               test_x: torch.Tensor | None, test_y: torch.Tensor | None) -> dict[str, Any]:
+    """Save the data to a temporary directory ``tmp``, call ``launch(tmp)``, which runs ``train_rank``
+    in ``world_size`` processes, and return rank 0's result with the throughput and what ``launch``
+    returned."""
+    steps = _steps(len(x), world_size, batch)
+    if steps == 0:
+        raise ValueError(f"{len(x)} examples make no global batch of {world_size} x {batch}")
+    module = make_module()
+    params = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    with tempfile.TemporaryDirectory(prefix="dlscale-ddp-") as tmp:
+        data = {"x": x.contiguous(), "y": y.contiguous()}
+        if test_x is not None and test_y is not None:
+            data.update(test_x=test_x.contiguous(), test_y=test_y.contiguous())
+        torch.save(data, Path(tmp) / "data.pt")
+        launched = launch(tmp)
+        result = torch.load(Path(tmp) / "result.pt", weights_only=True)
+    samples = epochs * steps * world_size * batch
+    return {"world_size": world_size, "batch": batch, "global_batch": world_size * batch, "epochs": epochs,
+            "steps_per_epoch": steps, "samples": samples, "samples_per_s": samples / result["seconds"],
+            "threads_per_process": threads_per_process, "parameters": params,
+            "grad_bytes_per_step": grad_bytes, **launched, **result}
 
 
 def ddp_samples_per_s(world_size: int, make_module: ModuleFactory, x: torch.Tensor, y: torch.Tensor,
@@ -136,33 +192,23 @@ def ddp_samples_per_s(world_size: int, make_module: ModuleFactory, x: torch.Tens
     loaded with ``weights_only=True``). Each epoch is one random order shared by all processes, cut
     into global batches of ``world_size * batch``; process ``r`` trains on the ``r``-th ``batch`` of
     each, and an incomplete last global batch is dropped. Timed: ``epochs`` epochs, after
-    ``warmup_steps`` steps whose effect is undone.
+    ``warmup_steps`` steps whose effect is undone; evaluation between epochs is not timed.
 
     Returns samples/s (training examples of the timed epochs per second), seconds, steps,
     ``grad_bytes_per_step`` (bytes of gradients all-reduced a step), rank 0's final ``state_dict``
-    (CPU tensors), ``final_loss`` (rank 0's last minibatch) and ``test_accuracy`` when test data is
-    given.
+    (CPU tensors), ``final_loss`` (rank 0's last minibatch), ``epoch_seconds`` (training seconds so far
+    at the end of each epoch), ``peak_rss_bytes`` (the largest peak resident set of the processes),
+    ``cpu_seconds`` (user and system CPU time of all processes in the timed epochs), ``epoch_accuracy``
+    (rank 0's test accuracy after each epoch; empty without test data) and ``test_accuracy`` (after the
+    last epoch, when test data is given).
     """
-    steps = _steps(len(x), world_size, batch)
-    if steps == 0:
-        raise ValueError(f"{len(x)} examples make no global batch of {world_size} x {batch}")
-    module = make_module()
-    params = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-    with tempfile.TemporaryDirectory(prefix="dlscale-ddp-") as tmp:
-        data = {"x": x.contiguous(), "y": y.contiguous()}
-        if test_x is not None and test_y is not None:
-            data.update(test_x=test_x.contiguous(), test_y=test_y.contiguous())
-        torch.save(data, Path(tmp) / "data.pt")
+    def launch(tmp: str) -> dict[str, Any]:
         mp.spawn(_worker, nprocs=world_size, join=True,
                  args=(world_size, port or free_port(), tmp, make_module, optimizer_factory, loss_fn, batch,
                        epochs, threads_per_process, warmup_steps, seed))
-        result = torch.load(Path(tmp) / "result.pt", weights_only=True)
-    samples = epochs * steps * world_size * batch
-    return {"world_size": world_size, "batch": batch, "global_batch": world_size * batch, "epochs": epochs,
-            "steps_per_epoch": steps, "samples": samples, "samples_per_s": samples / result["seconds"],
-            "threads_per_process": threads_per_process, "parameters": params,
-            "grad_bytes_per_step": grad_bytes, **result}
+        return {}
+
+    return train_with(launch, world_size, make_module, x, y, batch, epochs, threads_per_process, test_x, test_y)
 
 
 def _resolve(spec: str) -> Any:
@@ -171,13 +217,13 @@ def _resolve(spec: str) -> Any:
     return functools.reduce(getattr, attr.split("."), importlib.import_module(module))
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="DDP (gloo) samples/s; prints one JSON line.")
+def command_line(description: str) -> argparse.ArgumentParser:
+    """The options of ``main`` but ``--port``, shared with ``benchmarks._torch_distributor``."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--batch", type=int, default=64, help="examples per process per step")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    parser.add_argument("--port", type=int, default=None)
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default="benchmarks._ddp:mlp",
@@ -188,18 +234,30 @@ def main(argv: list[str] | None = None) -> None:
                         help="torch.save'd dict of tensors x, y and optionally test_x, test_y "
                              "(default: benchmarks.parameter_averaging.make_data())")
     parser.add_argument("--train", type=int, default=None, help="use only the first TRAIN training examples")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def run_command_line(samples_per_s: Callable[..., dict[str, Any]], args: argparse.Namespace, **kwargs: Any) -> None:
+    """Run ``samples_per_s`` (``ddp_samples_per_s`` or alike) on the workload of the parsed ``command_line``
+    and ``kwargs``; print the result without the state dict as one JSON line."""
     if args.data is not None:
         data = torch.load(args.data, weights_only=True)
     else:
         from benchmarks.parameter_averaging import make_data
         data = dict(zip(("x", "y", "test_x", "test_y"), make_data(), strict=True))
     x, y = data["x"][:args.train], data["y"][:args.train]
-    result = ddp_samples_per_s(args.world_size, _resolve(args.model), x, y, args.batch, args.epochs,
-                               _resolve(args.optimizer), args.threads, args.port, test_x=data.get("test_x"),
-                               test_y=data.get("test_y"), warmup_steps=args.warmup_steps, seed=args.seed)
+    result = samples_per_s(args.world_size, _resolve(args.model), x, y, args.batch, args.epochs,
+                           _resolve(args.optimizer), args.threads, test_x=data.get("test_x"),
+                           test_y=data.get("test_y"), warmup_steps=args.warmup_steps, seed=args.seed, **kwargs)
     result.pop("state_dict")
     print(json.dumps(result))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = command_line("DDP (gloo) samples/s; prints one JSON line.")
+    parser.add_argument("--port", type=int, default=None)
+    args = parser.parse_args(argv)
+    run_command_line(ddp_samples_per_s, args, port=args.port)
 
 
 if __name__ == "__main__":

@@ -254,7 +254,7 @@ def build_report(dask_times: dict, spark_times: dict, java: str, run: dict[str, 
     }
     return {
         "benchmark": "facade",
-        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine_info(java),
         "run": run,
         "settings": {

@@ -1,0 +1,459 @@
+"""dlscale against its peers in one run: the same model, data and batch size trained by single-process
+PyTorch, PyTorch DDP (gloo), PySpark's TorchDistributor (local mode), dlscale's
+ParameterAveragingTrainingMaster and its SharedTrainingMaster, on 1 and 2 workers, over loopback
+and over links limited to 1 Gbit/s and 100 Mbit/s.
+
+Run from the repository root, as root for the limited links (without root only loopback runs, and
+it says so)::
+
+    python -m benchmarks.compare            # the full comparison; about 40 minutes on 2 cores
+    python -m benchmarks.compare --quick    # a small smoke run of every runner on loopback
+
+Every run is a fresh process inside the link's network namespace (``benchmarks._links``), so that
+its CPU time, peak memory and link traffic are its own. Per run: samples/s over the timed epochs,
+seconds and test accuracy after each epoch (time to accuracy), the bytes a worker sends per
+minibatch it trains by the method's own count and the bytes that crossed the link per minibatch
+trained, the compression against the dense update (gradient sharing), CPU utilisation of the machine, peak resident memory of the largest process, and final
+test accuracy. Evaluation between epochs is not timed. Results go to
+``benchmarks/results/compare.json``, plots to ``docs/images/compare-*.png``, and the scaling model
+(``benchmarks.scaling``) is projected from the measured gradient-sharing run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from benchmarks import _ddp, _links
+from benchmarks.parameter_averaging import make_data
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results" / "compare.json"
+IMAGES = ROOT / "docs" / "images"
+BATCH = 64
+SGD = functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9)
+TARGETS = {"loopback": 1.8, "1gbit": 1.8, "vs_ddp_1gbit": 5.0, "accuracy_points": 1.0}
+
+
+def cnn(seed: int = 0) -> torch.nn.Module:
+    """A small CNN for 1x28x28 inputs: two 5x5 convolutions (16 and 32 channels) with pooling, then a
+    linear layer (18,346 parameters)."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Unflatten(1, (1, 28, 28)), torch.nn.Conv2d(1, 16, 5), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(16, 32, 5), torch.nn.ReLU(), torch.nn.MaxPool2d(2), torch.nn.Flatten(),
+        torch.nn.Linear(32 * 4 * 4, 10))
+
+
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "mlp": {"title": "MLP 784-2048-2048-10", "module": _ddp.mlp, "epochs": 2, "accuracy_target": 0.85},
+    "cnn": {"title": "CNN conv16-conv32-linear", "module": cnn, "epochs": 3, "accuracy_target": 0.85},
+}
+RUNNERS = ("single", "ddp", "torch_distributor", "averaging", "sharing")
+# Runs that move dense tensors every step or round take minutes a epoch at 100 Mbit/s: there they
+# train one epoch of a part of the data, enough for a steady samples/s but not for time to accuracy.
+SHORT = {"100mbit": (("ddp", "torch_distributor", "averaging"), 6400)}
+LINKS = ("loopback", "1gbit", "100mbit")
+
+
+# -- measuring a run --------------------------------------------------------------------------------
+def _family() -> list[psutil.Process]:
+    me = psutil.Process()
+    return [me, *me.children(recursive=True)]
+
+
+def _cpu(processes: list[psutil.Process]) -> dict[int, float]:
+    out = {}
+    for p in processes:
+        try:
+            t = p.cpu_times()
+            out[p.pid] = t.user + t.system
+        except psutil.Error:
+            pass
+    return out
+
+
+def _peak_rss() -> int:
+    """The largest peak resident set (VmHWM) among this process and its descendants now alive."""
+    peak = 0
+    for p in _family():
+        try:
+            with open(f"/proc/{p.pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        peak = max(peak, int(line.split()[1]) * 1024)
+        except OSError:
+            pass
+    return peak
+
+
+def _link_bytes() -> int:
+    """Bytes sent on this namespace's loopback so far."""
+    return int(Path("/sys/class/net/lo/statistics/tx_bytes").read_text())
+
+
+@contextmanager
+def measured(out: dict[str, Any]) -> Iterator[None]:
+    """Record the CPU utilisation and link bytes of the block into ``out`` (processes started and
+    ended inside it count for what their parent has waited for)."""
+    family = _family()
+    cpu0, bytes0, t0 = _cpu(family), _link_bytes(), time.perf_counter()
+    own0 = os.times()
+    yield
+    wall = time.perf_counter() - t0
+    family = _family()
+    cpu1 = _cpu(family)
+    own1 = os.times()
+    lived = sum(cpu1[pid] - cpu0.get(pid, 0.0) for pid in cpu1)
+    waited = (own1.children_user + own1.children_system) - (own0.children_user + own0.children_system)
+    out["cpu_utilisation"] = (lived + waited) / wall / (os.cpu_count() or 1)
+    out["link_bytes"] = _link_bytes() - bytes0
+    out["wall_seconds"] = wall
+
+
+# -- the runners (each inside its own process) -------------------------------------------------------
+def _data(quick: bool) -> tuple[torch.Tensor, ...]:
+    x, y, tx, ty = make_data()
+    if quick:
+        x, y, tx, ty = x[:2560], y[:2560], tx[:1024], ty[:1024]
+    return x, y, tx, ty
+
+
+def _accuracy(module: torch.nn.Module, tx: torch.Tensor, ty: torch.Tensor) -> float:
+    module.eval()
+    with torch.no_grad():
+        acc = float((module(tx).argmax(1) == ty).float().mean())
+    module.train()
+    return acc
+
+
+def run_single(workload: dict[str, Any], epochs: int, data: tuple[torch.Tensor, ...], out: dict[str, Any]) -> None:
+    x, y, tx, ty = data
+    torch.set_num_threads(1)
+    module = workload["module"]()
+    optimizer = SGD(module.parameters())
+    g = torch.Generator().manual_seed(0)
+    elapsed, curve = 0.0, []
+    with measured(out):
+        for _ in range(epochs):
+            start = time.perf_counter()
+            order = torch.randperm(len(x), generator=g)
+            for i in range(0, len(x) - BATCH + 1, BATCH):
+                idx = order[i:i + BATCH]
+                optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(module(x[idx]), y[idx]).backward()
+                optimizer.step()
+            elapsed += time.perf_counter() - start
+            curve.append((elapsed, _accuracy(module, tx, ty)))
+    steps = epochs * (len(x) // BATCH)
+    out.update(samples=steps * BATCH, seconds=elapsed, minibatches=steps, curve=curve, bytes_per_minibatch=0)
+
+
+def run_launcher(launcher: Callable[..., dict[str, Any]], workload: dict[str, Any], workers: int, epochs: int,
+                 data: tuple[torch.Tensor, ...], out: dict[str, Any]) -> None:
+    """DDP or TorchDistributor: processes of one thread, each ``BATCH`` examples a step, gradients
+    all-reduced (a ring moves 2(W-1)/W of them out of every process)."""
+    x, y, tx, ty = data
+    with measured(out):
+        r = launcher(workers, workload["module"], x, y, BATCH, epochs, SGD, 1, test_x=tx, test_y=ty)
+    out.update(samples=r["samples"], seconds=r["seconds"], minibatches=r["samples"] // BATCH,
+               curve=list(zip(r["epoch_seconds"], r["epoch_accuracy"], strict=True)),
+               bytes_per_minibatch=2 * (workers - 1) / workers * r["grad_bytes_per_step"],
+               dense_update_bytes=r["grad_bytes_per_step"], peak_rss_reported=r.get("peak_rss_bytes"),
+               **({"launcher_seconds": r["launcher_seconds"]} if "launcher_seconds" in r else {}))
+
+
+def run_dlscale(master_name: str, workload: dict[str, Any], workers: int, epochs: int,
+                data: tuple[torch.Tensor, ...], out: dict[str, Any]) -> None:
+    """A SparkNet on ``local[workers]`` (one thread each) fitting minibatch files exported before
+    timing, one ``fit_paths`` per epoch so that the network can be evaluated between epochs."""
+    from dlscale import (
+        ParameterAveragingTrainingMaster,
+        SharedTrainingMaster,
+        SparkContext,
+        SparkNet,
+    )
+    from dlscale.data import DataSet, export_minibatches, list_paths
+    from dlscale.nn import Network
+
+    x, y, tx, ty = data
+
+    def master() -> Any:
+        if master_name == "averaging":
+            return ParameterAveragingTrainingMaster(BATCH, averaging_frequency=5, rng_seed=0,
+                                                    collect_training_stats=True)
+        return SharedTrainingMaster(BATCH, rng_seed=0, collect_training_stats=True)
+
+    with tempfile.TemporaryDirectory() as tmp, SparkContext(f"local[{workers}]", f"compare-{master_name}") as sc:
+        export_minibatches([DataSet(x[i:i + BATCH], y[i:i + BATCH]) for i in range(0, len(x) - BATCH + 1, BATCH)],
+                           f"{tmp}/train", BATCH)
+        paths = list_paths(sc, f"{tmp}/train")
+        warm = Network(workload["module"](), "cross_entropy", SGD)
+        SparkNet(sc, warm, master()).fit_paths(sc.parallelize(paths.take(4 * workers)))  # imports, connections
+        net = Network(workload["module"](), "cross_entropy", SGD)
+        spark_net = SparkNet(sc, net, master())
+        elapsed, curve = 0.0, []
+        with measured(out):
+            for _ in range(epochs):
+                start = time.perf_counter()
+                spark_net.fit_paths(paths)
+                elapsed += time.perf_counter() - start
+                curve.append((elapsed, _accuracy(net.module, tx, ty)))
+            out["peak_rss_workers"] = max(sc.client.run(_own_peak_rss).values())
+    stats = spark_net.training_stats  # of every epoch's fit
+    if stats.trainers:
+        sent = sum(t.bytes_sent for t in stats.trainers)
+        steps = sum(t.minibatches for t in stats.trainers)
+        out["trainer_seconds"] = {p: sum(t.seconds(p) for t in stats.trainers)
+                                  for p in ("fit", "encode", "send", "apply", "wait")}
+        out["steps"] = steps
+    else:
+        steps = sum(len(w.batches) for r in stats.rounds for w in r.workers)
+    dense = 4 * net.num_params()
+    out.update(samples=steps * BATCH, seconds=elapsed, minibatches=steps, curve=curve, dense_update_bytes=dense)
+    if master_name == "sharing":  # each message goes to every peer (plain mode)
+        out.update(bytes_per_minibatch=sent / steps * (workers - 1), compression=dense * steps / max(sent, 1),
+                   bytes_sent_per_step=sent / steps)
+    else:  # each worker's state (parameters and momentum) goes to a peer once a round of 5 minibatches
+        out.update(bytes_per_minibatch=2 * dense / 5 if workers > 1 else 0)
+
+
+def _own_peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def inner(link: str, workload_name: str, runner: str, workers: int, quick: bool) -> dict[str, Any]:
+    workload = WORKLOADS[workload_name]
+    epochs = 1 if quick else workload["epochs"]
+    data = _data(quick)
+    short_runners, examples = SHORT.get(link, ((), 0))
+    short = runner in short_runners and not quick
+    if short:
+        epochs, data = 1, (data[0][:examples], data[1][:examples], *data[2:])
+    out: dict[str, Any] = {"link": link, "workload": workload_name, "runner": runner, "workers": workers,
+                           "epochs": epochs, "batch": BATCH, "train_examples": len(data[0]), "short": short}
+    if runner == "single":
+        run_single(workload, epochs, data, out)
+    elif runner == "ddp":
+        run_launcher(_ddp.ddp_samples_per_s, workload, workers, epochs, data, out)
+    elif runner == "torch_distributor":
+        from benchmarks._torch_distributor import torch_distributor_samples_per_s
+
+        run_launcher(torch_distributor_samples_per_s, workload, workers, epochs, data, out)
+    else:
+        run_dlscale(runner, workload, workers, epochs, data, out)
+    out["samples_per_s"] = out["samples"] / out["seconds"]
+    out["link_bytes_per_minibatch"] = out["link_bytes"] / out["minibatches"]
+    out["test_accuracy"] = out["curve"][-1][1]
+    out["peak_rss"] = max(_peak_rss(), out.pop("peak_rss_workers", 0), out.pop("peak_rss_reported", None) or 0)
+    return out
+
+
+# -- the driver ---------------------------------------------------------------------------------------
+def plan(quick: bool, links: tuple[str, ...]) -> list[tuple[str, str, str, int]]:
+    """``(link, workload, runner, workers)`` in the order they run: the single process and one-worker
+    runs on loopback only (nothing crosses a link), the two-worker runs on every link."""
+    runs = []
+    for link in links:
+        for workload in WORKLOADS:
+            if link == "loopback":
+                runs.append((link, workload, "single", 1))
+                runs += [(link, workload, r, 1) for r in RUNNERS[1:] if not quick]
+            runs += [(link, workload, r, 2) for r in RUNNERS[1:]]
+    return runs
+
+
+def _one(ns: str | None, link: str, workload: str, runner: str, workers: int, quick: bool) -> dict[str, Any]:
+    argv = ["python", "-m", "benchmarks.compare", "--inner", link, workload, runner, str(workers),
+            *(["--quick"] if quick else [])]
+    if ns is None:
+        done = subprocess.run([sys.executable, *argv[1:]], check=False, cwd=ROOT, capture_output=True, text=True,
+                              timeout=1800)
+    else:
+        done = _links.run_in_namespace(ns, argv, timeout=1800)
+    if done.returncode:
+        return {"link": link, "workload": workload, "runner": runner, "workers": workers,
+                "error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Ratios against the single process, time to accuracy, and the issue's targets."""
+    single = {r["workload"]: r for r in runs if r["runner"] == "single" and "error" not in r}
+    for r in runs:
+        base = single.get(r["workload"])
+        if "error" in r or base is None:
+            continue
+        r["vs_single"] = r["samples_per_s"] / base["samples_per_s"]
+        r["accuracy_vs_single_points"] = 100 * (r["test_accuracy"] - base["test_accuracy"])
+        goal = WORKLOADS[r["workload"]]["accuracy_target"]
+        r["accuracy_target"] = goal
+        r["time_to_accuracy"] = None if r["short"] else next((t for t, a in r["curve"] if a >= goal), None)
+
+    def find(link: str, runner: str) -> dict[str, Any] | None:
+        return next((r for r in runs if (r["link"], r["workload"], r["runner"], r["workers"]) ==
+                     (link, "mlp", runner, 2) and "error" not in r), None)
+
+    targets = {}
+    for link in ("loopback", "1gbit"):
+        r = find(link, "sharing")
+        if r is not None and "vs_single" in r:
+            targets[f"sharing_vs_single_{link}"] = {"target": TARGETS[link], "measured": r["vs_single"],
+                                                    "met": r["vs_single"] >= TARGETS[link]}
+    r, d = find("1gbit", "sharing"), find("1gbit", "ddp")
+    if r is not None and d is not None:
+        ratio = r["samples_per_s"] / d["samples_per_s"]
+        targets["sharing_vs_ddp_1gbit"] = {"target": TARGETS["vs_ddp_1gbit"], "measured": ratio,
+                                           "met": ratio >= TARGETS["vs_ddp_1gbit"]}
+    r = find("loopback", "sharing")
+    if r is not None and "accuracy_vs_single_points" in r:
+        gap = -r["accuracy_vs_single_points"]
+        targets["sharing_accuracy_gap_points"] = {"target": TARGETS["accuracy_points"], "measured": gap,
+                                                  "met": gap <= TARGETS["accuracy_points"]}
+    return targets
+
+
+def table(runs: list[dict[str, Any]]) -> str:
+    head = ("| workload | link | run | workers | samples/s | vs single | time to accuracy | test accuracy | "
+            "bytes/minibatch | link bytes/minibatch | compression | CPU | peak RSS |")
+    lines = [head, "|" + "---|" * 13]
+    for r in runs:
+        if "error" in r:
+            lines.append(f"| {r['workload']} | {r['link']} | {r['runner']} | {r['workers']} | failed: {r['error']} |"
+                         + " |" * 8)
+            continue
+        tta = ("part of an epoch" if r["short"] else f"{r['time_to_accuracy']:.1f} s"
+               if r.get("time_to_accuracy") is not None else "not reached")
+        comp = f"{r['compression']:.0f}x" if "compression" in r else ""
+        lines.append(
+            f"| {r['workload']} | {r['link']} | {r['runner']} | {r['workers']} | {r['samples_per_s']:,.0f} | "
+            f"{r.get('vs_single', float('nan')):.2f} | {tta} | {r['test_accuracy']:.3f} | "
+            f"{r['bytes_per_minibatch']:,.0f} | {r['link_bytes_per_minibatch']:,.0f} | {comp} | "
+            f"{r['cpu_utilisation']:.0%} | {r['peak_rss'] / 2**20:,.0f} MiB |")
+    return "\n".join(lines)
+
+
+def plots(runs: list[dict[str, Any]]) -> list[str]:
+    """One PNG per workload: samples/s of every two-worker run per link (bars), and test accuracy
+    against training time on loopback (lines)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    IMAGES.mkdir(parents=True, exist_ok=True)
+    written = []
+    ok = [r for r in runs if "error" not in r]
+    for workload, spec in WORKLOADS.items():
+        mine = [r for r in ok if r["workload"] == workload]
+        if not mine:
+            continue
+        fig, (bars, curves) = plt.subplots(1, 2, figsize=(13, 4.5))
+        links = [link for link in LINKS if any(r["link"] == link for r in mine)]
+        runners = [n for n in RUNNERS[1:] if any(r["runner"] == n for r in mine)]
+        width = 0.8 / max(1, len(runners))
+        for i, name in enumerate(runners):
+            values = [next((r["samples_per_s"] for r in mine if (r["link"], r["runner"], r["workers"]) ==
+                            (link, name, 2)), 0.0) for link in links]
+            bars.bar([j + i * width for j in range(len(links))], values, width, label=name.replace("_", " "))
+        single = next((r for r in mine if r["runner"] == "single"), None)
+        if single is not None:
+            bars.axhline(single["samples_per_s"], color="black", linestyle="--", label="single process")
+        bars.set_xticks([j + width * (len(runners) - 1) / 2 for j in range(len(links))], links)
+        bars.set_ylabel("samples/s (2 workers)")
+        bars.set_title(f"{spec['title']}: throughput")
+        bars.legend(fontsize=8)
+        for r in mine:
+            if r["link"] == "loopback" and (r["workers"] == 2 or r["runner"] == "single"):
+                ts, accs = zip(*r["curve"], strict=True)
+                curves.plot(ts, accs, marker="o", label=f"{r['runner'].replace('_', ' ')} ({r['workers']})")
+        curves.set_xlabel("training seconds (loopback)")
+        curves.set_ylabel("test accuracy")
+        curves.set_title(f"{spec['title']}: accuracy against time")
+        curves.legend(fontsize=8)
+        fig.tight_layout()
+        path = IMAGES / f"compare-{workload}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(str(path.relative_to(ROOT)))
+    return written
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small data, one epoch, loopback only")
+    parser.add_argument("--links", default=",".join(LINKS), help="comma-separated links to measure")
+    parser.add_argument("--inner", nargs=4, metavar=("LINK", "WORKLOAD", "RUNNER", "WORKERS"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.inner:
+        link, workload, runner, workers = args.inner
+        print(json.dumps(inner(link, workload, runner, int(workers), args.quick)))
+        return
+    reason = _links.available()
+    links = ("loopback",) if args.quick else tuple(args.links.split(","))
+    if reason is not None and links != ("loopback",):
+        print(f"network namespaces unavailable ({reason}): loopback only, outside a namespace")
+        links = ("loopback",)
+    runs = []
+    for link in links:
+        with (_links.limited_namespace(_links.LINKS[link]) if reason is None else _nothing()) as ns:
+            for _, workload, runner, workers in [p for p in plan(args.quick, links) if p[0] == link]:
+                t0 = time.perf_counter()
+                r = _one(ns, link, workload, runner, workers, args.quick)
+                runs.append(r)
+                what = r.get("error") or f"{r['samples_per_s']:,.0f} samples/s, accuracy {r['test_accuracy']:.3f}"
+                print(f"{link:9s} {workload:4s} {runner:18s} {workers}: {what} ({time.perf_counter() - t0:.0f} s)",
+                      flush=True)
+    targets = summarise(runs)
+    report = {
+        "benchmark": "compare",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "quick": args.quick,
+        "machine": {"python": platform.python_version(), "torch": torch.__version__, "cpu_count": os.cpu_count(),
+                    "platform": platform.platform(), "namespaces": reason or "available"},
+        "setup": {"batch": BATCH, "optimizer": "SGD lr 0.01 momentum 0.9", "threads_per_worker": 1,
+                  "workloads": {k: {"title": v["title"], "epochs": v["epochs"],
+                                    "accuracy_target": v["accuracy_target"]} for k, v in WORKLOADS.items()}},
+        "runs": runs,
+        "targets": targets,
+    }
+    report["plots"] = plots(runs)
+    sharing = next((r for r in runs if (r["workload"], r["runner"], r["workers"], r["link"]) ==
+                    ("mlp", "sharing", 2, "loopback") and "error" not in r), None)
+    if sharing is not None and not args.quick:
+        from benchmarks import scaling
+
+        projection = scaling.project(scaling.measured_from(sharing))
+        report["scaling"] = projection
+        scaling.plot(projection, IMAGES / "scaling.png")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(report, indent=1) + "\n")
+    print(table(runs))
+    for name, t in targets.items():
+        print(f"target {name}: {t['measured']:.2f} against {t['target']} ({'met' if t['met'] else 'not met'})")
+    print(f"wrote {RESULTS.relative_to(ROOT)}")
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield None
+
+
+if __name__ == "__main__":
+    main()
