@@ -1,9 +1,9 @@
 """Projected throughput of gradient sharing beyond one machine, from what the 2-worker benchmark measured.
 
-Run from the repository root with ``python -m benchmarks.scaling``: it reads the loopback dlscale run
-of ``benchmarks/results/gradient_sharing.json``, projects samples/s for 4 to 256 workers on links of
-1, 10 and 100 Gbit/s, and writes ``benchmarks/results/scaling.json`` and ``docs/images/scaling.png``.
-``benchmarks.compare`` projects its own measured run the same way.
+``benchmarks.compare`` projects its measured two-worker gradient-sharing run of the MLP (loopback) to
+4 to 256 workers on links of 1, 10 and 100 Gbit/s, and stores the projection in its results and
+``docs/images/scaling.png``. ``python -m benchmarks.scaling [--latency S] [--fanout F]`` projects
+that same run again with other parameters and prints the table.
 
 Four schemes are compared: dlscale gradient sharing in ``"plain"`` mode (every node sends its update
 to every peer) and in ``"mesh"`` mode (updates flood a tree of fanout F, each node passing them on
@@ -38,9 +38,7 @@ from typing import Any
 from dlscale.training.sharing import _mesh
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCE = ROOT / "benchmarks" / "results" / "gradient_sharing.json"
-RESULTS = ROOT / "benchmarks" / "results" / "scaling.json"
-IMAGE = ROOT / "docs" / "images" / "scaling.png"
+SOURCE = ROOT / "benchmarks" / "results" / "compare.json"
 WORKERS = (4, 8, 16, 32, 64, 128, 256)
 LINKS_GBIT = (1, 10, 100)
 MODES = ("plain", "mesh", "ring", "ring_overlapped")
@@ -81,18 +79,16 @@ ASSUMPTIONS = [
 ]
 
 
-def measured_from(results: dict[str, Any]) -> dict[str, float]:
-    """The model's inputs from a whole ``gradient_sharing.json`` (its loopback dlscale run) or from one
-    flat run (``samples_per_s``, ``steps``, ``bytes_sent_per_step``, ``dense_update_bytes``,
-    ``trainer_seconds``, ``batch``, ``workers``), as ``benchmarks.compare`` records it."""
-    run = results["links"]["loopback"]["dlscale"] if "links" in results else results
-    meta = results["setup"] if "links" in results else run
-    workers, steps, phases = meta["workers"], run["steps"], run["trainer_seconds"]
+def measured_from(run: dict[str, Any]) -> dict[str, float]:
+    """The model's inputs from one gradient-sharing run as ``benchmarks.compare`` records it
+    (``samples_per_s``, ``steps``, ``bytes_sent_per_step``, ``dense_update_bytes``,
+    ``trainer_seconds``, ``batch``, ``workers``)."""
+    workers, steps, phases = run["workers"], run["steps"], run["trainer_seconds"]
     if workers < 2:
         raise ValueError(f"the model needs a run with at least 2 workers, got {workers}")
     return {
         "workers": workers,
-        "batch": meta["batch"],
+        "batch": run["batch"],
         "samples_per_s": run["samples_per_s"],
         "fit_s": phases["fit"] / steps,
         "encode_s": phases["encode"] / steps,
@@ -197,15 +193,19 @@ def table(projection: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    """Project the loopback run of ``gradient_sharing.json``; write the results and the plot, print the table."""
+    """Project the MLP's two-worker loopback gradient-sharing run of ``compare.json`` again; print the table."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--latency", type=float, default=50e-6, help="seconds per message (default 50e-6)")
+    parser.add_argument("--fanout", type=int, default=8, help="mesh fanout (default 8)")
+    args = parser.parse_args()
     results = json.loads(SOURCE.read_text())
-    projection = project(measured_from(results))
-    RESULTS.write_text(json.dumps({"source": str(SOURCE.relative_to(ROOT)), "measured_on": results["date"],
-                                   **projection}, indent=1) + "\n")
-    plot(projection, IMAGE)
+    run = next(r for r in results["runs"] if (r["workload"], r["runner"], r["workers"], r["link"]) ==
+               ("mlp", "sharing", 2, "loopback") and "error" not in r)
+    projection = project(measured_from(run), latency_s=args.latency, fanout=args.fanout)
     print(f"one worker, compute only: {projection['single_worker_samples_per_s']:,.0f} samples/s")
     print(table(projection))
-    print(f"wrote {RESULTS.relative_to(ROOT)} and {IMAGE.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":
