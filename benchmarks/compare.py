@@ -111,8 +111,8 @@ def _link_bytes() -> int:
 
 @contextmanager
 def measured(out: dict[str, Any]) -> Iterator[None]:
-    """Record the CPU utilisation and link bytes of the block into ``out`` (processes started and
-    ended inside it count for what their parent has waited for)."""
+    """Record the CPU utilisation, link bytes and peak memory of the block into ``out`` (processes
+    started and ended inside it count for the CPU time their parent has waited for)."""
     family = _family()
     cpu0, bytes0, t0 = _cpu(family), _link_bytes(), time.perf_counter()
     own0 = os.times()
@@ -124,6 +124,7 @@ def measured(out: dict[str, Any]) -> Iterator[None]:
     lived = sum(cpu1[pid] - cpu0.get(pid, 0.0) for pid in cpu1)
     waited = (own1.children_user + own1.children_system) - (own0.children_user + own0.children_system)
     out["cpu_utilisation"] = (lived + waited) / wall / (os.cpu_count() or 1)
+    out["peak_rss"] = _peak_rss()  # while a run's worker processes are still alive
     out["link_bytes"] = _link_bytes() - bytes0
     out["wall_seconds"] = wall
 
@@ -216,7 +217,6 @@ def run_dlscale(master_name: str, workload: dict[str, Any], workers: int, epochs
                 spark_net.fit_paths(paths)
                 elapsed += time.perf_counter() - start
                 curve.append((elapsed, _accuracy(net.module, tx, ty)))
-            out["peak_rss_workers"] = max(sc.client.run(_own_peak_rss).values())
     stats = spark_net.training_stats  # of every epoch's fit
     if stats.trainers:
         sent = sum(t.bytes_sent for t in stats.trainers)
@@ -233,11 +233,6 @@ def run_dlscale(master_name: str, workload: dict[str, Any], workers: int, epochs
                    bytes_sent_per_step=sent / steps)
     else:  # each worker's state (parameters and momentum) goes to a peer once a round of 5 minibatches
         out.update(bytes_per_minibatch=2 * dense / 5 if workers > 1 else 0)
-
-
-def _own_peak_rss() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
 def inner(link: str, workload_name: str, runner: str, workers: int, quick: bool) -> dict[str, Any]:
@@ -263,7 +258,7 @@ def inner(link: str, workload_name: str, runner: str, workers: int, quick: bool)
     out["samples_per_s"] = out["samples"] / out["seconds"]
     out["link_bytes_per_minibatch"] = out["link_bytes"] / out["minibatches"]
     out["test_accuracy"] = out["curve"][-1][1]
-    out["peak_rss"] = max(_peak_rss(), out.pop("peak_rss_workers", 0), out.pop("peak_rss_reported", None) or 0)
+    out["peak_rss"] = max(out["peak_rss"], out.pop("peak_rss_reported", None) or 0)  # ranks that have ended
     return out
 
 

@@ -237,10 +237,12 @@ def close_fit(client: Client, fit: str | None) -> None:
         client.sync(client.scheduler.dlscale_panel_end, fit=fit)
 
 
-def url(client: Client) -> str | None:
-    """The panel's address, next to the dashboard's (``None`` without a dashboard)."""
-    link = client.dashboard_link if client.scheduler_info().get("services", {}).get("dashboard") else None
-    return link.rsplit("/", 1)[0] + PATH if link else None
+def url(client: Client, fit: str | None = "") -> str | None:
+    """The panel's address, next to the dashboard's; ``None`` without a dashboard, or for a fit the
+    panel does not record (``fit`` None, as :func:`open_fit` returns with the panel off)."""
+    if fit is None or not client.scheduler_info().get("services", {}).get("dashboard"):
+        return None
+    return client.dashboard_link.rsplit("/", 1)[0] + PATH
 
 
 def in_scheduler(scheduler: Scheduler) -> TrainingPanel | None:

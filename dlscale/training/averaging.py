@@ -115,7 +115,7 @@ class _Run:
             states = self.client.scatter([_worker.state_of(network, self.master.save_updater)], hash=False)
             self.fit_id = panel.open_fit(self.client, "parameter averaging", epochs * len(self.batches.refs))
             self.progress = Progress("parameter averaging", len(self.batches.refs), epochs, network.epoch,
-                                     panel_url=panel.url(self.client) if self.fit_id else None)
+                                     panel_url=panel.url(self.client, self.fit_id))
             for _ in range(epochs):
                 states = self._epoch(states, network.epoch)
                 network.epoch += 1

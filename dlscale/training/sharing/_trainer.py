@@ -131,9 +131,11 @@ class _Trainer:
         self.start_version = joined["version"]
         self.network, _ = replica(f"{key}/{local}", blob, local, spec.workers_per_node)
         self.params = self.network.params()
-        # The codec works on CPU vectors: on a GPU, updates are applied to a CPU vector of zeros
-        # that is then added to the parameters in one copy.
-        self.host = self.params if self.params.device.type == "cpu" else torch.zeros(self.params.numel(), dtype=self.params.dtype)
+        # The codec works on CPU vectors: on a GPU, a step's updates (its own and its peers') are
+        # applied to a CPU vector of zeros that is added to the parameters in one copy.
+        on_cpu = self.params.device.type == "cpu"
+        self.host = self.params if on_cpu else torch.zeros(self.params.numel(), dtype=self.params.dtype)
+        self.unflushed = False
         self.refs, self.loader = refs, loader
         self.inbox = self.node.inboxes[local]
         self.applied: collections.Counter[str] = collections.Counter()
@@ -155,8 +157,7 @@ class _Trainer:
         return now
 
     def _apply_inbox(self) -> None:
-        if not self.inbox:
-            return
+        """Apply the updates received so far, and flush every update applied since the last flush."""
         while self.inbox:
             origin, _, payload = self.inbox.popleft()
             try:
@@ -165,16 +166,19 @@ class _Trainer:
                 e.add_note(f"in an update from trainer {origin}")
                 raise
             apply(message, self.host)
+            self.unflushed = True
             self.applied[origin] += 1
             self.stats["messages_received"] += 1
             self.stats["bytes_received"] += len(payload)
         self._flush()
 
     def _flush(self) -> None:
-        """Move the updates applied to the CPU vector onto the parameters (on a GPU)."""
-        if self.host is not self.params:
+        """Move the updates applied to the CPU vector onto the parameters (on a GPU; on the CPU they
+        are applied to the parameters in place)."""
+        if self.unflushed and self.host is not self.params:
             self.params.add_(self.host.to(self.params.device))
             self.host.zero_()
+        self.unflushed = False
 
     def _items(self) -> Iterator[Any]:
         """The refs of the minibatches this trainer is handed, pulled from the scheduler one ahead of
@@ -232,8 +236,8 @@ class _Trainer:
                 message = encode(residual, thresholds.threshold)
                 post.process(step, message.threshold, residual)
                 thresholds.update(message.sparsity)
-                apply(message, self.host)
-                self._flush()
+                apply(message, self.host)  # on a GPU, flushed with the next step's received updates
+                self.unflushed = True
                 if spec.debug:
                     self._debug(step, message, residual)
                 t = self._phase("encode", t)

@@ -183,7 +183,7 @@ class _Run:
                                         self.batches.loader, spec, workers=[w], allow_other_workers=True,
                                         pure=False, key=f"{self.session}-trainer-{k}")
                        for k, (t, (w, i)) in enumerate(self.trainers.items())}
-            bar = Progress("gradient sharing", n, epochs, self.net.network.epoch, panel_url=panel.url(client) if fit else None)
+            bar = Progress("gradient sharing", n, epochs, self.net.network.epoch, panel_url=panel.url(client, fit))
             results, progress = self._follow(futures, n, bar)
         finally:
             if master.encoding_debug_mode:
