@@ -9,6 +9,7 @@ it says so)::
     python -m benchmarks.compare            # the full comparison; about 40 minutes on 2 cores
     python -m benchmarks.compare --quick    # a small smoke run of every runner on loopback
     python -m benchmarks.compare --report   # the table, plots and projection again from the last results
+    python -m benchmarks.compare --runners single,sharing --links loopback,1gbit   # a part, on its own
 
 Every run is a fresh process inside the link's network namespace (``benchmarks._links``), so that
 its CPU time, peak memory and link traffic are its own. Per run: samples/s over the timed epochs,
@@ -17,7 +18,9 @@ minibatch it trains by the method's own count and the bytes that crossed the lin
 trained, the compression against the dense update (gradient sharing), CPU utilisation of the machine, peak resident memory of the largest process, and final
 test accuracy. Evaluation between epochs is not timed. Results go to
 ``benchmarks/results/compare.json``, plots to ``docs/images/compare-*.png``, and the scaling model
-(``benchmarks.scaling``) is projected from the measured gradient-sharing run.
+(``benchmarks.scaling``) is projected from the measured gradient-sharing run. A run of some
+runners only (``--runners``) goes to ``benchmarks/results/compare-<runners>.json`` and leaves the
+complete run's results and plots alone.
 """
 
 from __future__ import annotations
@@ -392,8 +395,12 @@ def plots(runs: list[dict[str, Any]]) -> list[str]:
     return written
 
 
-def write_report(runs: list[dict[str, Any]], quick: bool, namespaces: str, date: str) -> None:
-    """Ratios, targets, plots and the scaling projection of ``runs``; written to :data:`RESULTS`."""
+def write_report(runs: list[dict[str, Any]], quick: bool, namespaces: str, date: str,
+                 runners: tuple[str, ...] = RUNNERS) -> None:
+    """Ratios, targets, plots and the scaling projection of ``runs``; written to :data:`RESULTS`, or
+    for a part of the runners to a file of their own, without plots or projection."""
+    complete = runners == RUNNERS
+    results = RESULTS if complete else RESULTS.with_name(f"compare-{'-'.join(runners)}.json")
     targets = summarise(runs)
     report = {
         "benchmark": "compare",
@@ -406,28 +413,32 @@ def write_report(runs: list[dict[str, Any]], quick: bool, namespaces: str, date:
                   "workloads": {k: {"title": v["title"], "epochs": v["epochs"]} for k, v in WORKLOADS.items()}},
         "runs": runs,
         "targets": targets,
-        "plots": plots(runs),
+        "plots": plots(runs) if complete else [],
     }
     sharing = next((r for r in runs if (r["workload"], r["runner"], r["workers"], r["link"]) ==
                     ("mlp", "sharing", 2, "loopback") and "error" not in r), None)
-    if sharing is not None and not quick:
+    if sharing is not None and not quick and complete:
         from benchmarks import scaling
 
         report["scaling"] = scaling.project(scaling.measured_from(sharing))
         scaling.plot(report["scaling"], IMAGES / "scaling.png")
         report["plots"].append(str((IMAGES / "scaling.png").relative_to(ROOT)))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=1) + "\n")
+    if not complete:
+        report["runners"] = list(runners)
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps(report, indent=1) + "\n")
     print(table(runs))
     for name, t in targets.items():
         print(f"target {name}: {t['measured']:.2f} against {t['target']} ({'met' if t['met'] else 'not met'})")
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
+    print(f"wrote {results.relative_to(ROOT)}")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small data, one epoch, loopback only")
     parser.add_argument("--links", default=",".join(LINKS), help="comma-separated links to measure")
+    parser.add_argument("--runners", default=",".join(RUNNERS),
+                        help="comma-separated runners to measure (single always runs: it is the baseline)")
     parser.add_argument("--report", action="store_true",
                         help="redo the table, plots and projection from the runs of the last results")
     parser.add_argument("--inner", nargs=4, metavar=("LINK", "WORKLOAD", "RUNNER", "WORKERS"), help=argparse.SUPPRESS)
@@ -440,6 +451,10 @@ def main(argv: list[str] | None = None) -> None:
         last = json.loads(RESULTS.read_text())
         write_report(last["runs"], last["quick"], last["machine"]["namespaces"], last["date"])
         return
+    runners = tuple(r for r in RUNNERS if r == "single" or r in args.runners.split(","))
+    unknown = set(args.runners.split(",")) - set(RUNNERS)
+    if unknown:
+        parser.error(f"--runners: unknown {', '.join(sorted(unknown))}; known: {', '.join(RUNNERS)}")
     reason = _links.available()
     links = ("loopback",) if args.quick else tuple(args.links.split(","))
     if reason is not None and links != ("loopback",):
@@ -448,7 +463,8 @@ def main(argv: list[str] | None = None) -> None:
     runs = []
     for link in links:
         with (_links.limited_namespace(_links.LINKS[link]) if reason is None else _nothing()) as ns:
-            for _, workload, runner, workers in [p for p in plan(args.quick, links) if p[0] == link]:
+            for _, workload, runner, workers in [p for p in plan(args.quick, links)
+                                                 if p[0] == link and p[2] in runners]:
                 t0 = time.perf_counter()
                 r = _one(ns, link, workload, runner, workers, args.quick)
                 runs.append(r)
@@ -456,7 +472,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{link:9s} {workload:4s} {runner:18s} {workers}: {what} ({time.perf_counter() - t0:.0f} s)",
                       flush=True)
     write_report(runs, args.quick, reason or "available",
-                 datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
+                 datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), runners)
 
 
 @contextmanager

@@ -329,6 +329,24 @@ def test_adaptive_threshold_trajectory() -> None:
     assert default.threshold == pytest.approx(0.5e-3)
 
 
+def test_adaptive_threshold_does_not_thin_small_messages() -> None:
+    # a 1000-element vector: up to 512 elements, the upper bound is 1/16 instead of 1%
+    small, plain = AdaptiveThresholdAlgorithm(decay_rate=0.5), AdaptiveThresholdAlgorithm(decay_rate=0.5)
+    assert small.update(0.05, 1000) == 1e-3  # within [1e-4, 1/16]: unchanged
+    assert plain.update(0.05) == 2e-3  # without the length, 1% is the bound
+    assert small.update(0.1, 1000) == 2e-3  # above 1/16
+    # a vector long enough that 1% is more than 512 elements keeps DL4J's bound
+    big = AdaptiveThresholdAlgorithm(decay_rate=0.5)
+    assert big.update(0.02, 100_000) == 2e-3
+    # between: 512 / 20_000 = 2.56%
+    mid = AdaptiveThresholdAlgorithm(decay_rate=0.5)
+    assert [mid.update(s, 20_000) for s in (0.025, 0.026)] == [1e-3, 2e-3]
+    off = AdaptiveThresholdAlgorithm(decay_rate=0.5, small_message_elements=0)
+    assert off.update(0.05, 1000) == 2e-3
+    with pytest.raises(ValueError, match="length must be a positive integer"):
+        small.update(0.1, 0)
+
+
 def test_target_sparsity_threshold_trajectory() -> None:
     algorithm = TargetSparsityThresholdAlgorithm(initial_threshold=1.0, sparsity_target=1e-3, decay_rate=0.8)
     sparsities = [0.0, 1e-4, 1e-3, 2e-3, 0.5]
@@ -372,6 +390,8 @@ def test_threshold_algorithm_arguments_validated() -> None:
         (AdaptiveThresholdAlgorithm, {"min_target_sparsity": 0.1, "max_target_sparsity": 0.01}, "min_target_sparsity"),
         (AdaptiveThresholdAlgorithm, {"decay_rate": 1.0}, "decay_rate"),
         (AdaptiveThresholdAlgorithm, {"decay_rate": 0.2}, "decay_rate"),
+        (AdaptiveThresholdAlgorithm, {"small_message_elements": -1}, "small_message_elements"),
+        (AdaptiveThresholdAlgorithm, {"small_message_elements": 1.5}, "small_message_elements"),
         (TargetSparsityThresholdAlgorithm, {"sparsity_target": 0.1}, "sparsity_target"),
         (TargetSparsityThresholdAlgorithm, {"decay_rate": "0.9"}, "decay_rate"),
     ]

@@ -18,7 +18,13 @@ from distributed.core import ConnectionPool, Server
 from sklearn.datasets import load_digits
 from tornado.ioloop import IOLoop
 
-from dlscale import RDD, SharedTrainingMaster, SparkContext, SparkNet, TrainerLostWarning
+from dlscale import (
+    RDD,
+    SharedTrainingMaster,
+    SparkContext,
+    SparkNet,
+    TrainerLostWarning,
+)
 from dlscale.data import DataSet, export_minibatches, list_paths
 from dlscale.encoding import FixedThresholdAlgorithm
 from dlscale.nn import Network
@@ -104,6 +110,54 @@ def synthetic(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tanh(prototypes[y] + 2.5 * torch.randn(n, 200, generator=g)), y
 
 
+def test_small_momentum_network_matches_single_process(sc: SparkContext, data: tuple[torch.Tensor, ...]) -> None:
+    # 2,410 parameters with momentum 0.9: a 1% sparsity bound would push the threshold to the size of
+    # the weights, and momentum would keep pushing sent elements while their updates are in flight
+    x, y, tx, ty = data
+    sizes, epochs = [64, 32, 10], 10
+    torch.manual_seed(0)
+    reference = mlp(sizes, lr=0.05)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(epochs):
+        order = torch.randperm(len(x), generator=g)
+        reference.fit([DataSet(x[order[i:i + BATCH]], y[order[i:i + BATCH]]) for i in range(0, len(x), BATCH)])
+    expected = accuracy(reference, tx, ty)
+    shared = []
+    for seed in (0, 1, 2):  # asynchronous: each run takes its own path, so the mean of three is compared
+        net = mlp(sizes, lr=0.05)
+        spark_net = SparkNet(sc, net, SharedTrainingMaster(BATCH, rng_seed=seed))
+        spark_net.fit(examples_rdd(sc, x, y), epochs=epochs)
+        shared.append(accuracy(net, tx, ty))
+    assert sum(shared) / len(shared) >= expected - 0.05, (shared, expected)  # without both, about 0.3 below
+
+
+def test_momentum_masking_zeroes_the_momentum_of_sent_elements() -> None:
+    from dlscale.encoding import decode, encode
+    from dlscale.training.sharing._trainer import _mask_momentum
+
+    x, y, _, _ = digits()
+    for optimizer, key in ((functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9), "momentum_buffer"),
+                           (functools.partial(torch.optim.Adam, lr=0.01), "exp_avg")):
+        torch.manual_seed(0)
+        net = Network(torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.ReLU(), torch.nn.Linear(8, 10)),
+                      "cross_entropy", optimizer)
+        before = net.params().clone()
+        net.fit_batch(DataSet(x[:32], y[:32]))
+        residual = net.params() - before
+        message = encode(residual, float(residual.abs().median()))
+        buffers = [net.optimizer.state[p][key] for p in net.module.parameters()]
+        old = torch.cat([b.reshape(-1) for b in buffers]).clone()
+        _mask_momentum(net, message)
+        new = torch.cat([b.reshape(-1) for b in buffers])
+        sent = decode(message) != 0
+        assert 0 < int(sent.sum()) < sent.numel()
+        if key == "momentum_buffer":
+            assert torch.equal(new[sent], torch.zeros(int(sent.sum())))
+            assert torch.equal(new[~sent], old[~sent])
+        else:  # Adam's moments are left alone
+            assert torch.equal(new, old)
+
+
 def test_larger_synthetic_task_from_paths_matches_single_process(sc: SparkContext, tmp_path: object) -> None:
     x, y = synthetic(8192)
     tx, ty = synthetic(2048, seed=1)
@@ -169,10 +223,10 @@ def test_direct_approach_and_two_trainers_per_worker(sc: SparkContext, data: tup
     master = SharedTrainingMaster(BATCH, workers_per_node=2, rdd_training_approach="direct", rng_seed=0,
                                   collect_training_stats=True, mesh_build_mode="mesh")
     spark_net = SparkNet(sc, net, master)
-    spark_net.fit(examples_rdd(sc, x, y), epochs=3)
+    spark_net.fit(examples_rdd(sc, x, y), epochs=5)
     trainers = spark_net.training_stats.trainers
     assert len(trainers) == 4 and len({t.worker for t in trainers}) == 2
-    assert sum(t.minibatches for t in trainers) == 3 * 75
+    assert sum(t.minibatches for t in trainers) == 5 * 75
     assert accuracy(net, tx, ty) > 0.8
 
 

@@ -29,16 +29,20 @@ class ThresholdAlgorithm(abc.ABC):
         """The threshold to encode with now."""
         return self._threshold
 
-    def update(self, sparsity: float) -> float:
-        """Take the sparsity of the last message (in [0, 1]) and return the next threshold."""
+    def update(self, sparsity: float, length: int | None = None) -> float:
+        """Take the sparsity of the last message (in [0, 1]) and, where known, the length of the
+        vector it encodes; return the next threshold."""
         if isinstance(sparsity, bool) or not isinstance(sparsity, numbers.Real) or not 0 <= sparsity <= 1:
             raise ValueError(f"sparsity must be a number in [0, 1], got {sparsity!r}")
-        self._threshold = min(max(self._next(float(sparsity)), _LOWEST), _HIGHEST)
+        if length is not None and (isinstance(length, bool) or not isinstance(length, numbers.Integral)
+                                   or length < 1):
+            raise ValueError(f"length must be a positive integer or None, got {length!r}")
+        self._threshold = min(max(self._next(float(sparsity), length), _LOWEST), _HIGHEST)
         return self._threshold
 
     @abc.abstractmethod
-    def _next(self, sparsity: float) -> float:
-        """The next threshold, from the current one and the last sparsity."""
+    def _next(self, sparsity: float, length: int | None) -> float:
+        """The next threshold, from the current one, the last sparsity and the vector's length."""
 
     def clone(self) -> ThresholdAlgorithm:
         """An independent copy, with the same settings and current threshold, for another trainer."""
@@ -51,7 +55,7 @@ class FixedThresholdAlgorithm(ThresholdAlgorithm):
     def __init__(self, threshold: float = 1e-3) -> None:
         super().__init__(_positive("threshold", threshold))
 
-    def _next(self, sparsity: float) -> float:
+    def _next(self, sparsity: float, length: int | None) -> float:
         return self._threshold
 
     def __repr__(self) -> str:
@@ -61,10 +65,16 @@ class FixedThresholdAlgorithm(ThresholdAlgorithm):
 class AdaptiveThresholdAlgorithm(ThresholdAlgorithm):
     """Keeps the sparsity within ``[min_target_sparsity, max_target_sparsity]``: below it the
     threshold is multiplied by ``decay_rate`` (more is sent), above it divided by ``decay_rate``
-    (less is sent), within it left as it is. DL4J's default algorithm."""
+    (less is sent), within it left as it is. DL4J's default algorithm.
+
+    Messages of up to ``small_message_elements`` elements (when the length is known) are not made
+    sparser than 1/16: a message that small costs its latency rather than its bytes, and a higher
+    threshold would only coarsen the update (on a small network, a 1% bound drives the threshold up
+    to the size of the weights themselves)."""
 
     def __init__(self, initial_threshold: float = 1e-3, min_target_sparsity: float = 1e-4,
-                 max_target_sparsity: float = 1e-2, decay_rate: float = DEFAULT_DECAY_RATE) -> None:
+                 max_target_sparsity: float = 1e-2, decay_rate: float = DEFAULT_DECAY_RATE,
+                 small_message_elements: int = 512) -> None:
         super().__init__(_positive("initial_threshold", initial_threshold))
         self.initial_threshold = self._threshold
         self.min_target_sparsity = _fraction("min_target_sparsity", min_target_sparsity, 1.0)
@@ -73,18 +83,26 @@ class AdaptiveThresholdAlgorithm(ThresholdAlgorithm):
             raise ValueError(f"min_target_sparsity ({min_target_sparsity}) must not exceed max_target_sparsity "
                              f"({max_target_sparsity})")
         self.decay_rate = _decay_rate(decay_rate)
+        if (isinstance(small_message_elements, bool) or not isinstance(small_message_elements, numbers.Integral)
+                or small_message_elements < 0):
+            raise ValueError(f"small_message_elements must be a non-negative integer, got {small_message_elements!r}")
+        self.small_message_elements = int(small_message_elements)
 
-    def _next(self, sparsity: float) -> float:
+    def _next(self, sparsity: float, length: int | None) -> float:
+        upper = self.max_target_sparsity
+        if length is not None:
+            upper = max(upper, min(1 / 16, self.small_message_elements / length))
         if sparsity < self.min_target_sparsity:
             return self._threshold * self.decay_rate
-        if sparsity > self.max_target_sparsity:
+        if sparsity > upper:
             return self._threshold / self.decay_rate
         return self._threshold
 
     def __repr__(self) -> str:
         return (f"AdaptiveThresholdAlgorithm(initial_threshold={self.initial_threshold!r}, "
                 f"min_target_sparsity={self.min_target_sparsity!r}, max_target_sparsity={self.max_target_sparsity!r}, "
-                f"decay_rate={self.decay_rate!r}; threshold={self._threshold!r})")
+                f"decay_rate={self.decay_rate!r}, small_message_elements={self.small_message_elements!r}; "
+                f"threshold={self._threshold!r})")
 
 
 class TargetSparsityThresholdAlgorithm(ThresholdAlgorithm):
@@ -99,7 +117,7 @@ class TargetSparsityThresholdAlgorithm(ThresholdAlgorithm):
         self.sparsity_target = _fraction("sparsity_target", sparsity_target, 1 / 16)
         self.decay_rate = _decay_rate(decay_rate)
 
-    def _next(self, sparsity: float) -> float:
+    def _next(self, sparsity: float, length: int | None) -> float:
         if sparsity < self.sparsity_target:
             return self._threshold * self.decay_rate
         if sparsity > self.sparsity_target:

@@ -35,6 +35,7 @@ from dlscale.encoding import (
     describe,
     encode,
 )
+from dlscale.encoding import decode as decode_update
 from dlscale.training._heap import training_heap
 from dlscale.training._worker import decode, replica, state_of
 from dlscale.training.sharing._worker_plugin import plugin
@@ -58,6 +59,7 @@ class TrainerSpec:
     debug: bool
     collect_stats: bool
     gc_seconds: float | None
+    momentum_masking: bool
 
 
 @dataclass(frozen=True)
@@ -235,9 +237,11 @@ class _Trainer:
                 t = self._phase("fit", t)
                 message = encode(residual, thresholds.threshold)
                 post.process(step, message.threshold, residual)
-                thresholds.update(message.sparsity)
+                thresholds.update(message.sparsity, message.length)
                 apply(message, self.host)  # on a GPU, flushed with the next step's received updates
                 self.unflushed = True
+                if spec.momentum_masking and message.count:
+                    _mask_momentum(net, message)
                 if spec.debug:
                     self._debug(step, message, residual)
                 t = self._phase("encode", t)
@@ -309,3 +313,21 @@ class _Trainer:
         info = {"trainer": self.name, "step": step, **describe(message, residual)}
         logger.info(DEBUG_FORMAT, info)
         self.worker.log_event(DEBUG_TOPIC, info)
+
+
+def _mask_momentum(network: Any, message: EncodedUpdate) -> None:
+    """Zero the momentum of the elements ``message`` sends (momentum factor masking, Lin et al.,
+    "Deep Gradient Compression", ICLR 2018): a sent element's momentum would otherwise go on pushing
+    it the same way while its update is still on its way to the peers, whose own momentum pushes it
+    too. Applies to optimizers that keep a ``momentum_buffer`` (SGD, RMSprop), not to Adam's moments,
+    whose updates are normalised per element."""
+    buffers = [(p, network.optimizer.state[p].get("momentum_buffer")) for p in network.module.parameters()]
+    if all(b is None for _, b in buffers):
+        return
+    keep = decode_update(message).eq_(0).to(network.device)
+    offset = 0
+    for p, buffer in buffers:
+        n = p.numel()
+        if buffer is not None:
+            buffer.view(-1).mul_(keep[offset:offset + n])
+        offset += n

@@ -82,6 +82,7 @@ class SharedTrainingMaster(TrainingMaster):
     collect_training_stats: bool = False
     worker_periodic_gc: bool = True
     worker_gc_frequency_ms: int = 5000
+    momentum_masking: bool = True
     rdd_training_approach: str = "export"
     storage_level: StorageLevel = StorageLevel.MEMORY_ONLY_SER
     prefetch: int = 2
@@ -169,7 +170,7 @@ class _Run:
         spec = _trainer.TrainerSpec(
             master.threshold_algorithm, master.residual_post_processor, master.workers_per_node, master.prefetch,
             master.encoding_debug_mode, master.collect_training_stats,
-            master.worker_gc_frequency_ms / 1000 if master.worker_periodic_gc else None)
+            master.worker_gc_frequency_ms / 1000 if master.worker_periodic_gc else None, master.momentum_masking)
         n = len(self.batches.refs)
         t0 = time.perf_counter()
         if master.encoding_debug_mode:
