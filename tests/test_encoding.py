@@ -305,6 +305,19 @@ def test_describe() -> None:
         describe(message, residual[:99])
 
 
+def test_sent_indices_are_the_elements_a_message_changes() -> None:
+    from dlscale.encoding import sent_indices
+
+    g = torch.Generator().manual_seed(5)
+    for form in ("sparse", "bitmap"):
+        residual = torch.randn(10_001, generator=g)
+        message = encode(residual, 1.5, form=form)
+        expected = np.flatnonzero(decode(message).numpy())
+        assert message.form == form and len(expected) == message.count > 0
+        assert np.array_equal(sent_indices(message), expected)
+    assert len(sent_indices(encode(torch.zeros(10), 1.0))) == 0
+
+
 def test_fixed_threshold() -> None:
     algorithm = FixedThresholdAlgorithm(0.01)
     assert [algorithm.update(s) for s in (0.0, 0.5, 1.0)] == [0.01] * 3

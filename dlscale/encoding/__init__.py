@@ -13,6 +13,7 @@ from dlscale.encoding._codec import (
     decode,
     describe,
     encode,
+    sent_indices,
 )
 from dlscale.encoding.residual import (
     RESIDUAL_POST_PROCESSORS,
@@ -51,5 +52,6 @@ __all__ = [
     "describe",
     "encode",
     "residual_post_processor",
+    "sent_indices",
     "threshold_algorithm",
 ]

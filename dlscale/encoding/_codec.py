@@ -187,6 +187,18 @@ def decode(message: EncodedUpdate) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
+def sent_indices(message: EncodedUpdate) -> np.ndarray:
+    """The positions of the elements ``message`` changes, in increasing order (int64): cheap for a
+    sparse message, a full decode for a bitmap."""
+    if message.form == BITMAP:
+        return np.flatnonzero(_unpack(message.payload, np.float32(1))[:message.length])
+    index = np.abs(message.payload.astype(np.int64))
+    index -= 1
+    if len(index) > 1 and not (index[1:] >= index[:-1]).all():  # encode() writes them in order
+        index.sort()
+    return index
+
+
 def apply(message: EncodedUpdate, target: torch.Tensor, scale: float = 1.0) -> None:
     """Add ``scale`` times the update ``message`` describes to ``target`` in place (a sparse message
     touches only its elements)."""

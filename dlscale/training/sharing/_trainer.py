@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import dask.config
+import numpy as np
 import torch
 from dask.utils import parse_timedelta
 from distributed import Future, get_client, get_worker, secede
@@ -34,8 +35,8 @@ from dlscale.encoding import (
     apply,
     describe,
     encode,
+    sent_indices,
 )
-from dlscale.encoding import decode as decode_update
 from dlscale.training._heap import training_heap
 from dlscale.training._worker import decode, replica, state_of
 from dlscale.training.sharing._worker_plugin import plugin
@@ -321,13 +322,14 @@ def _mask_momentum(network: Any, message: EncodedUpdate) -> None:
     it the same way while its update is still on its way to the peers, whose own momentum pushes it
     too. Applies to optimizers that keep a ``momentum_buffer`` (SGD, RMSprop), not to Adam's moments,
     whose updates are normalised per element."""
-    buffers = [(p, network.optimizer.state[p].get("momentum_buffer")) for p in network.module.parameters()]
+    buffers = [(p.numel(), network.optimizer.state[p].get("momentum_buffer")) for p in network.module.parameters()]
     if all(b is None for _, b in buffers):
         return
-    keep = decode_update(message).eq_(0).to(network.device)
-    offset = 0
-    for p, buffer in buffers:
-        n = p.numel()
-        if buffer is not None:
-            buffer.view(-1).mul_(keep[offset:offset + n])
-        offset += n
+    sent = sent_indices(message)
+    offset = lo = 0
+    for n, buffer in buffers:
+        hi = lo + int(np.searchsorted(sent[lo:], offset + n))
+        if buffer is not None and hi > lo:
+            index = torch.from_numpy(sent[lo:hi] - offset).to(buffer.device)
+            buffer.view(-1).index_fill_(0, index, 0)
+        offset, lo = offset + n, hi
