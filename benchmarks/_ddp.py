@@ -68,7 +68,8 @@ def _shard(order: torch.Tensor, step: int, rank: int, world_size: int, batch: in
     return order[start:start + batch]
 
 
-def _accuracy(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+def accuracy(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Test accuracy of a plain module, in evaluation mode."""
     module.eval()
     with torch.no_grad():
         accuracy = float((module(x).argmax(1) == y).float().mean())
@@ -131,7 +132,7 @@ def train_rank(rank: int, world_size: int, tmp: str, make_module: ModuleFactory,
             cpu_seconds += time.process_time() - cpu_start
             epoch_seconds.append(seconds)
             if rank == 0 and "test_x" in data:
-                epoch_accuracy.append(_accuracy(module, data["test_x"], data["test_y"]))
+                epoch_accuracy.append(accuracy(module, data["test_x"], data["test_y"]))
 
         usage: list[Any] = [None] * world_size  # (peak RSS bytes, timed CPU seconds) of every rank
         dist.all_gather_object(usage, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, cpu_seconds))

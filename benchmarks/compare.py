@@ -140,14 +140,6 @@ def _data(quick: bool) -> tuple[torch.Tensor, ...]:
     return x, y, tx, ty
 
 
-def _accuracy(module: torch.nn.Module, tx: torch.Tensor, ty: torch.Tensor) -> float:
-    module.eval()
-    with torch.no_grad():
-        acc = float((module(tx).argmax(1) == ty).float().mean())
-    module.train()
-    return acc
-
-
 def run_single(workload: dict[str, Any], epochs: int, data: tuple[torch.Tensor, ...], out: dict[str, Any]) -> None:
     x, y, tx, ty = data
     torch.set_num_threads(1)
@@ -165,7 +157,7 @@ def run_single(workload: dict[str, Any], epochs: int, data: tuple[torch.Tensor, 
                 torch.nn.functional.cross_entropy(module(x[idx]), y[idx]).backward()
                 optimizer.step()
             elapsed += time.perf_counter() - start
-            curve.append((elapsed, _accuracy(module, tx, ty)))
+            curve.append((elapsed, _ddp.accuracy(module, tx, ty)))
     steps = epochs * (len(x) // BATCH)
     out.update(samples=steps * BATCH, seconds=elapsed, minibatches=steps, curve=curve, bytes_per_minibatch=0)
 
@@ -219,7 +211,7 @@ def run_dlscale(master_name: str, workload: dict[str, Any], workers: int, epochs
                 start = time.perf_counter()
                 spark_net.fit_paths(paths)
                 elapsed += time.perf_counter() - start
-                curve.append((elapsed, _accuracy(net.module, tx, ty)))
+                curve.append((elapsed, _ddp.accuracy(net.module, tx, ty)))
     stats = spark_net.training_stats  # of every epoch's fit
     if stats.trainers:
         sent = sum(t.bytes_sent for t in stats.trainers)
@@ -451,10 +443,10 @@ def main(argv: list[str] | None = None) -> None:
         last = json.loads(RESULTS.read_text())
         write_report(last["runs"], last["quick"], last["machine"]["namespaces"], last["date"])
         return
-    runners = tuple(r for r in RUNNERS if r == "single" or r in args.runners.split(","))
-    unknown = set(args.runners.split(",")) - set(RUNNERS)
-    if unknown:
-        parser.error(f"--runners: unknown {', '.join(sorted(unknown))}; known: {', '.join(RUNNERS)}")
+    asked = set(args.runners.split(","))
+    if asked - set(RUNNERS):
+        parser.error(f"--runners: unknown {', '.join(sorted(asked - set(RUNNERS)))}; known: {', '.join(RUNNERS)}")
+    runners = tuple(r for r in RUNNERS if r == "single" or r in asked)
     reason = _links.available()
     links = ("loopback",) if args.quick else tuple(args.links.split(","))
     if reason is not None and links != ("loopback",):
