@@ -47,8 +47,13 @@ SGD = functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9)
 def mlp(seed: int = 0) -> torch.nn.Module:
     """The MLP 784-2048-2048-10 (5.8M parameters) of benchmarks.parameter_averaging, seeded alike."""
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(784, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048),
-                               torch.nn.ReLU(), torch.nn.Linear(2048, 10))
+    return torch.nn.Sequential(
+        torch.nn.Linear(784, 2048),
+        torch.nn.ReLU(),
+        torch.nn.Linear(2048, 2048),
+        torch.nn.ReLU(),
+        torch.nn.Linear(2048, 10),
+    )
 
 
 def free_port() -> int:
@@ -65,7 +70,7 @@ def _steps(n: int, world_size: int, batch: int) -> int:
 
 def _shard(order: torch.Tensor, step: int, rank: int, world_size: int, batch: int) -> torch.Tensor:
     start = (step * world_size + rank) * batch
-    return order[start:start + batch]
+    return order[start : start + batch]
 
 
 def accuracy(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -77,9 +82,19 @@ def accuracy(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float
     return accuracy
 
 
-def train_rank(rank: int, world_size: int, tmp: str, make_module: ModuleFactory,
-               optimizer_factory: OptimizerFactory, loss_fn: LossFn, batch: int, epochs: int, threads: int,
-               warmup_steps: int, seed: int) -> None:
+def train_rank(
+    rank: int,
+    world_size: int,
+    tmp: str,
+    make_module: ModuleFactory,
+    optimizer_factory: OptimizerFactory,
+    loss_fn: LossFn,
+    batch: int,
+    epochs: int,
+    threads: int,
+    warmup_steps: int,
+    seed: int,
+) -> None:
     """Process ``rank`` of the DDP training of ``ddp_samples_per_s`` on ``tmp/data.pt``; rank 0 writes
     ``tmp/result.pt``.
 
@@ -138,9 +153,13 @@ def train_rank(rank: int, world_size: int, tmp: str, make_module: ModuleFactory,
         dist.all_gather_object(usage, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, cpu_seconds))
         if rank == 0:
             result: dict[str, Any] = {
-                "seconds": seconds, "final_loss": float(loss), "epoch_seconds": epoch_seconds,
-                "epoch_accuracy": epoch_accuracy, "peak_rss_bytes": max(rss for rss, _ in usage),
-                "cpu_seconds": sum(cpu for _, cpu in usage)}
+                "seconds": seconds,
+                "final_loss": float(loss),
+                "epoch_seconds": epoch_seconds,
+                "epoch_accuracy": epoch_accuracy,
+                "peak_rss_bytes": max(rss for rss, _ in usage),
+                "cpu_seconds": sum(cpu for _, cpu in usage),
+            }
             if epoch_accuracy:
                 result["test_accuracy"] = epoch_accuracy[-1]
             result["state_dict"] = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
@@ -154,9 +173,18 @@ def _worker(rank: int, world_size: int, port: int, tmp: str, *args: Any) -> None
     train_rank(rank, world_size, tmp, *args)
 
 
-def train_with(launch: Callable[[str], dict[str, Any]], world_size: int, make_module: ModuleFactory,
-               x: torch.Tensor, y: torch.Tensor, batch: int, epochs: int, threads_per_process: int,
-               test_x: torch.Tensor | None, test_y: torch.Tensor | None) -> dict[str, Any]:
+def train_with(
+    launch: Callable[[str], dict[str, Any]],
+    world_size: int,
+    make_module: ModuleFactory,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    batch: int,
+    epochs: int,
+    threads_per_process: int,
+    test_x: torch.Tensor | None,
+    test_y: torch.Tensor | None,
+) -> dict[str, Any]:
     """Save the data to a temporary directory ``tmp``, call ``launch(tmp)``, which runs ``train_rank``
     in ``world_size`` processes, and return rank 0's result with the throughput and what ``launch``
     returned."""
@@ -174,18 +202,39 @@ def train_with(launch: Callable[[str], dict[str, Any]], world_size: int, make_mo
         launched = launch(tmp)
         result = torch.load(Path(tmp) / "result.pt", weights_only=True)
     samples = epochs * steps * world_size * batch
-    return {"world_size": world_size, "batch": batch, "global_batch": world_size * batch, "epochs": epochs,
-            "steps_per_epoch": steps, "samples": samples, "samples_per_s": samples / result["seconds"],
-            "threads_per_process": threads_per_process, "parameters": params,
-            "grad_bytes_per_step": grad_bytes, **launched, **result}
+    return {
+        "world_size": world_size,
+        "batch": batch,
+        "global_batch": world_size * batch,
+        "epochs": epochs,
+        "steps_per_epoch": steps,
+        "samples": samples,
+        "samples_per_s": samples / result["seconds"],
+        "threads_per_process": threads_per_process,
+        "parameters": params,
+        "grad_bytes_per_step": grad_bytes,
+        **launched,
+        **result,
+    }
 
 
-def ddp_samples_per_s(world_size: int, make_module: ModuleFactory, x: torch.Tensor, y: torch.Tensor,
-                      batch: int, epochs: int, optimizer_factory: OptimizerFactory,
-                      threads_per_process: int = 1, port: int | None = None, *,
-                      test_x: torch.Tensor | None = None, test_y: torch.Tensor | None = None,
-                      loss_fn: LossFn = torch.nn.functional.cross_entropy, warmup_steps: int = 3,
-                      seed: int = 0) -> dict[str, Any]:
+def ddp_samples_per_s(
+    world_size: int,
+    make_module: ModuleFactory,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    batch: int,
+    epochs: int,
+    optimizer_factory: OptimizerFactory,
+    threads_per_process: int = 1,
+    port: int | None = None,
+    *,
+    test_x: torch.Tensor | None = None,
+    test_y: torch.Tensor | None = None,
+    loss_fn: LossFn = torch.nn.functional.cross_entropy,
+    warmup_steps: int = 3,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Train with DDP over gloo in ``world_size`` processes; return the throughput of the timed epochs.
 
     ``make_module``, ``optimizer_factory`` and ``loss_fn`` go to the workers by pickling: module-level
@@ -203,10 +252,26 @@ def ddp_samples_per_s(world_size: int, make_module: ModuleFactory, x: torch.Tens
     (rank 0's test accuracy after each epoch; empty without test data) and ``test_accuracy`` (after the
     last epoch, when test data is given).
     """
+
     def launch(tmp: str) -> dict[str, Any]:
-        mp.spawn(_worker, nprocs=world_size, join=True,
-                 args=(world_size, port or free_port(), tmp, make_module, optimizer_factory, loss_fn, batch,
-                       epochs, threads_per_process, warmup_steps, seed))
+        mp.spawn(
+            _worker,
+            nprocs=world_size,
+            join=True,
+            args=(
+                world_size,
+                port or free_port(),
+                tmp,
+                make_module,
+                optimizer_factory,
+                loss_fn,
+                batch,
+                epochs,
+                threads_per_process,
+                warmup_steps,
+                seed,
+            ),
+        )
         return {}
 
     return train_with(launch, world_size, make_module, x, y, batch, epochs, threads_per_process, test_x, test_y)
@@ -227,13 +292,23 @@ def command_line(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", default="benchmarks._ddp:mlp",
-                        help="module:callable returning the nn.Module (default: the benchmark MLP)")
-    parser.add_argument("--optimizer", default="benchmarks._ddp:SGD",
-                        help="module:callable(params) returning the optimizer (default: SGD lr 0.01 momentum 0.9)")
-    parser.add_argument("--data", type=Path, default=None,
-                        help="torch.save'd dict of tensors x, y and optionally test_x, test_y "
-                             "(default: benchmarks.parameter_averaging.make_data())")
+    parser.add_argument(
+        "--model",
+        default="benchmarks._ddp:mlp",
+        help="module:callable returning the nn.Module (default: the benchmark MLP)",
+    )
+    parser.add_argument(
+        "--optimizer",
+        default="benchmarks._ddp:SGD",
+        help="module:callable(params) returning the optimizer (default: SGD lr 0.01 momentum 0.9)",
+    )
+    parser.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help="torch.save'd dict of tensors x, y and optionally test_x, test_y "
+        "(default: benchmarks.parameter_averaging.make_data())",
+    )
     parser.add_argument("--train", type=int, default=None, help="use only the first TRAIN training examples")
     return parser
 
@@ -245,11 +320,24 @@ def run_command_line(samples_per_s: Callable[..., dict[str, Any]], args: argpars
         data = torch.load(args.data, weights_only=True)
     else:
         from benchmarks.parameter_averaging import make_data
+
         data = dict(zip(("x", "y", "test_x", "test_y"), make_data(), strict=True))
-    x, y = data["x"][:args.train], data["y"][:args.train]
-    result = samples_per_s(args.world_size, _resolve(args.model), x, y, args.batch, args.epochs,
-                           _resolve(args.optimizer), args.threads, test_x=data.get("test_x"),
-                           test_y=data.get("test_y"), warmup_steps=args.warmup_steps, seed=args.seed, **kwargs)
+    x, y = data["x"][: args.train], data["y"][: args.train]
+    result = samples_per_s(
+        args.world_size,
+        _resolve(args.model),
+        x,
+        y,
+        args.batch,
+        args.epochs,
+        _resolve(args.optimizer),
+        args.threads,
+        test_x=data.get("test_x"),
+        test_y=data.get("test_y"),
+        warmup_steps=args.warmup_steps,
+        seed=args.seed,
+        **kwargs,
+    )
     result.pop("state_dict")
     print(json.dumps(result))
 

@@ -114,8 +114,9 @@ def limited_namespace(rate: str | None, name: str | None = None) -> Iterator[str
         _delete(name)
 
 
-def run_in_namespace(ns: str, argv: Sequence[str], env: Mapping[str, str] | None = None,
-                     timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+def run_in_namespace(
+    ns: str, argv: Sequence[str], env: Mapping[str, str] | None = None, timeout: float | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run ``argv`` inside namespace ``ns`` from the repository root; return its exit status and output.
 
     A leading ``"python"`` stands for this interpreter (``sys.executable``, so the same virtual
@@ -127,8 +128,15 @@ def run_in_namespace(ns: str, argv: Sequence[str], env: Mapping[str, str] | None
     if argv and argv[0] == "python":
         argv[0] = sys.executable
     full_env = {**os.environ, **(env or {})}
-    with subprocess.Popen(["ip", "netns", "exec", ns, *argv], cwd=ROOT, env=full_env, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True) as proc:
+    with subprocess.Popen(
+        ["ip", "netns", "exec", ns, *argv],
+        cwd=ROOT,
+        env=full_env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    ) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except BaseException:
@@ -157,9 +165,13 @@ def available() -> str | None:
     if add.returncode != 0:
         return f"cannot create a network namespace (unshare refused?): {add.stderr.strip()}"
     try:
-        for argv, what in ((["ip", "link", "set", "lo", "up"], "cannot bring lo up in a namespace"),
-                           (["tc", "qdisc", "add", "dev", "lo", "root", *tbf_args("1gbit")],
-                            "cannot add a tbf qdisc (sch_tbf missing?)")):
+        for argv, what in (
+            (["ip", "link", "set", "lo", "up"], "cannot bring lo up in a namespace"),
+            (
+                ["tc", "qdisc", "add", "dev", "lo", "root", *tbf_args("1gbit")],
+                "cannot add a tbf qdisc (sch_tbf missing?)",
+            ),
+        ):
             result = _run(["ip", "netns", "exec", name, *argv])
             if result.returncode != 0:
                 return f"{what}: {result.stderr.strip()}"
@@ -222,8 +234,11 @@ def measure_throughput(ns: str, seconds: float = 2.0, streams: int = 1) -> float
 
     Verifies a link's shaping: one stream should come near the link's rate, and several share it.
     """
-    result = run_in_namespace(ns, ["python", "-m", "benchmarks._links", "--stream", str(seconds),
-                                   "--streams", str(streams)], timeout=seconds + 60)
+    result = run_in_namespace(
+        ns,
+        ["python", "-m", "benchmarks._links", "--stream", str(seconds), "--streams", str(streams)],
+        timeout=seconds + 60,
+    )
     if result.returncode != 0:
         raise RuntimeError(f"throughput measurement in {ns} failed: {result.stderr.strip()}")
     return float(json.loads(result.stdout.strip().splitlines()[-1])["bits_per_s"])
@@ -233,8 +248,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Measure the TCP throughput of every link in LINKS.")
     parser.add_argument("--seconds", type=float, default=2.0)
     parser.add_argument("--streams", type=int, default=1)
-    parser.add_argument("--stream", type=float, metavar="SECONDS",
-                        help="(inside a namespace) measure here and print one JSON line")
+    parser.add_argument(
+        "--stream", type=float, metavar="SECONDS", help="(inside a namespace) measure here and print one JSON line"
+    )
     args = parser.parse_args()
     if args.stream is not None:
         print(json.dumps({"bits_per_s": _stream(args.stream, args.streams)}))

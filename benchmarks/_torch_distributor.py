@@ -61,12 +61,22 @@ def _environ(**values: str) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def torch_distributor_samples_per_s(world_size: int, make_module: _ddp.ModuleFactory, x: torch.Tensor,
-                                    y: torch.Tensor, batch: int, epochs: int,
-                                    optimizer_factory: _ddp.OptimizerFactory, threads_per_process: int = 1, *,
-                                    test_x: torch.Tensor | None = None, test_y: torch.Tensor | None = None,
-                                    loss_fn: _ddp.LossFn = torch.nn.functional.cross_entropy,
-                                    warmup_steps: int = 3, seed: int = 0) -> dict[str, Any]:
+def torch_distributor_samples_per_s(
+    world_size: int,
+    make_module: _ddp.ModuleFactory,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    batch: int,
+    epochs: int,
+    optimizer_factory: _ddp.OptimizerFactory,
+    threads_per_process: int = 1,
+    *,
+    test_x: torch.Tensor | None = None,
+    test_y: torch.Tensor | None = None,
+    loss_fn: _ddp.LossFn = torch.nn.functional.cross_entropy,
+    warmup_steps: int = 3,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Train as ``benchmarks._ddp.ddp_samples_per_s`` does, launched by TorchDistributor in local mode
     on a local SparkSession (started and stopped here).
 
@@ -74,18 +84,34 @@ def torch_distributor_samples_per_s(world_size: int, make_module: _ddp.ModuleFac
     ``launcher_seconds`` (wall time of ``TorchDistributor.run``: torchrun, process start-up, imports,
     warm-up, training and evaluation).
     """
+
     def launch(tmp: str) -> dict[str, Any]:
-        spark = (SparkSession.builder.master("local[1]").appName("dlscale-torch-distributor")
-                 .config("spark.ui.enabled", "false").config("spark.driver.host", "127.0.0.1")
-                 .config("spark.driver.bindAddress", "127.0.0.1").getOrCreate())
+        spark = (
+            SparkSession.builder.master("local[1]")
+            .appName("dlscale-torch-distributor")
+            .config("spark.ui.enabled", "false")
+            .config("spark.driver.host", "127.0.0.1")
+            .config("spark.driver.bindAddress", "127.0.0.1")
+            .getOrCreate()
+        )
         try:
             spark.sparkContext.setLogLevel("ERROR")
             distributor = TorchDistributor(num_processes=world_size, local_mode=True, use_gpu=False)
             # TorchDistributor copies torchrun's output to stdout; stdout is for the result.
             with contextlib.redirect_stdout(sys.stderr):
                 start = time.perf_counter()
-                distributor.run(_rank, tmp, make_module, optimizer_factory, loss_fn, batch, epochs,
-                                threads_per_process, warmup_steps, seed)
+                distributor.run(
+                    _rank,
+                    tmp,
+                    make_module,
+                    optimizer_factory,
+                    loss_fn,
+                    batch,
+                    epochs,
+                    threads_per_process,
+                    warmup_steps,
+                    seed,
+                )
                 seconds = time.perf_counter() - start
         finally:
             spark.stop()
@@ -95,8 +121,9 @@ def torch_distributor_samples_per_s(world_size: int, make_module: _ddp.ModuleFac
     # that the pickled function and arguments refer to. SPARK_LOCAL_IP: the JVM binds to 127.0.0.1 only.
     pythonpath = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
     with _environ(PYTHONPATH=pythonpath, SPARK_LOCAL_IP="127.0.0.1"):
-        return _ddp.train_with(launch, world_size, make_module, x, y, batch, epochs, threads_per_process,
-                               test_x, test_y)
+        return _ddp.train_with(
+            launch, world_size, make_module, x, y, batch, epochs, threads_per_process, test_x, test_y
+        )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,8 +15,9 @@ Every run is a fresh process inside the link's network namespace (``benchmarks._
 its CPU time, peak memory and link traffic are its own. Per run: samples/s over the timed epochs,
 seconds and test accuracy after each epoch (time to accuracy), the bytes a worker sends per
 minibatch it trains by the method's own count and the bytes that crossed the link per minibatch
-trained, the compression against the dense update (gradient sharing), CPU utilisation of the machine, peak resident memory of the largest process, and final
-test accuracy. Evaluation between epochs is not timed. Results go to
+trained, the compression against the dense update (gradient sharing), CPU utilisation of the
+machine, peak resident memory of the largest process, and final test accuracy. Evaluation
+between epochs is not timed. Results go to
 ``benchmarks/results/compare.json``, plots to ``docs/images/compare-*.png``, and the scaling model
 (``benchmarks.scaling``) is projected from the measured gradient-sharing run. A run of some
 runners only (``--runners``) goes to ``benchmarks/results/compare-<runners>.json`` and leaves the
@@ -60,9 +61,16 @@ def cnn(seed: int = 0) -> torch.nn.Module:
     linear layer (18,346 parameters)."""
     torch.manual_seed(seed)
     return torch.nn.Sequential(
-        torch.nn.Unflatten(1, (1, 28, 28)), torch.nn.Conv2d(1, 16, 5), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-        torch.nn.Conv2d(16, 32, 5), torch.nn.ReLU(), torch.nn.MaxPool2d(2), torch.nn.Flatten(),
-        torch.nn.Linear(32 * 4 * 4, 10))
+        torch.nn.Unflatten(1, (1, 28, 28)),
+        torch.nn.Conv2d(1, 16, 5),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(16, 32, 5),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(),
+        torch.nn.Linear(32 * 4 * 4, 10),
+    )
 
 
 WORKLOADS: dict[str, dict[str, Any]] = {
@@ -152,7 +160,7 @@ def run_single(workload: dict[str, Any], epochs: int, data: tuple[torch.Tensor, 
             start = time.perf_counter()
             order = torch.randperm(len(x), generator=g)
             for i in range(0, len(x) - BATCH + 1, BATCH):
-                idx = order[i:i + BATCH]
+                idx = order[i : i + BATCH]
                 optimizer.zero_grad()
                 torch.nn.functional.cross_entropy(module(x[idx]), y[idx]).backward()
                 optimizer.step()
@@ -162,22 +170,39 @@ def run_single(workload: dict[str, Any], epochs: int, data: tuple[torch.Tensor, 
     out.update(samples=steps * BATCH, seconds=elapsed, minibatches=steps, curve=curve, bytes_per_minibatch=0)
 
 
-def run_launcher(launcher: Callable[..., dict[str, Any]], workload: dict[str, Any], workers: int, epochs: int,
-                 data: tuple[torch.Tensor, ...], out: dict[str, Any]) -> None:
+def run_launcher(
+    launcher: Callable[..., dict[str, Any]],
+    workload: dict[str, Any],
+    workers: int,
+    epochs: int,
+    data: tuple[torch.Tensor, ...],
+    out: dict[str, Any],
+) -> None:
     """DDP or TorchDistributor: processes of one thread, each ``BATCH`` examples a step, gradients
     all-reduced (a ring moves 2(W-1)/W of them out of every process)."""
     x, y, tx, ty = data
     with measured(out):
         r = launcher(workers, workload["module"], x, y, BATCH, epochs, SGD, 1, test_x=tx, test_y=ty)
-    out.update(samples=r["samples"], seconds=r["seconds"], minibatches=r["samples"] // BATCH,
-               curve=list(zip(r["epoch_seconds"], r["epoch_accuracy"], strict=True)),
-               bytes_per_minibatch=2 * (workers - 1) / workers * r["grad_bytes_per_step"],
-               dense_update_bytes=r["grad_bytes_per_step"], peak_rss_reported=r.get("peak_rss_bytes"),
-               **({"launcher_seconds": r["launcher_seconds"]} if "launcher_seconds" in r else {}))
+    out.update(
+        samples=r["samples"],
+        seconds=r["seconds"],
+        minibatches=r["samples"] // BATCH,
+        curve=list(zip(r["epoch_seconds"], r["epoch_accuracy"], strict=True)),
+        bytes_per_minibatch=2 * (workers - 1) / workers * r["grad_bytes_per_step"],
+        dense_update_bytes=r["grad_bytes_per_step"],
+        peak_rss_reported=r.get("peak_rss_bytes"),
+        **({"launcher_seconds": r["launcher_seconds"]} if "launcher_seconds" in r else {}),
+    )
 
 
-def run_dlscale(master_name: str, workload: dict[str, Any], workers: int, epochs: int,
-                data: tuple[torch.Tensor, ...], out: dict[str, Any]) -> None:
+def run_dlscale(
+    master_name: str,
+    workload: dict[str, Any],
+    workers: int,
+    epochs: int,
+    data: tuple[torch.Tensor, ...],
+    out: dict[str, Any],
+) -> None:
     """A SparkNet on ``local[workers]`` (one thread each) fitting minibatch files exported before
     timing, one ``fit_paths`` per epoch so that the network can be evaluated between epochs."""
     from dlscale import (
@@ -193,13 +218,17 @@ def run_dlscale(master_name: str, workload: dict[str, Any], workers: int, epochs
 
     def master() -> Any:
         if master_name == "averaging":
-            return ParameterAveragingTrainingMaster(BATCH, averaging_frequency=5, rng_seed=0,
-                                                    collect_training_stats=True)
+            return ParameterAveragingTrainingMaster(
+                BATCH, averaging_frequency=5, rng_seed=0, collect_training_stats=True
+            )
         return SharedTrainingMaster(BATCH, rng_seed=0, collect_training_stats=True)
 
     with tempfile.TemporaryDirectory() as tmp, SparkContext(f"local[{workers}]", f"compare-{master_name}") as sc:
-        export_minibatches([DataSet(x[i:i + BATCH], y[i:i + BATCH]) for i in range(0, len(x) - BATCH + 1, BATCH)],
-                           f"{tmp}/train", BATCH)
+        export_minibatches(
+            [DataSet(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, len(x) - BATCH + 1, BATCH)],
+            f"{tmp}/train",
+            BATCH,
+        )
         paths = list_paths(sc, f"{tmp}/train")
         warm = Network(workload["module"](), "cross_entropy", SGD)
         SparkNet(sc, warm, master()).fit_paths(sc.parallelize(paths.take(4 * workers)))  # imports, connections
@@ -216,16 +245,20 @@ def run_dlscale(master_name: str, workload: dict[str, Any], workers: int, epochs
     if stats.trainers:
         sent = sum(t.bytes_sent for t in stats.trainers)
         steps = sum(t.minibatches for t in stats.trainers)
-        out["trainer_seconds"] = {p: sum(t.seconds(p) for t in stats.trainers)
-                                  for p in ("fit", "encode", "send", "apply", "wait")}
+        out["trainer_seconds"] = {
+            p: sum(t.seconds(p) for t in stats.trainers) for p in ("fit", "encode", "send", "apply", "wait")
+        }
         out["steps"] = steps
     else:
         steps = sum(len(w.batches) for r in stats.rounds for w in r.workers)
     dense = 4 * net.num_params()
     out.update(samples=steps * BATCH, seconds=elapsed, minibatches=steps, curve=curve, dense_update_bytes=dense)
     if master_name == "sharing":  # each message goes to every peer (plain mode)
-        out.update(bytes_per_minibatch=sent / steps * (workers - 1), compression=dense * steps / max(sent, 1),
-                   bytes_sent_per_step=sent / steps)
+        out.update(
+            bytes_per_minibatch=sent / steps * (workers - 1),
+            compression=dense * steps / max(sent, 1),
+            bytes_sent_per_step=sent / steps,
+        )
     else:  # each worker's state (parameters and momentum) goes to a peer once a round of 5 minibatches
         out.update(bytes_per_minibatch=2 * dense / 5 if workers > 1 else 0)
 
@@ -238,8 +271,16 @@ def inner(link: str, workload_name: str, runner: str, workers: int, quick: bool)
     short = runner in short_runners and not quick
     if short:
         epochs, data = 1, (data[0][:examples], data[1][:examples], *data[2:])
-    out: dict[str, Any] = {"link": link, "workload": workload_name, "runner": runner, "workers": workers,
-                           "epochs": epochs, "batch": BATCH, "train_examples": len(data[0]), "short": short}
+    out: dict[str, Any] = {
+        "link": link,
+        "workload": workload_name,
+        "runner": runner,
+        "workers": workers,
+        "epochs": epochs,
+        "batch": BATCH,
+        "train_examples": len(data[0]),
+        "short": short,
+    }
     if runner == "single":
         run_single(workload, epochs, data, out)
     elif runner == "ddp":
@@ -272,16 +313,31 @@ def plan(quick: bool, links: tuple[str, ...]) -> list[tuple[str, str, str, int]]
 
 
 def _one(ns: str | None, link: str, workload: str, runner: str, workers: int, quick: bool) -> dict[str, Any]:
-    argv = ["python", "-m", "benchmarks.compare", "--inner", link, workload, runner, str(workers),
-            *(["--quick"] if quick else [])]
+    argv = [
+        "python",
+        "-m",
+        "benchmarks.compare",
+        "--inner",
+        link,
+        workload,
+        runner,
+        str(workers),
+        *(["--quick"] if quick else []),
+    ]
     if ns is None:
-        done = subprocess.run([sys.executable, *argv[1:]], check=False, cwd=ROOT, capture_output=True, text=True,
-                              timeout=1800)
+        done = subprocess.run(
+            [sys.executable, *argv[1:]], check=False, cwd=ROOT, capture_output=True, text=True, timeout=1800
+        )
     else:
         done = _links.run_in_namespace(ns, argv, timeout=1800)
     if done.returncode:
-        return {"link": link, "workload": workload, "runner": runner, "workers": workers,
-                "error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
+        return {
+            "link": link,
+            "workload": workload,
+            "runner": runner,
+            "workers": workers,
+            "error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}",
+        }
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -299,45 +355,70 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
         r["time_to_accuracy"] = None if r["short"] else next((t for t, a in r["curve"] if a >= goal), None)
 
     def find(link: str, runner: str) -> dict[str, Any] | None:
-        return next((r for r in runs if (r["link"], r["workload"], r["runner"], r["workers"]) ==
-                     (link, "mlp", runner, 2) and "error" not in r), None)
+        return next(
+            (
+                r
+                for r in runs
+                if (r["link"], r["workload"], r["runner"], r["workers"]) == (link, "mlp", runner, 2)
+                and "error" not in r
+            ),
+            None,
+        )
 
     targets = {}
     for link in ("loopback", "1gbit"):
         r = find(link, "sharing")
         if r is not None and "vs_single" in r:
-            targets[f"sharing_vs_single_{link}"] = {"target": TARGETS[link], "measured": r["vs_single"],
-                                                    "met": r["vs_single"] >= TARGETS[link]}
+            targets[f"sharing_vs_single_{link}"] = {
+                "target": TARGETS[link],
+                "measured": r["vs_single"],
+                "met": r["vs_single"] >= TARGETS[link],
+            }
     r, d = find("1gbit", "sharing"), find("1gbit", "ddp")
     if r is not None and d is not None:
         ratio = r["samples_per_s"] / d["samples_per_s"]
-        targets["sharing_vs_ddp_1gbit"] = {"target": TARGETS["vs_ddp_1gbit"], "measured": ratio,
-                                           "met": ratio >= TARGETS["vs_ddp_1gbit"]}
+        targets["sharing_vs_ddp_1gbit"] = {
+            "target": TARGETS["vs_ddp_1gbit"],
+            "measured": ratio,
+            "met": ratio >= TARGETS["vs_ddp_1gbit"],
+        }
     r = find("loopback", "sharing")
     if r is not None and "accuracy_vs_single_points" in r:
         gap = -r["accuracy_vs_single_points"]
-        targets["sharing_accuracy_gap_points"] = {"target": TARGETS["accuracy_points"], "measured": gap,
-                                                  "met": gap <= TARGETS["accuracy_points"]}
+        targets["sharing_accuracy_gap_points"] = {
+            "target": TARGETS["accuracy_points"],
+            "measured": gap,
+            "met": gap <= TARGETS["accuracy_points"],
+        }
     return targets
 
 
 def table(runs: list[dict[str, Any]]) -> str:
-    head = ("| workload | link | run | workers | samples/s | vs single | time to accuracy | test accuracy | "
-            "bytes/minibatch | link bytes/minibatch | compression | CPU | peak RSS |")
+    head = (
+        "| workload | link | run | workers | samples/s | vs single | time to accuracy | test accuracy | "
+        "bytes/minibatch | link bytes/minibatch | compression | CPU | peak RSS |"
+    )
     lines = [head, "|" + "---|" * 13]
     for r in runs:
         if "error" in r:
-            lines.append(f"| {r['workload']} | {r['link']} | {r['runner']} | {r['workers']} | failed: {r['error']} |"
-                         + " |" * 8)
+            lines.append(
+                f"| {r['workload']} | {r['link']} | {r['runner']} | {r['workers']} | failed: {r['error']} |" + " |" * 8
+            )
             continue
-        tta = ("part of an epoch" if r["short"] else f"{r['time_to_accuracy']:.1f} s"
-               if r.get("time_to_accuracy") is not None else "not reached")
+        tta = (
+            "part of an epoch"
+            if r["short"]
+            else f"{r['time_to_accuracy']:.1f} s"
+            if r.get("time_to_accuracy") is not None
+            else "not reached"
+        )
         comp = f"{r['compression']:.0f}x" if "compression" in r else ""
         lines.append(
             f"| {r['workload']} | {r['link']} | {r['runner']} | {r['workers']} | {r['samples_per_s']:,.0f} | "
             f"{r.get('vs_single', float('nan')):.2f} | {tta} | {r['test_accuracy']:.3f} | "
             f"{r['bytes_per_minibatch']:,.0f} | {r['link_bytes_per_minibatch']:,.0f} | {comp} | "
-            f"{r['cpu_utilisation']:.0%} | {r['peak_rss'] / 2**20:,.0f} MiB |")
+            f"{r['cpu_utilisation']:.0%} | {r['peak_rss'] / 2**20:,.0f} MiB |"
+        )
     return "\n".join(lines)
 
 
@@ -361,8 +442,12 @@ def plots(runs: list[dict[str, Any]]) -> list[str]:
         runners = [n for n in RUNNERS[1:] if any(r["runner"] == n for r in mine)]
         width = 0.8 / max(1, len(runners))
         for i, name in enumerate(runners):
-            values = [next((r["samples_per_s"] for r in mine if (r["link"], r["runner"], r["workers"]) ==
-                            (link, name, 2)), 0.0) for link in links]
+            values = [
+                next(
+                    (r["samples_per_s"] for r in mine if (r["link"], r["runner"], r["workers"]) == (link, name, 2)), 0.0
+                )
+                for link in links
+            ]
             bars.bar([j + i * width for j in range(len(links))], values, width, label=name.replace("_", " "))
         single = next((r for r in mine if r["runner"] == "single"), None)
         if single is not None:
@@ -387,8 +472,9 @@ def plots(runs: list[dict[str, Any]]) -> list[str]:
     return written
 
 
-def write_report(runs: list[dict[str, Any]], quick: bool, namespaces: str, date: str,
-                 runners: tuple[str, ...] = RUNNERS) -> None:
+def write_report(
+    runs: list[dict[str, Any]], quick: bool, namespaces: str, date: str, runners: tuple[str, ...] = RUNNERS
+) -> None:
     """Ratios, targets, plots and the scaling projection of ``runs``; written to :data:`RESULTS`, or
     for a part of the runners to a file of their own, without plots or projection."""
     complete = runners == RUNNERS
@@ -398,17 +484,33 @@ def write_report(runs: list[dict[str, Any]], quick: bool, namespaces: str, date:
         "benchmark": "compare",
         "date": date,
         "quick": quick,
-        "machine": {"python": platform.python_version(), "torch": torch.__version__, "cpu_count": os.cpu_count(),
-                    "platform": platform.platform(), "namespaces": namespaces},
-        "setup": {"batch": BATCH, "optimizer": "SGD lr 0.01 momentum 0.9", "threads_per_worker": 1,
-                  "accuracy_share_for_time_to_accuracy": ACCURACY_SHARE,
-                  "workloads": {k: {"title": v["title"], "epochs": v["epochs"]} for k, v in WORKLOADS.items()}},
+        "machine": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "namespaces": namespaces,
+        },
+        "setup": {
+            "batch": BATCH,
+            "optimizer": "SGD lr 0.01 momentum 0.9",
+            "threads_per_worker": 1,
+            "accuracy_share_for_time_to_accuracy": ACCURACY_SHARE,
+            "workloads": {k: {"title": v["title"], "epochs": v["epochs"]} for k, v in WORKLOADS.items()},
+        },
         "runs": runs,
         "targets": targets,
         "plots": plots(runs) if complete else [],
     }
-    sharing = next((r for r in runs if (r["workload"], r["runner"], r["workers"], r["link"]) ==
-                    ("mlp", "sharing", 2, "loopback") and "error" not in r), None)
+    sharing = next(
+        (
+            r
+            for r in runs
+            if (r["workload"], r["runner"], r["workers"], r["link"]) == ("mlp", "sharing", 2, "loopback")
+            and "error" not in r
+        ),
+        None,
+    )
     if sharing is not None and not quick and complete:
         from benchmarks import scaling
 
@@ -429,10 +531,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small data, one epoch, loopback only")
     parser.add_argument("--links", default=",".join(LINKS), help="comma-separated links to measure")
-    parser.add_argument("--runners", default=",".join(RUNNERS),
-                        help="comma-separated runners to measure (single always runs: it is the baseline)")
-    parser.add_argument("--report", action="store_true",
-                        help="redo the table, plots and projection from the runs of the last results")
+    parser.add_argument(
+        "--runners",
+        default=",".join(RUNNERS),
+        help="comma-separated runners to measure (single always runs: it is the baseline)",
+    )
+    parser.add_argument(
+        "--report", action="store_true", help="redo the table, plots and projection from the runs of the last results"
+    )
     parser.add_argument("--inner", nargs=4, metavar=("LINK", "WORKLOAD", "RUNNER", "WORKERS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.inner:
@@ -454,17 +560,25 @@ def main(argv: list[str] | None = None) -> None:
         links = ("loopback",)
     runs = []
     for link in links:
-        with (_links.limited_namespace(_links.LINKS[link]) if reason is None else _nothing()) as ns:
-            for _, workload, runner, workers in [p for p in plan(args.quick, links)
-                                                 if p[0] == link and p[2] in runners]:
+        with _links.limited_namespace(_links.LINKS[link]) if reason is None else _nothing() as ns:
+            for _, workload, runner, workers in [
+                p for p in plan(args.quick, links) if p[0] == link and p[2] in runners
+            ]:
                 t0 = time.perf_counter()
                 r = _one(ns, link, workload, runner, workers, args.quick)
                 runs.append(r)
                 what = r.get("error") or f"{r['samples_per_s']:,.0f} samples/s, accuracy {r['test_accuracy']:.3f}"
-                print(f"{link:9s} {workload:4s} {runner:18s} {workers}: {what} ({time.perf_counter() - t0:.0f} s)",
-                      flush=True)
-    write_report(runs, args.quick, reason or "available",
-                 datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), runners)
+                print(
+                    f"{link:9s} {workload:4s} {runner:18s} {workers}: {what} ({time.perf_counter() - t0:.0f} s)",
+                    flush=True,
+                )
+    write_report(
+        runs,
+        args.quick,
+        reason or "available",
+        datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        runners,
+    )
 
 
 @contextmanager

@@ -59,8 +59,7 @@ def check(update: torch.Tensor, threshold: float) -> dict[str, Any]:
     apply(message, replica)
     assert torch.equal(decode(message), expected) and torch.equal(replica, expected)
     assert torch.equal(residual, update - expected)
-    return {"form": message.form, "count": message.count, "sparsity": message.sparsity,
-            "message bytes": message.nbytes}
+    return {"form": message.form, "count": message.count, "sparsity": message.sparsity, "message bytes": message.nbytes}
 
 
 def run(update: torch.Tensor, limits: dict[float, float]) -> dict[str, Any]:
@@ -106,11 +105,15 @@ def main() -> None:
     report: dict[str, Any] = {
         "benchmark": "encoding",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "cpus": os.cpu_count(), "torch": torch.__version__, "numpy": np.__version__,
-                    "dlscale": dlscale_version},
-        "data": {"elements": LENGTH, "bytes": 4 * LENGTH, "values": "standard normal, seed 0",
-                 "repeats": REPEATS},
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "numpy": np.__version__,
+            "dlscale": dlscale_version,
+        },
+        "data": {"elements": LENGTH, "bytes": 4 * LENGTH, "values": "standard normal, seed 0", "repeats": REPEATS},
         "cases": {f"{s:g}": {"threshold": limits[s], **check(update, limits[s])} for s in SPARSITIES},
         "headline": f"one thread, sparsity {HEADLINE:g}",
     }
@@ -126,15 +129,21 @@ def main() -> None:
     for setting in ("one thread", "default threads"):
         r = report[setting]
         ms = r["median ms"]
-        print(f"{setting} ({r['threads']}): clone {ms['clone']:.2f} ms, copy_ into a buffer "
-              f"{ms['copy_ into a buffer']:.2f} ms")
+        print(
+            f"{setting} ({r['threads']}): clone {ms['clone']:.2f} ms, copy_ into a buffer "
+            f"{ms['copy_ into a buffer']:.2f} ms"
+        )
         for s in SPARSITIES:
             case = report["cases"][f"{s:g}"]
-            print(f"  sparsity {s:g} ({case['form']}, {case['message bytes']} bytes): encode {ms[f'encode {s:g}']:.2f} ms"
-                  f" + apply {ms[f'apply {s:g}']:.2f} ms = {ms[f'encode+apply {s:g}']:.2f} ms, "
-                  f"{r['encode+apply / clone'][f'{s:g}']:.2f} x clone")
-    print(f"target encode+apply <= {TARGET} x clone at sparsity {HEADLINE:g}, one thread: "
-          f"{'met' if report['target']['met'] else 'missed'} ({headline:.2f})")
+            print(
+                f"  sparsity {s:g} ({case['form']}, {case['message bytes']} bytes): encode {ms[f'encode {s:g}']:.2f} ms"
+                f" + apply {ms[f'apply {s:g}']:.2f} ms = {ms[f'encode+apply {s:g}']:.2f} ms, "
+                f"{r['encode+apply / clone'][f'{s:g}']:.2f} x clone"
+            )
+    print(
+        f"target encode+apply <= {TARGET} x clone at sparsity {HEADLINE:g}, one thread: "
+        f"{'met' if report['target']['met'] else 'missed'} ({headline:.2f})"
+    )
     print(f"written to {RESULTS.relative_to(Path.cwd()) if RESULTS.is_relative_to(Path.cwd()) else RESULTS}")
 
 

@@ -67,7 +67,7 @@ def single_process(module: torch.nn.Module, x: torch.Tensor, threads: int) -> fl
     start = time.perf_counter()
     with torch.no_grad():
         for i in range(0, len(x), BATCH):
-            module(x[i:i + BATCH]).argmax(1)
+            module(x[i : i + BATCH]).argmax(1)
     seconds = time.perf_counter() - start
     torch.set_num_threads(before)
     return seconds
@@ -86,17 +86,29 @@ def main() -> None:
     report: dict[str, Any] = {
         "benchmark": "evaluation",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": {"python": platform.python_version(), "torch": torch.__version__, "dlscale": dlscale_version,
-                    "cpu_count": cores, "platform": platform.platform()},
-        "setup": {"model": "MLP 784-2048-2048-10", "parameters": net.num_params(), "batch": BATCH,
-                  "examples": EXAMPLES, "workers": 2, "threads_per_worker": 1,
-                  "evaluations": "Evaluation(top_n=5), ROCMultiClass(threshold_steps=100)"},
+        "machine": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "dlscale": dlscale_version,
+            "cpu_count": cores,
+            "platform": platform.platform(),
+        },
+        "setup": {
+            "model": "MLP 784-2048-2048-10",
+            "parameters": net.num_params(),
+            "batch": BATCH,
+            "examples": EXAMPLES,
+            "workers": 2,
+            "threads_per_worker": 1,
+            "evaluations": "Evaluation(top_n=5), ROCMultiClass(threshold_steps=100)",
+        },
         "runs": {},
     }
     runs: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp, SparkContext("local[2]", "bench-evaluation") as sc:
-        export_minibatches([DataSet(x[i:i + BATCH], y[i:i + BATCH]) for i in range(0, EXAMPLES, BATCH)],
-                           f"{tmp}/test", BATCH)
+        export_minibatches(
+            [DataSet(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, EXAMPLES, BATCH)], f"{tmp}/test", BATCH
+        )
         paths = list_paths(sc, f"{tmp}/test")
         pairs = sc.parallelize([(i, x[i].clone()) for i in range(EXAMPLES)], 8).persist(StorageLevel.MEMORY_ONLY)
         pairs.count()
@@ -104,8 +116,9 @@ def main() -> None:
         wait(array)
 
         def evaluate() -> None:
-            results = do_evaluation(net, paths, Evaluation(top_n=5), ROCMultiClass(threshold_steps=100),
-                                    batch_size=BATCH)
+            results = do_evaluation(
+                net, paths, Evaluation(top_n=5), ROCMultiClass(threshold_steps=100), batch_size=BATCH
+            )
             assert results[0].num_examples() == EXAMPLES
 
         def keyed() -> None:
@@ -120,11 +133,18 @@ def main() -> None:
             del out
 
         configs: list[tuple[str, Callable[[], float]]] = [
-            (f"pytorch_{t}_thread", functools.partial(single_process, net.module, x, t)) for t in sorted({1, cores})]
-        configs += [(name, functools.partial(timed, fn)) for name, fn in
-                    [("do_evaluation", evaluate), ("feed_forward_with_key", keyed),
-                     ("feed_forward_with_key_collect", keyed_collect), ("predict_dask_array", predicted)]]
-        for _, run in configs[len(configs) - 4:]:
+            (f"pytorch_{t}_thread", functools.partial(single_process, net.module, x, t)) for t in sorted({1, cores})
+        ]
+        configs += [
+            (name, functools.partial(timed, fn))
+            for name, fn in [
+                ("do_evaluation", evaluate),
+                ("feed_forward_with_key", keyed),
+                ("feed_forward_with_key_collect", keyed_collect),
+                ("predict_dask_array", predicted),
+            ]
+        ]
+        for _, run in configs[len(configs) - 4 :]:
             run()  # warm-up: worker imports, first network copies
 
         def ship_seconds() -> float:
@@ -136,17 +156,24 @@ def main() -> None:
         start = time.perf_counter()
         shipping.serialise(net, False)
         report["network_pickle_s"] = time.perf_counter() - start
-        print(f"sending the network to both workers: {report['network_ship_s']:.2f} s per call, of which "
-              f"{report['network_pickle_s']:.2f} s pickling")
+        print(
+            f"sending the network to both workers: {report['network_ship_s']:.2f} s per call, of which "
+            f"{report['network_pickle_s']:.2f} s pickling"
+        )
         with get_task_stream(sc.client) as stream:
             evaluate()
         tasks = [t for t in stream.data if str(t["key"]).startswith("('evaluate")]
         report["evaluation_tasks"] = {
-            "count": len(tasks), "examples_per_task": EXAMPLES / len(tasks),
-            "mean_seconds": statistics.mean(sum(s["stop"] - s["start"] for s in t["startstops"]
-                                                if s["action"] == "compute") for t in tasks)}
-        print(f"evaluation tasks: {len(tasks)} of {EXAMPLES / len(tasks):.0f} examples, "
-              f"{report['evaluation_tasks']['mean_seconds']:.2f} s each")
+            "count": len(tasks),
+            "examples_per_task": EXAMPLES / len(tasks),
+            "mean_seconds": statistics.mean(
+                sum(s["stop"] - s["start"] for s in t["startstops"] if s["action"] == "compute") for t in tasks
+            ),
+        }
+        print(
+            f"evaluation tasks: {len(tasks)} of {EXAMPLES / len(tasks):.0f} examples, "
+            f"{report['evaluation_tasks']['mean_seconds']:.2f} s each"
+        )
         for repeat in range(REPEATS):
             for name, run in configs if repeat % 2 == 0 else configs[::-1]:
                 runs.setdefault(name, []).append(EXAMPLES / run())
@@ -155,12 +182,19 @@ def main() -> None:
     every = statistics.median(runs[f"pytorch_{cores}_thread"])
     for name, rates in runs.items():
         rate = statistics.median(rates)
-        report["runs"][name] = {"examples_per_s": rate, "runs_examples_per_s": rates,
-                                "ratio_vs_1_thread": rate / one, f"ratio_vs_{cores}_threads": rate / every}
+        report["runs"][name] = {
+            "examples_per_s": rate,
+            "runs_examples_per_s": rates,
+            "ratio_vs_1_thread": rate / one,
+            f"ratio_vs_{cores}_threads": rate / every,
+        }
         print(f"{name:32s} {rate:9.0f} examples/s  {rate / one:5.2f}x one thread  {rate / every:5.2f}x {cores} threads")
     measured = {name: report["runs"][name]["ratio_vs_1_thread"] for name in ("do_evaluation", "feed_forward_with_key")}
-    report["target"] = {"ratio_vs_1_thread": TARGET, "measured": measured,
-                        "met": all(r >= TARGET for r in measured.values())}
+    report["target"] = {
+        "ratio_vs_1_thread": TARGET,
+        "measured": measured,
+        "met": all(r >= TARGET for r in measured.values()),
+    }
     print(f"target: >= {TARGET}x one thread: " + ", ".join(f"{k} {v:.2f}x" for k, v in measured.items()))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(report, indent=2) + "\n")

@@ -233,9 +233,7 @@ def ratio_report(medians: dict[str, float]) -> dict[str, Any]:
 def pipeline_report(times: dict[str, list[float]]) -> dict[str, Any]:
     """Medians, repeats and target ratios of one pipeline."""
     medians = {system: statistics.median(times[system]) for system in SYSTEMS}
-    seconds = {
-        s: {"median": round(medians[s], 4), "repeats": [round(t, 4) for t in times[s]]} for s in SYSTEMS
-    }
+    seconds = {s: {"median": round(medians[s], 4), "repeats": [round(t, 4) for t in times[s]]} for s in SYSTEMS}
     return {"seconds": seconds, "ratios": ratio_report(medians)}
 
 

@@ -53,7 +53,7 @@ def single_process(x: torch.Tensor, y: torch.Tensor, tx: torch.Tensor, ty: torch
     net = network()
     g = torch.Generator().manual_seed(0)
     order = torch.randperm(len(x), generator=g)
-    batches = [DataSet(x[order[i:i + BATCH]], y[order[i:i + BATCH]]) for i in range(0, len(x), BATCH)]
+    batches = [DataSet(x[order[i : i + BATCH]], y[order[i : i + BATCH]]) for i in range(0, len(x), BATCH)]
     net.fit(batches[:3])  # warm-up
     net = network()
     start = time.perf_counter()
@@ -69,8 +69,9 @@ def ddp(x: torch.Tensor, y: torch.Tensor, tx: torch.Tensor, ty: torch.Tensor) ->
 
 def dlscale_sharing(x: torch.Tensor, y: torch.Tensor, tx: torch.Tensor, ty: torch.Tensor) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp, SparkContext("local[2]", "bench-gradient-sharing") as sc:
-        export_minibatches([DataSet(x[i:i + BATCH], y[i:i + BATCH]) for i in range(0, len(x), BATCH)],
-                           f"{tmp}/train", BATCH)
+        export_minibatches(
+            [DataSet(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, len(x), BATCH)], f"{tmp}/train", BATCH
+        )
         paths = list_paths(sc, f"{tmp}/train")
         SparkNet(sc, network(), SharedTrainingMaster(BATCH)).fit_paths(sc.parallelize(paths.take(20)))  # warm-up
         net = network()
@@ -83,10 +84,17 @@ def dlscale_sharing(x: torch.Tensor, y: torch.Tensor, tx: torch.Tensor, ty: torc
     sent = sum(t.bytes_sent for t in trainers)
     dense = 4 * net.num_params()
     busy = {p: sum(t.seconds(p) for t in trainers) for p in ("fit", "encode", "send", "apply", "wait")}
-    return {"samples_per_s": len(x) / seconds, "seconds": seconds, "test_accuracy": accuracy(net, tx, ty),
-            "steps": steps, "bytes_sent_per_step": sent / steps, "dense_update_bytes": dense,
-            "compression": dense * steps / max(sent, 1), "trainer_seconds": busy,
-            "minibatches_per_trainer": [t.minibatches for t in trainers]}
+    return {
+        "samples_per_s": len(x) / seconds,
+        "seconds": seconds,
+        "test_accuracy": accuracy(net, tx, ty),
+        "steps": steps,
+        "bytes_sent_per_step": sent / steps,
+        "dense_update_bytes": dense,
+        "compression": dense * steps / max(sent, 1),
+        "trainer_seconds": busy,
+        "minibatches_per_trainer": [t.minibatches for t in trainers],
+    }
 
 
 def inner(link: str) -> dict[str, Any]:
@@ -109,17 +117,29 @@ def main() -> None:
     report: dict[str, Any] = {
         "benchmark": "gradient_sharing",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": {"python": platform.python_version(), "torch": torch.__version__, "dlscale": dlscale_version,
-                    "platform": platform.platform()},
-        "setup": {"model": "MLP 784-2048-2048-10", "batch": BATCH, "train_examples": TRAIN, "epochs": 1,
-                  "workers": 2, "threads_per_worker": 1, "optimizer": "SGD lr 0.01 momentum 0.9"},
+        "machine": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "dlscale": dlscale_version,
+            "platform": platform.platform(),
+        },
+        "setup": {
+            "model": "MLP 784-2048-2048-10",
+            "batch": BATCH,
+            "train_examples": TRAIN,
+            "epochs": 1,
+            "workers": 2,
+            "threads_per_worker": 1,
+            "optimizer": "SGD lr 0.01 momentum 0.9",
+        },
         "links": {},
     }
     for link in LINKS if reason is None else ("loopback",):
         if reason is None:
             with _links.limited_namespace(_links.LINKS[link]) as ns:
-                done = _links.run_in_namespace(ns, ["python", "-m", "benchmarks.gradient_sharing", "--inner", link],
-                                               timeout=1800)
+                done = _links.run_in_namespace(
+                    ns, ["python", "-m", "benchmarks.gradient_sharing", "--inner", link], timeout=1800
+                )
             if done.returncode:
                 raise RuntimeError(f"the {link} run failed:\n{done.stderr[-4000:]}")
             result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -128,11 +148,13 @@ def main() -> None:
             result = inner(link)
         report["links"][link] = result
         d, p = result["dlscale"], result["ddp"]
-        print(f"{link}: single process {result['single_process']['samples_per_s']:.0f} samples/s; "
-              f"DDP {p['samples_per_s']:.0f} ({p['ratio_vs_single_process']:.2f}x); dlscale {d['samples_per_s']:.0f} "
-              f"({d['ratio_vs_single_process']:.2f}x, target {TARGET}x), {d['bytes_sent_per_step']:.0f} bytes a step "
-              f"({d['compression']:.0f}x compression), accuracy {d['test_accuracy']:.4f} vs "
-              f"{result['single_process']['test_accuracy']:.4f}")
+        print(
+            f"{link}: single process {result['single_process']['samples_per_s']:.0f} samples/s; "
+            f"DDP {p['samples_per_s']:.0f} ({p['ratio_vs_single_process']:.2f}x); dlscale {d['samples_per_s']:.0f} "
+            f"({d['ratio_vs_single_process']:.2f}x, target {TARGET}x), {d['bytes_sent_per_step']:.0f} bytes a step "
+            f"({d['compression']:.0f}x compression), accuracy {d['test_accuracy']:.4f} vs "
+            f"{result['single_process']['test_accuracy']:.4f}"
+        )
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {RESULTS}")

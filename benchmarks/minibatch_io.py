@@ -57,8 +57,10 @@ TARGET = 0.8
 
 def make_data(n_batches: int, seed: int = 0) -> list[DataSet]:
     g = torch.Generator().manual_seed(seed)
-    return [DataSet(torch.randn(BATCH, *SHAPE, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
-            for _ in range(n_batches)]
+    return [
+        DataSet(torch.randn(BATCH, *SHAPE, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
+        for _ in range(n_batches)
+    ]
 
 
 def drop_cache(paths: list[str]) -> None:
@@ -97,8 +99,12 @@ def bench_load(paths: list[str], nbytes: int) -> dict[str, Any]:
         times: dict[str, list[float]] = {"raw read": [], "dlscale load": []}
         for _ in range(REPEATS):
             passes: dict[str, list[float]] = {"raw read": [], "dlscale load": []}
-            for name, fn in (("raw read", raw_read), ("dlscale load", dlb_load),
-                             ("dlscale load", dlb_load), ("raw read", raw_read)):
+            for name, fn in (
+                ("raw read", raw_read),
+                ("dlscale load", dlb_load),
+                ("dlscale load", dlb_load),
+                ("raw read", raw_read),
+            ):
                 if where == "local disk":
                     drop_cache(paths)
                 else:
@@ -112,8 +118,7 @@ def bench_load(paths: list[str], nbytes: int) -> dict[str, Any]:
             "GB/s": {k: nbytes / v / 1e9 for k, v in medians.items()},
             "load / raw": medians["raw read"] / medians["dlscale load"],
         }
-    out["target"] = {"load / raw from local disk": f">= {TARGET}",
-                     "met": out["local disk"]["load / raw"] >= TARGET}
+    out["target"] = {"load / raw from local disk": f">= {TARGET}", "met": out["local disk"]["load / raw"] >= TARGET}
     return out
 
 
@@ -135,10 +140,12 @@ def bench_export(sc: SparkContext, root: Path) -> dict[str, Any]:
     times: dict[str, list[float]] = {"save in one process": [], "export_minibatches local[2]": []}
     for r in range(REPEATS):
         out = root / f"single-{r}"
-        times["save in one process"].append(timed(
-            lambda out=out: [save(b, str(out / f"dataset_{k:08d}.dlb")) for k, b in enumerate(local)]))
-        times["export_minibatches local[2]"].append(timed(
-            lambda r=r: export_minibatches(rdd, str(root / f"export-{r}"), BATCH)))
+        times["save in one process"].append(
+            timed(lambda out=out: [save(b, str(out / f"dataset_{k:08d}.dlb")) for k, b in enumerate(local)])
+        )
+        times["export_minibatches local[2]"].append(
+            timed(lambda r=r: export_minibatches(rdd, str(root / f"export-{r}"), BATCH))
+        )
         if r == 0:
             exported = sorted((root / "export-0").iterdir())
             assert all(load(str(p)).equals(b) for p, b in zip(exported, local)) and len(exported) == len(local)
@@ -164,8 +171,10 @@ def bench_zarr(data: list[DataSet], url: str, storage_options: dict | None, repe
     for _ in range(repeats):
         # a fresh loader each time (the zarr loader caches the opened group); each minibatch is
         # dropped before the next is read, as in training
-        for name, loader, names in ((".dlb files", DataSetLoader(storage_options), files),
-                                    ("zarr", ZarrLoader(storage_options), refs)):
+        for name, loader, names in (
+            (".dlb files", DataSetLoader(storage_options), files),
+            ("zarr", ZarrLoader(storage_options), refs),
+        ):
             times[name].append(timed(lambda loader=loader, names=names: all(loader(n) is not None for n in names)))
     medians = {k: statistics.median(v) for k, v in times.items()}
     return {
@@ -180,7 +189,8 @@ def s3_zarr(data: list[DataSet]) -> dict[str, Any]:
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "s3_server", Path(__file__).resolve().parent.parent / "storage" / "s3_server.py")
+        "s3_server", Path(__file__).resolve().parent.parent / "storage" / "s3_server.py"
+    )
     launcher = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(launcher)
     server, endpoint = launcher.start(buckets=("bench",))
@@ -202,17 +212,30 @@ def main() -> None:
         report: dict[str, Any] = {
             "benchmark": "minibatch_io",
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                        "cpus": os.cpu_count(), "torch": torch.__version__, "zarr": zarr.__version__,
-                        "dask": dask.__version__, "dlscale": dlscale_version},
-            "data": {"minibatches": N_BATCHES, "examples per minibatch": BATCH, "features": list(SHAPE),
-                     "tensor bytes": nbytes, "file bytes": file_bytes},
+            "machine": {
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+                "cpus": os.cpu_count(),
+                "torch": torch.__version__,
+                "zarr": zarr.__version__,
+                "dask": dask.__version__,
+                "dlscale": dlscale_version,
+            },
+            "data": {
+                "minibatches": N_BATCHES,
+                "examples per minibatch": BATCH,
+                "features": list(SHAPE),
+                "tensor bytes": nbytes,
+                "file bytes": file_bytes,
+            },
             "load": bench_load(paths, file_bytes),
         }
         with SparkContext("local[2]", "minibatch-io-benchmark") as sc:
             report["export"] = bench_export(sc, root)
-        report["zarr vs files"] = {"local disk (page cache)": bench_zarr(data, str(root / "zarr"), None, REPEATS),
-                                   "s3 (moto on 127.0.0.1)": s3_zarr(data[:S3_BATCHES])}
+        report["zarr vs files"] = {
+            "local disk (page cache)": bench_zarr(data, str(root / "zarr"), None, REPEATS),
+            "s3 (moto on 127.0.0.1)": s3_zarr(data[:S3_BATCHES]),
+        }
     finally:
         shutil.rmtree(root, ignore_errors=True)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
@@ -220,14 +243,22 @@ def main() -> None:
     load_r, exp = report["load"], report["export"]
     for where in ("local disk", "page cache"):
         r = load_r[where]
-        print(f"load from {where}: raw {r['GB/s']['raw read']:.2f} GB/s, dlscale {r['GB/s']['dlscale load']:.2f} GB/s, "
-              f"load / raw = {r['load / raw']:.2f}")
+        print(
+            f"load from {where}: raw {r['GB/s']['raw read']:.2f} GB/s, dlscale {r['GB/s']['dlscale load']:.2f} GB/s, "
+            f"load / raw = {r['load / raw']:.2f}"
+        )
     print(f"target load / raw from local disk >= {TARGET}: {'met' if load_r['target']['met'] else 'missed'}")
-    print("export: " + ", ".join(f"{k} {v:.0f} MB/s" for k, v in exp["MB/s"].items())
-          + f"; export / single process = {exp['export / single process']:.2f}")
+    print(
+        "export: "
+        + ", ".join(f"{k} {v:.0f} MB/s" for k, v in exp["MB/s"].items())
+        + f"; export / single process = {exp['export / single process']:.2f}"
+    )
     for where, z in report["zarr vs files"].items():
-        print(f"zarr vs files, {where}: " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in z["GB/s"].items())
-              + f"; zarr / files = {z['zarr / files']:.2f}")
+        print(
+            f"zarr vs files, {where}: "
+            + ", ".join(f"{k} {v:.2f} GB/s" for k, v in z["GB/s"].items())
+            + f"; zarr / files = {z['zarr / files']:.2f}"
+        )
     print(f"written to {RESULTS.relative_to(Path.cwd()) if RESULTS.is_relative_to(Path.cwd()) else RESULTS}")
 
 

@@ -66,8 +66,9 @@ def _network(sizes: list[int], lr: float) -> Network:
     layers: list[torch.nn.Module] = []
     for a, b in itertools.pairwise(sizes):
         layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
-    return Network(torch.nn.Sequential(*layers[:-1]), "cross_entropy",
-                   functools.partial(torch.optim.SGD, lr=lr, momentum=0.9))
+    return Network(
+        torch.nn.Sequential(*layers[:-1]), "cross_entropy", functools.partial(torch.optim.SGD, lr=lr, momentum=0.9)
+    )
 
 
 def single_process(model: dict[str, Any], data: tuple[torch.Tensor, ...]) -> float:
@@ -76,23 +77,32 @@ def single_process(model: dict[str, Any], data: tuple[torch.Tensor, ...]) -> flo
     g = torch.Generator().manual_seed(1)
     for _ in range(model["epochs"]):
         order = torch.randperm(len(x), generator=g)
-        net.fit([DataSet(x[order[i:i + BATCH]], y[order[i:i + BATCH]]) for i in range(0, len(x), BATCH)])
+        net.fit([DataSet(x[order[i : i + BATCH]], y[order[i : i + BATCH]]) for i in range(0, len(x), BATCH)])
     return accuracy(net, tx, ty)
 
 
-def shared(sc: SparkContext, model: dict[str, Any], setting: tuple[bool, int], seed: int,
-           data: tuple[torch.Tensor, ...]) -> dict[str, Any]:
+def shared(
+    sc: SparkContext, model: dict[str, Any], setting: tuple[bool, int], seed: int, data: tuple[torch.Tensor, ...]
+) -> dict[str, Any]:
     x, y, tx, ty = data
     masking, small = setting
     net = _network(model["sizes"], model["lr"])
-    master = SharedTrainingMaster(BATCH, rng_seed=seed, collect_training_stats=True, momentum_masking=masking,
-                                  workers_per_node=model["trainers_per_worker"],
-                                  threshold_algorithm=AdaptiveThresholdAlgorithm(small_message_elements=small))
+    master = SharedTrainingMaster(
+        BATCH,
+        rng_seed=seed,
+        collect_training_stats=True,
+        momentum_masking=masking,
+        workers_per_node=model["trainers_per_worker"],
+        threshold_algorithm=AdaptiveThresholdAlgorithm(small_message_elements=small),
+    )
     spark_net = SparkNet(sc, net, master)
-    rdd = sc.parallelize([DataSet(x[i:i + 4], y[i:i + 4]) for i in range(0, len(x), 4)], 4)
+    rdd = sc.parallelize([DataSet(x[i : i + 4], y[i : i + 4]) for i in range(0, len(x), 4)], 4)
     spark_net.fit(rdd, epochs=model["epochs"])
-    return {"seed": seed, "accuracy": accuracy(net, tx, ty),
-            "last_thresholds": [t.steps[-1][1] for t in spark_net.training_stats.trainers if t.steps]}
+    return {
+        "seed": seed,
+        "accuracy": accuracy(net, tx, ty),
+        "last_thresholds": [t.steps[-1][1] for t in spark_net.training_stats.trainers if t.steps],
+    }
 
 
 def masking_cost(repeats: int = 50) -> dict[str, float]:
@@ -117,9 +127,12 @@ def main() -> None:
         "benchmark": "momentum_masking",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform()},
-        "setup": {"batch": BATCH, "seeds": list(SEEDS), "models": MODELS,
-                  "settings": {k: {"momentum_masking": m, "small_message_elements": s}
-                               for k, (m, s) in SETTINGS.items()}},
+        "setup": {
+            "batch": BATCH,
+            "seeds": list(SEEDS),
+            "models": MODELS,
+            "settings": {k: {"momentum_masking": m, "small_message_elements": s} for k, (m, s) in SETTINGS.items()},
+        },
         "models": {},
     }
     with SparkContext("local[2]", "momentum-masking") as sc:
@@ -129,17 +142,25 @@ def main() -> None:
             for setting, values in SETTINGS.items():
                 runs = [shared(sc, model, values, seed, data) for seed in SEEDS]
                 accuracies = [r["accuracy"] for r in runs]
-                entry["settings"][setting] = {"runs": runs, "mean_accuracy": sum(accuracies) / len(accuracies),
-                                              "points_below_single": 100 * (single - sum(accuracies) / len(accuracies))}
-                print(f"{name:5s} {setting:14s} accuracy {min(accuracies):.3f}-{max(accuracies):.3f} "
-                      f"(single process {single:.3f}); last thresholds "
-                      f"{min(t for r in runs for t in r['last_thresholds']):.3g}-"
-                      f"{max(t for r in runs for t in r['last_thresholds']):.3g}", flush=True)
+                entry["settings"][setting] = {
+                    "runs": runs,
+                    "mean_accuracy": sum(accuracies) / len(accuracies),
+                    "points_below_single": 100 * (single - sum(accuracies) / len(accuracies)),
+                }
+                print(
+                    f"{name:5s} {setting:14s} accuracy {min(accuracies):.3f}-{max(accuracies):.3f} "
+                    f"(single process {single:.3f}); last thresholds "
+                    f"{min(t for r in runs for t in r['last_thresholds']):.3g}-"
+                    f"{max(t for r in runs for t in r['last_thresholds']):.3g}",
+                    flush=True,
+                )
             report["models"][name] = entry
     report["cost"] = masking_cost()
     cost = report["cost"]
-    print(f"masking a {cost['sparsity']:.1%} message on {cost['parameters']:,} parameters: {cost['mask_ms']:.2f} ms "
-          f"({cost['mask_ms'] / cost['dense_decode_ms']:.2f}x a dense decode, {cost['dense_decode_ms']:.2f} ms)")
+    print(
+        f"masking a {cost['sparsity']:.1%} message on {cost['parameters']:,} parameters: {cost['mask_ms']:.2f} ms "
+        f"({cost['mask_ms'] / cost['dense_decode_ms']:.2f}x a dense decode, {cost['dense_decode_ms']:.2f} ms)"
+    )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {RESULTS.relative_to(Path.cwd()) if RESULTS.is_relative_to(Path.cwd()) else RESULTS}")

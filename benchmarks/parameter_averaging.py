@@ -64,8 +64,13 @@ def make_data(seed: int = 0) -> tuple[torch.Tensor, ...]:
 
 def network(seed: int = 0) -> Network:
     torch.manual_seed(seed)
-    module = torch.nn.Sequential(torch.nn.Linear(784, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048),
-                                 torch.nn.ReLU(), torch.nn.Linear(2048, 10))
+    module = torch.nn.Sequential(
+        torch.nn.Linear(784, 2048),
+        torch.nn.ReLU(),
+        torch.nn.Linear(2048, 2048),
+        torch.nn.ReLU(),
+        torch.nn.Linear(2048, 10),
+    )
     return Network(module, "cross_entropy", OPTIMIZER)
 
 
@@ -85,7 +90,7 @@ def single_process(x: torch.Tensor, y: torch.Tensor, threads: int, seed: int = 0
     for _ in range(EPOCHS):
         order = torch.randperm(len(x), generator=g)
         for i in range(0, len(x), BATCH):
-            idx = order[i:i + BATCH]
+            idx = order[i : i + BATCH]
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(module(x[idx]), y[idx]).backward()
             optimizer.step()
@@ -96,8 +101,9 @@ def single_process(x: torch.Tensor, y: torch.Tensor, threads: int, seed: int = 0
 
 def distributed(sc: SparkContext, paths: Any, frequency: int, epochs: int = EPOCHS) -> tuple[float, Network, dict]:
     net = network()
-    master = ParameterAveragingTrainingMaster(BATCH, averaging_frequency=frequency, collect_training_stats=True,
-                                              rng_seed=0)
+    master = ParameterAveragingTrainingMaster(
+        BATCH, averaging_frequency=frequency, collect_training_stats=True, rng_seed=0
+    )
     spark_net = SparkNet(sc, net, master)
     start = time.perf_counter()
     spark_net.fit_paths(paths, epochs=epochs)
@@ -122,11 +128,24 @@ def main() -> None:
     report: dict[str, Any] = {
         "benchmark": "parameter_averaging",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": {"python": platform.python_version(), "torch": torch.__version__, "dlscale": dlscale_version,
-                    "cpu_count": cores, "platform": platform.platform()},
-        "setup": {"model": "MLP 784-2048-2048-10", "parameters": network().num_params(), "batch": BATCH,
-                  "train_examples": TRAIN, "test_examples": TEST, "epochs": EPOCHS,
-                  "optimizer": "SGD lr 0.01 momentum 0.9", "workers": 2, "threads_per_worker": 1},
+        "machine": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "dlscale": dlscale_version,
+            "cpu_count": cores,
+            "platform": platform.platform(),
+        },
+        "setup": {
+            "model": "MLP 784-2048-2048-10",
+            "parameters": network().num_params(),
+            "batch": BATCH,
+            "train_examples": TRAIN,
+            "test_examples": TEST,
+            "epochs": EPOCHS,
+            "optimizer": "SGD lr 0.01 momentum 0.9",
+            "workers": 2,
+            "threads_per_worker": 1,
+        },
         "baselines": {},
         "dlscale": {},
     }
@@ -138,17 +157,21 @@ def main() -> None:
             return samples / seconds, float((module.eval()(test_x).argmax(1) == test_y).float().mean())
 
     with tempfile.TemporaryDirectory() as tmp, SparkContext("local[2]", "bench-parameter-averaging") as sc:
-        export_minibatches([DataSet(x[i:i + BATCH], y[i:i + BATCH]) for i in range(0, TRAIN, BATCH)],
-                           f"{tmp}/train", BATCH)
+        export_minibatches(
+            [DataSet(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, TRAIN, BATCH)], f"{tmp}/train", BATCH
+        )
         paths = list_paths(sc, f"{tmp}/train")
         distributed(sc, paths, 5)  # warm-up: worker imports and first connections
-        configs: list[tuple[str, Any]] = [(f"pytorch_{t}_thread", functools.partial(baseline, t))
-                                          for t in sorted({1, cores})]
+        configs: list[tuple[str, Any]] = [
+            (f"pytorch_{t}_thread", functools.partial(baseline, t)) for t in sorted({1, cores})
+        ]
         for frequency in FREQUENCIES:
+
             def run(frequency: int = frequency) -> tuple[float, float]:
                 seconds, net, breakdown = distributed(sc, paths, frequency)
                 report["dlscale"].setdefault(f"averaging_frequency_{frequency}", {}).update(breakdown)
                 return samples / seconds, accuracy(net, test_x, test_y)
+
             configs.append((f"averaging_frequency_{frequency}", run))
         for repeat in range(REPEATS):
             for name, run in configs if repeat % 2 == 0 else configs[::-1]:
@@ -161,18 +184,26 @@ def main() -> None:
 
     one, every = median_rate("pytorch_1_thread"), median_rate(f"pytorch_{cores}_thread")
     for name, results in runs.items():
-        entry = {"samples_per_s": median_rate(name), "runs_samples_per_s": [r for r, _ in results],
-                 "test_accuracy": results[0][1], "ms_per_minibatch": 1000 * BATCH / median_rate(name)}
+        entry = {
+            "samples_per_s": median_rate(name),
+            "runs_samples_per_s": [r for r, _ in results],
+            "test_accuracy": results[0][1],
+            "ms_per_minibatch": 1000 * BATCH / median_rate(name),
+        }
         if name.startswith("pytorch"):
             report["baselines"][name] = entry
         else:
-            entry.update(ratio_vs_1_thread=entry["samples_per_s"] / one,
-                         **{f"ratio_vs_{cores}_threads": entry["samples_per_s"] / every})
+            entry.update(
+                ratio_vs_1_thread=entry["samples_per_s"] / one,
+                **{f"ratio_vs_{cores}_threads": entry["samples_per_s"] / every},
+            )
             report["dlscale"][name].update(entry)
-            print(f"dlscale, 2 workers, {name}: {entry['samples_per_s']:.0f} samples/s, "
-                  f"{entry['ratio_vs_1_thread']:.2f}x one thread, {entry['samples_per_s'] / every:.2f}x "
-                  f"{cores} threads, test accuracy {entry['test_accuracy']:.4f} "
-                  f"(single process {report['baselines']['pytorch_1_thread']['test_accuracy']:.4f})")
+            print(
+                f"dlscale, 2 workers, {name}: {entry['samples_per_s']:.0f} samples/s, "
+                f"{entry['ratio_vs_1_thread']:.2f}x one thread, {entry['samples_per_s'] / every:.2f}x "
+                f"{cores} threads, test accuracy {entry['test_accuracy']:.4f} "
+                f"(single process {report['baselines']['pytorch_1_thread']['test_accuracy']:.4f})"
+            )
     ratio = report["dlscale"]["averaging_frequency_5"]["ratio_vs_1_thread"]
     report["target"] = {"ratio_vs_1_thread_at_frequency_5": TARGET, "measured": ratio, "met": ratio >= TARGET}
     print(f"target: >= {TARGET}x at averaging frequency 5: {ratio:.2f}x ({'met' if ratio >= TARGET else 'not met'})")

@@ -44,38 +44,56 @@ LINKS_GBIT = (1, 10, 100)
 MODES = ("plain", "mesh", "ring", "ring_overlapped")
 
 ASSUMPTIONS = [
-    ("Each worker runs one trainer on its own machine with a full-duplex NIC of the given rate in each direction, "
-     "on a non-blocking fabric: no switch contention and no other traffic."),
-    ("Every scheme does the same per-step compute: the measured fit time of one trainer of the 2-worker run. It "
-     "includes moving the optimizer's update into the residual (a few passes over the parameters that DDP does not "
-     "make) and was measured with two workers sharing two cores, so a machine of its own would be faster."),
-    ("Messages keep their measured size whatever W: the default adaptive threshold holds each trainer's sparsity "
-     "inside its target band (0.01-1%) and a trainer's own update does not depend on W. Pessimistic for bytes, "
-     "since a large cluster would lower the target sparsity; optimistic for training, since samples/s ignores "
-     "statistical efficiency: with more asynchronous trainers each update is computed on parameters missing more "
-     "in-flight updates (more so over a mesh's hops), so an accuracy may take more samples than with synchronous "
-     "all-reduce."),
-    ("Gradient sharing is asynchronous and overlaps compute with communication: a step takes max(CPU, network) of "
-     "the busiest node, which sets the pace of all (in steady state every node must take in, and in a mesh pass on, "
-     "every update, and the send buffer holds back a trainer that outruns its links)."),
-    ("CPU per step = fit + encode (applying its own message included) + hand-off to the node + applying each of the "
-     "W-1 updates received + copy_s per message copy the node sends to a peer (its own update's fan-out and, in a "
-     "mesh, relaying), charged to the step although Dask's event loop is another thread. Applying one update costs "
-     "the measured apply seconds per step of the 2-worker run, where a trainer receives one update per step "
-     "(decoding and checking included, under the same contention as fit); it is proportional to the message's "
-     "elements, which stay constant."),
-    ("Network per step = max(bytes out, bytes in) of the node / rate + 2 x latency: coalescing puts a step's "
-     "messages for one peer in one call, a link has one call in flight and waits for its reply, and links to "
-     "different peers overlap."),
-    ("Message copies per node come from flooding one update from every node through dlscale's own routing "
-     "(dlscale.training.sharing._mesh): in plain mode W-1 out and W-1 in; in a mesh every node takes in W-1 and a "
-     "node with d tree neighbours sends (W-1)(d-1)+d, so an interior node sends about F times a plain node's bytes. "
-     "A mesh bounds the peers a node talks to (F+1), not its bytes."),
-    ("Ring all-reduce (PyTorch DDP) is synchronous: step = compute + 2(W-1)/W x dense update bytes / rate + "
-     "2(W-1) x latency, one latency per phase of the ring. DDP overlaps gradient buckets with backward, so "
-     "'ring_overlapped' = max(compute, communication) is its best case."),
-    ("Not modelled: per-connection costs (a plain node holds W-1 connections), stragglers, failures, the "
-     "scheduler's per-minibatch requests, and start-up and the final gathering of states."),
+    (
+        "Each worker runs one trainer on its own machine with a full-duplex NIC of the given rate in each direction, "
+        "on a non-blocking fabric: no switch contention and no other traffic."
+    ),
+    (
+        "Every scheme does the same per-step compute: the measured fit time of one trainer of the 2-worker run. It "
+        "includes moving the optimizer's update into the residual (a few passes over the parameters that DDP does not "
+        "make) and was measured with two workers sharing two cores, so a machine of its own would be faster."
+    ),
+    (
+        "Messages keep their measured size whatever W: the default adaptive threshold holds each trainer's sparsity "
+        "inside its target band (0.01-1%) and a trainer's own update does not depend on W. Pessimistic for bytes, "
+        "since a large cluster would lower the target sparsity; optimistic for training, since samples/s ignores "
+        "statistical efficiency: with more asynchronous trainers each update is computed on parameters missing more "
+        "in-flight updates (more so over a mesh's hops), so an accuracy may take more samples than with synchronous "
+        "all-reduce."
+    ),
+    (
+        "Gradient sharing is asynchronous and overlaps compute with communication: a step takes max(CPU, network) of "
+        "the busiest node, which sets the pace of all (in steady state every node must take in, and in a mesh pass on, "
+        "every update, and the send buffer holds back a trainer that outruns its links)."
+    ),
+    (
+        "CPU per step = fit + encode (applying its own message included) + hand-off to the node + applying each of the "
+        "W-1 updates received + copy_s per message copy the node sends to a peer (its own update's fan-out and, in a "
+        "mesh, relaying), charged to the step although Dask's event loop is another thread. Applying one update costs "
+        "the measured apply seconds per step of the 2-worker run, where a trainer receives one update per step "
+        "(decoding and checking included, under the same contention as fit); it is proportional to the message's "
+        "elements, which stay constant."
+    ),
+    (
+        "Network per step = max(bytes out, bytes in) of the node / rate + 2 x latency: coalescing puts a step's "
+        "messages for one peer in one call, a link has one call in flight and waits for its reply, and links to "
+        "different peers overlap."
+    ),
+    (
+        "Message copies per node come from flooding one update from every node through dlscale's own routing "
+        "(dlscale.training.sharing._mesh): in plain mode W-1 out and W-1 in; in a mesh every node takes in W-1 and a "
+        "node with d tree neighbours sends (W-1)(d-1)+d, so an interior node sends about F times a plain node's bytes. "
+        "A mesh bounds the peers a node talks to (F+1), not its bytes."
+    ),
+    (
+        "Ring all-reduce (PyTorch DDP) is synchronous: step = compute + 2(W-1)/W x dense update bytes / rate + "
+        "2(W-1) x latency, one latency per phase of the ring. DDP overlaps gradient buckets with backward, so "
+        "'ring_overlapped' = max(compute, communication) is its best case."
+    ),
+    (
+        "Not modelled: per-connection costs (a plain node holds W-1 connections), stragglers, failures, the "
+        "scheduler's per-minibatch requests, and start-up and the final gathering of states."
+    ),
 ]
 
 
@@ -116,8 +134,14 @@ def copies(workers: int, mode: str, fanout: int) -> list[tuple[int, int, int]]:
     return [(sent[n], received[n], len(_mesh.neighbours(nodes, n, mode, fanout))) for n in nodes]
 
 
-def project(measured: dict[str, float], workers: Sequence[int] = WORKERS, links_gbit: Sequence[float] = LINKS_GBIT,
-            latency_s: float = 50e-6, fanout: int = 8, copy_s: float = 20e-6) -> dict[str, Any]:
+def project(
+    measured: dict[str, float],
+    workers: Sequence[int] = WORKERS,
+    links_gbit: Sequence[float] = LINKS_GBIT,
+    latency_s: float = 50e-6,
+    fanout: int = 8,
+    copy_s: float = 20e-6,
+) -> dict[str, Any]:
     """Projected step time, samples/s and bottleneck of every mode on every link for every number of
     workers, from :func:`measured_from`'s inputs (see :data:`ASSUMPTIONS`)."""
     m = measured
@@ -126,9 +150,19 @@ def project(measured: dict[str, float], workers: Sequence[int] = WORKERS, links_
     rows = []
 
     def row(mode: str, gbit: float, w: int, cpu: float, net: float, step: float, out: float, peers: int) -> None:
-        rows.append({"mode": mode, "link_gbit": gbit, "workers": w, "step_s": step,
-                     "samples_per_s": w * m["batch"] / step, "speedup": w * m["batch"] / step / single,
-                     "bottleneck": "network" if net > cpu else "compute", "bytes_out_per_step": out, "peers": peers})
+        rows.append(
+            {
+                "mode": mode,
+                "link_gbit": gbit,
+                "workers": w,
+                "step_s": step,
+                "samples_per_s": w * m["batch"] / step,
+                "speedup": w * m["batch"] / step / single,
+                "bottleneck": "network" if net > cpu else "compute",
+                "bytes_out_per_step": out,
+                "peers": peers,
+            }
+        )
 
     for w in workers:
         nodes = {mode: copies(w, mode, fanout) for mode in ("plain", "mesh")}
@@ -146,8 +180,13 @@ def project(measured: dict[str, float], workers: Sequence[int] = WORKERS, links_
             comm = out / rate + 2 * (w - 1) * latency_s
             row("ring", gbit, w, m["fit_s"], comm, m["fit_s"] + comm, out, 2)
             row("ring_overlapped", gbit, w, m["fit_s"], comm, max(m["fit_s"], comm), out, 2)
-    return {"measured": dict(m), "parameters": {"latency_s": latency_s, "fanout": fanout, "copy_s": copy_s},
-            "single_worker_samples_per_s": single, "assumptions": list(ASSUMPTIONS), "rows": rows}
+    return {
+        "measured": dict(m),
+        "parameters": {"latency_s": latency_s, "fanout": fanout, "copy_s": copy_s},
+        "single_worker_samples_per_s": single,
+        "assumptions": list(ASSUMPTIONS),
+        "rows": rows,
+    }
 
 
 def plot(projection: dict[str, Any], path: str | Path) -> None:
@@ -164,8 +203,9 @@ def plot(projection: dict[str, Any], path: str | Path) -> None:
     fig, axes = plt.subplots(1, len(links), figsize=(5 * len(links), 4.5), sharey=True, squeeze=False)
     for ax, gbit in zip(axes[0], links):
         for mode in MODES:
-            mine = sorted((r["workers"], r["samples_per_s"]) for r in rows
-                          if (r["mode"], r["link_gbit"]) == (mode, gbit))
+            mine = sorted(
+                (r["workers"], r["samples_per_s"]) for r in rows if (r["mode"], r["link_gbit"]) == (mode, gbit)
+            )
             ax.plot(*zip(*mine), marker="o", label=mode.replace("_", " "))
         ax.plot(workers, [w * projection["single_worker_samples_per_s"] for w in workers], "k--", label="ideal")
         ax.set_xscale("log", base=2)
@@ -186,8 +226,9 @@ def table(projection: dict[str, Any]) -> str:
     cells = {(r["link_gbit"], r["workers"], r["mode"]): r for r in projection["rows"]}
     lines = ["link     workers" + "".join(f"{mode.replace('_', ' '):>18}" for mode in MODES)]
     for gbit, w in sorted({k[:2] for k in cells}):
-        values = "".join(f"{cells[gbit, w, mode]['samples_per_s']:>16,.0f} {cells[gbit, w, mode]['bottleneck'][0]}"
-                         for mode in MODES)
+        values = "".join(
+            f"{cells[gbit, w, mode]['samples_per_s']:>16,.0f} {cells[gbit, w, mode]['bottleneck'][0]}" for mode in MODES
+        )
         lines.append(f"{gbit:>3g} Gb/s {w:>7}{values}")
     return "\n".join(lines)
 
@@ -201,8 +242,12 @@ def main() -> None:
     parser.add_argument("--fanout", type=int, default=8, help="mesh fanout (default 8)")
     args = parser.parse_args()
     results = json.loads(SOURCE.read_text())
-    run = next(r for r in results["runs"] if (r["workload"], r["runner"], r["workers"], r["link"]) ==
-               ("mlp", "sharing", 2, "loopback") and "error" not in r)
+    run = next(
+        r
+        for r in results["runs"]
+        if (r["workload"], r["runner"], r["workers"], r["link"]) == ("mlp", "sharing", 2, "loopback")
+        and "error" not in r
+    )
     projection = project(measured_from(run), latency_s=args.latency, fanout=args.fanout)
     print(f"one worker, compute only: {projection['single_worker_samples_per_s']:,.0f} samples/s")
     print(table(projection))

@@ -18,7 +18,7 @@ from typing import Any
 import distributed
 import torch
 
-from dlscale._graph import Partition
+from dlscale.facade._graph import Partition
 
 REPEATS = 5
 RESULTS = Path(__file__).parent / "results" / "transfer.json"
@@ -70,7 +70,10 @@ def main() -> None:
                 base, ours = results[payload]["list"], results[payload]["Partition"]
                 results[payload]["speedup_worker_to_worker"] = base["worker_to_worker_s"] / ours["worker_to_worker_s"]
                 results[payload]["speedup_worker_to_client"] = base["worker_to_client_s"] / ours["worker_to_client_s"]
-    print("| payload | list w->w (s) | Partition w->w (s) | speed-up | list w->client (s) | Partition w->client (s) | speed-up |")
+    print(
+        "| payload | list w->w (s) | Partition w->w (s) | speed-up "
+        "| list w->client (s) | Partition w->client (s) | speed-up |"
+    )
     print("|---|---|---|---|---|---|---|")
     for payload, r in results.items():
         print(
@@ -79,13 +82,22 @@ def main() -> None:
             f"| {r['Partition']['worker_to_client_s']:.3f} | {r['speedup_worker_to_client']:.1f}x |"
         )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "benchmark": "transfer",
-        "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {"python": platform.python_version(), "distributed": distributed.__version__, "torch": torch.__version__},
-        "repeats": REPEATS,
-        "results": results,
-    }, indent=2))
+    RESULTS.write_text(
+        json.dumps(
+            {
+                "benchmark": "transfer",
+                "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
+                "machine": {
+                    "python": platform.python_version(),
+                    "distributed": distributed.__version__,
+                    "torch": torch.__version__,
+                },
+                "repeats": REPEATS,
+                "results": results,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {RESULTS}")
 
 

@@ -1,6 +1,6 @@
 """dlscale: train, evaluate and serve PyTorch models on a Dask cluster through a Spark-compatible API.
 
-Public names are imported on first use, so that ``dlscale._sizeof`` (loaded by dask's
+Public names are imported on first use, so that ``dlscale.runtime.sizeof`` (loaded by dask's
 ``dask.sizeof`` entry point while dask itself is importing) pulls in nothing else.
 """
 
@@ -12,21 +12,21 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "SparkContext": "dlscale.context",
-    "SparkConf": "dlscale.conf",
-    "RDD": "dlscale.rdd",
-    "Partitioner": "dlscale.rdd",
-    "ResultIterable": "dlscale.rdd",
-    "portable_hash": "dlscale._hash",
-    "StorageLevel": "dlscale.persist",
-    "RDDInfo": "dlscale.persist",
-    "Broadcast": "dlscale.broadcast",
-    "StatCounter": "dlscale.statcounter",
+    "SparkContext": "dlscale.facade.context",
+    "SparkConf": "dlscale.facade.conf",
+    "RDD": "dlscale.facade.rdd",
+    "Partitioner": "dlscale.facade.rdd",
+    "ResultIterable": "dlscale.facade.rdd",
+    "portable_hash": "dlscale.facade._hash",
+    "StorageLevel": "dlscale.facade.persist",
+    "RDDInfo": "dlscale.facade.persist",
+    "Broadcast": "dlscale.facade.broadcast",
+    "StatCounter": "dlscale.facade.statcounter",
     "SparkNet": "dlscale.training.sparknet",
     "ParameterAveragingTrainingMaster": "dlscale.training.averaging",
     "TrainingMaster": "dlscale.training.master",
     "SharedTrainingMaster": "dlscale.training.sharing",
-    "TrainingStats": "dlscale.stats",
+    "TrainingStats": "dlscale.monitor.stats",
     "predict": "dlscale.inference",
     "write_string_to_file": "dlscale.storage",
     "read_string_from_file": "dlscale.storage",

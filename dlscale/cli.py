@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from dlscale.conf import SUBMIT_ENV, SparkConf
+from dlscale.facade.conf import SUBMIT_ENV, SparkConf
 
 DEFAULT_MASTER = "local[2]"
 
@@ -43,12 +43,20 @@ def _positive(text: str) -> int:
 
 
 def _cluster_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--master", help=f"local[N], local[*], tcp://host:port or tls://host:port (default {DEFAULT_MASTER})")
+    p.add_argument(
+        "--master", help=f"local[N], local[*], tcp://host:port or tls://host:port (default {DEFAULT_MASTER})"
+    )
     p.add_argument("--workers", type=_positive, help="worker processes of an embedded cluster (overrides local[N])")
     p.add_argument("--threads-per-worker", type=_positive, help="threads per worker process of an embedded cluster")
     p.add_argument("--worker-memory", help="memory limit per worker of an embedded cluster, e.g. 8GB or 512m")
-    p.add_argument("--resources", type=_resource, action="append", default=[], metavar="NAME=AMOUNT",
-                   help="an abstract resource each worker of an embedded cluster offers, e.g. GPU=1 (repeatable)")
+    p.add_argument(
+        "--resources",
+        type=_resource,
+        action="append",
+        default=[],
+        metavar="NAME=AMOUNT",
+        help="an abstract resource each worker of an embedded cluster offers, e.g. GPU=1 (repeatable)",
+    )
 
 
 def _settings(args: argparse.Namespace) -> dict[str, str]:
@@ -59,7 +67,7 @@ def _settings(args: argparse.Namespace) -> dict[str, str]:
     if args.threads_per_worker:
         settings["spark.executor.cores"] = str(args.threads_per_worker)
     if args.worker_memory:
-        from dlscale.conf import spark_size_to_bytes
+        from dlscale.facade.conf import spark_size_to_bytes
 
         try:
             settings["spark.executor.memory"] = str(spark_size_to_bytes(args.worker_memory, "--worker-memory"))
@@ -113,12 +121,16 @@ def export(args: argparse.Namespace) -> int:
         with np.load(args.source, allow_pickle=False) as data:
             missing = [k for k in (args.features, args.labels) if k not in data]
             if missing:
-                raise SystemExit(f"dlscale: error: {args.source} has no array {missing[0]!r} "
-                                 f"(it has {sorted(data.files)}); name them with --features and --labels")
+                raise SystemExit(
+                    f"dlscale: error: {args.source} has no array {missing[0]!r} "
+                    f"(it has {sorted(data.files)}); name them with --features and --labels"
+                )
             x, y = torch.from_numpy(data[args.features]), torch.from_numpy(data[args.labels])
     except (OSError, ValueError) as e:
         raise SystemExit(f"dlscale: error: argument source: cannot read {args.source} as .npz: {e}") from None
-    batches = [DataSet(x[i:i + args.batch_size], y[i:i + args.batch_size]) for i in range(0, len(x), args.batch_size)]
+    batches = [
+        DataSet(x[i : i + args.batch_size], y[i : i + args.batch_size]) for i in range(0, len(x), args.batch_size)
+    ]
     paths = export_minibatches(batches, args.destination, args.batch_size)
     print(f"wrote {len(x)} examples as {len(paths)} minibatch files of {args.batch_size} to {args.destination}")
     return 0
@@ -166,8 +178,10 @@ def info(args: argparse.Namespace) -> int:
     table, mismatched = version_table(versions)
     print(table)
     if mismatched:
-        print(f"\nMISMATCH: {', '.join(mismatched)} differ between processes; install the same versions "
-              "everywhere (tasks and pickled networks may fail in confusing ways otherwise)")
+        print(
+            f"\nMISMATCH: {', '.join(mismatched)} differ between processes; install the same versions "
+            "everywhere (tasks and pickled networks may fail in confusing ways otherwise)"
+        )
         return 1
     print("\nall processes run the same versions")
     return 0
@@ -203,8 +217,9 @@ def version_table(versions: dict[str, dict[str, str | None]]) -> tuple[str, list
 # -- the parser ------------------------------------------------------------------------------
 def parser() -> argparse.ArgumentParser:
     """The ``dlscale`` argument parser."""
-    main_parser = argparse.ArgumentParser(prog="dlscale", description=__doc__,
-                                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    main_parser = argparse.ArgumentParser(
+        prog="dlscale", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = main_parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, fn: Callable[[argparse.Namespace], int], help_text: str) -> argparse.ArgumentParser:
@@ -212,8 +227,11 @@ def parser() -> argparse.ArgumentParser:
         p.set_defaults(run=fn)
         return p
 
-    p = command("run", run, "run a Python script whose SparkContext uses the cluster given here; "
-                "the script's own arguments follow --")
+    p = command(
+        "run",
+        run,
+        "run a Python script whose SparkContext uses the cluster given here; the script's own arguments follow --",
+    )
     p.add_argument("script", help="the script to run")
     _cluster_flags(p)
 
@@ -224,8 +242,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--features", default="x", help="name of the features array in the .npz file (default x)")
     p.add_argument("--labels", default="y", help="name of the labels array in the .npz file (default y)")
 
-    for name, fn, help_text in (("evaluate", evaluate, "evaluate a saved network on minibatch files"),
-                                ("predict", predict, "apply a saved network to minibatch files")):
+    for name, fn, help_text in (
+        ("evaluate", evaluate, "evaluate a saved network on minibatch files"),
+        ("predict", predict, "apply a saved network to minibatch files"),
+    ):
         p = command(name, fn, help_text)
         p.add_argument("model", help="a network archive written by Network.save")
         p.add_argument("data", help="a directory URL of minibatch files")
@@ -236,8 +256,14 @@ def parser() -> argparse.ArgumentParser:
             p.add_argument("--regression", action="store_true", help="regression metrics instead of classification")
             p.add_argument("--output", help="write the evaluation as JSON to this URL")
         p.add_argument("--batch-size", type=_positive, default=None, help="examples per forward pass (default 64)")
-        p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
-                       help="import MODULE first (e.g. the one that registers the network's model factory)")
+        p.add_argument(
+            "--import",
+            dest="imports",
+            action="append",
+            default=[],
+            metavar="MODULE",
+            help="import MODULE first (e.g. the one that registers the network's model factory)",
+        )
         _cluster_flags(p)
 
     p = command("info", info, "versions on the client, the scheduler and every worker, mismatches flagged")
@@ -250,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)
     args = parser().parse_args(argv[:split])
-    args.script_args = argv[split + 1:]
+    args.script_args = argv[split + 1 :]
     if args.script_args and args.command != "run":
         parser().error(f"only 'dlscale run' passes arguments after -- (to its script); got {args.script_args}")
     return args.run(args)

@@ -29,9 +29,16 @@ TEST_EXAMPLES = 297
 def digits_cnn(channels: int = 16, hidden: int = 64) -> torch.nn.Module:
     """A small CNN for 8x8 grey images and 10 classes."""
     return torch.nn.Sequential(
-        torch.nn.Conv2d(1, channels, 3, padding=1), torch.nn.ReLU(),
-        torch.nn.Conv2d(channels, 2 * channels, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-        torch.nn.Flatten(), torch.nn.Linear(2 * channels * 16, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
+        torch.nn.Conv2d(1, channels, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(channels, 2 * channels, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(),
+        torch.nn.Linear(2 * channels * 16, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, 10),
+    )
 
 
 def _split(seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -42,16 +49,20 @@ def _split(seed: int = 0) -> tuple[torch.Tensor, ...]:
 
 
 def _export(x: torch.Tensor, y: torch.Tensor, url: str, batch: int) -> None:
-    export_minibatches([DataSet(x[i:i + batch], y[i:i + batch]) for i in range(0, len(x), batch)], url, batch)
+    export_minibatches([DataSet(x[i : i + batch], y[i : i + batch]) for i in range(0, len(x), batch)], url, batch)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the job, print its report, and return the report's figures."""
     parser = argparse.ArgumentParser(prog="python -m dlscale.demo", description=__doc__)
-    parser.add_argument("--master", default=None, help="local[N], local[*] or tcp://host:port (default: local[2], "
-                        "or what `dlscale run --master` set)")
-    parser.add_argument("--storage", default="demo/digits", help="where the job's files go (a relative path is "
-                        "under the storage root)")
+    parser.add_argument(
+        "--master",
+        default=None,
+        help="local[N], local[*] or tcp://host:port (default: local[2], or what `dlscale run --master` set)",
+    )
+    parser.add_argument(
+        "--storage", default="demo/digits", help="where the job's files go (a relative path is under the storage root)"
+    )
     parser.add_argument("--epochs", type=int, default=15, help="training epochs (default 15)")
     parser.add_argument("--batch-size", type=int, default=32, help="minibatch size per worker (default 32)")
     args = parser.parse_args(argv)
@@ -97,15 +108,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         keyed_accuracy = int((predicted == test_y).sum()) / len(test_y)
         sent = spark_net.training_stats.summary() if spark_net.training_stats is not None else ""
     report = {
-        "train_seconds": train_seconds, "accuracy": evaluation.accuracy(), "top_3_accuracy": evaluation.top_n_accuracy(),
-        "f1_macro": evaluation.f1(), "auc": roc.calculate_average_auc(), "keyed_accuracy": keyed_accuracy,
-        "keyed_outputs": len(outputs), "seconds": time.perf_counter() - started,
+        "train_seconds": train_seconds,
+        "accuracy": evaluation.accuracy(),
+        "top_3_accuracy": evaluation.top_n_accuracy(),
+        "f1_macro": evaluation.f1(),
+        "auc": roc.calculate_average_auc(),
+        "keyed_accuracy": keyed_accuracy,
+        "keyed_outputs": len(outputs),
+        "seconds": time.perf_counter() - started,
     }
     print(sent)
-    print(f"report: trained {args.epochs} epochs in {train_seconds:.1f} s; test accuracy {report['accuracy']:.4f}, "
-          f"top-3 {report['top_3_accuracy']:.4f}, macro F1 {report['f1_macro']:.4f}, mean one-vs-all AUC "
-          f"{report['auc']:.4f}; keyed inference on {len(outputs)} images from the reloaded network: "
-          f"accuracy {keyed_accuracy:.4f}; done in {report['seconds']:.1f} s")
+    print(
+        f"report: trained {args.epochs} epochs in {train_seconds:.1f} s; test accuracy {report['accuracy']:.4f}, "
+        f"top-3 {report['top_3_accuracy']:.4f}, macro F1 {report['f1_macro']:.4f}, mean one-vs-all AUC "
+        f"{report['auc']:.4f}; keyed inference on {len(outputs)} images from the reloaded network: "
+        f"accuracy {keyed_accuracy:.4f}; done in {report['seconds']:.1f} s"
+    )
     return report
 
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 
-def slurm_cluster(*, cores: int, memory: str, processes: int = 1, gpus: int = 0, walltime: str = "01:00:00",
-                  **kwargs: Any) -> Any:
+def slurm_cluster(
+    *, cores: int, memory: str, processes: int = 1, gpus: int = 0, walltime: str = "01:00:00", **kwargs: Any
+) -> Any:
     """A ``dask_jobqueue.SLURMCluster`` of jobs with ``cores`` cores, ``memory`` and ``gpus`` GPUs
     each, running ``processes`` workers of ``cores // processes`` threads and ``gpus // processes``
     GPUs; other keyword arguments (``queue``, ``account``, ``job_extra_directives``, ...) go to
@@ -29,12 +30,21 @@ def slurm_cluster(*, cores: int, memory: str, processes: int = 1, gpus: int = 0,
     if cores % processes:
         raise ValueError(f"cores={cores} cannot be shared evenly by processes={processes}")
     if gpus % processes:
-        raise ValueError(f"gpus={gpus} cannot be shared evenly by processes={processes}: give each worker "
-                         "the same number of GPUs (usually one worker per GPU)")
+        raise ValueError(
+            f"gpus={gpus} cannot be shared evenly by processes={processes}: give each worker "
+            "the same number of GPUs (usually one worker per GPU)"
+        )
     directives = list(kwargs.pop("job_extra_directives", []))
     worker_args = list(kwargs.pop("worker_extra_args", []))
     if gpus:
         directives.append(f"--gres=gpu:{gpus}")
         worker_args += ["--resources", f"GPU={gpus // processes}"]
-    return SLURMCluster(cores=cores, processes=processes, memory=memory, walltime=walltime,
-                        job_extra_directives=directives, worker_extra_args=worker_args, **kwargs)
+    return SLURMCluster(
+        cores=cores,
+        processes=processes,
+        memory=memory,
+        walltime=walltime,
+        job_extra_directives=directives,
+        worker_extra_args=worker_args,
+        **kwargs,
+    )

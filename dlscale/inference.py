@@ -18,15 +18,16 @@ import numpy as np
 import torch
 from distributed import get_client
 
-from dlscale import _graph, config, storage
-from dlscale._tasks import check_count, match_threads, worker_address
+from dlscale import config, storage
 from dlscale.data.dataset import DataSet, DataShapeError, MultiDataSet, rebatch
 from dlscale.evaluation.distributed import minibatches, worker_copies
+from dlscale.facade import _graph
 from dlscale.nn import shipping
+from dlscale.runtime.tasks import check_count, match_threads, worker_address
 
 if TYPE_CHECKING:
+    from dlscale.facade.rdd import RDD
     from dlscale.nn.network import Network
-    from dlscale.rdd import RDD
 
 
 def _batch_size(batch_size: int | None) -> int:
@@ -35,8 +36,7 @@ def _batch_size(batch_size: int | None) -> int:
     return size
 
 
-def _shipped(network: Network, prefix: str, task: Any, rdd: RDD, batch_size: int,
-             with_optimizer: bool = False) -> RDD:
+def _shipped(network: Network, prefix: str, task: Any, rdd: RDD, batch_size: int, with_optimizer: bool = False) -> RDD:
     shipped = shipping.ship(rdd.ctx.client, network, with_optimizer)
     bag = _graph.partitionwise(prefix, partial(task, shipped.key, batch_size), rdd.to_bag(), shared=shipped)
     return rdd._derive(bag)
@@ -50,8 +50,9 @@ def feed_forward_with_key(network: Network, pair_rdd: RDD, batch_size: int | Non
     network with several inputs); ``output`` likewise (a list for several outputs). Outputs equal
     a forward pass of the example alone.
     """
-    return _shipped(network, "feedForwardWithKey", partial(_forward_partition, False), pair_rdd,
-                    _batch_size(batch_size))
+    return _shipped(
+        network, "feedForwardWithKey", partial(_forward_partition, False), pair_rdd, _batch_size(batch_size)
+    )
 
 
 def feed_forward_with_mask_and_key(network: Network, pair_rdd: RDD, batch_size: int | None = None) -> RDD:
@@ -60,16 +61,16 @@ def feed_forward_with_mask_and_key(network: Network, pair_rdd: RDD, batch_size: 
     Sequences of different lengths are padded to a common length within a batch and their masks
     passed to the module as ``mask=``; an output that runs over the padded steps is cut back to the
     example's own length, so results do not depend on which examples share a batch."""
-    return _shipped(network, "feedForwardWithMaskAndKey", partial(_forward_partition, True), pair_rdd,
-                    _batch_size(batch_size))
+    return _shipped(
+        network, "feedForwardWithMaskAndKey", partial(_forward_partition, True), pair_rdd, _batch_size(batch_size)
+    )
 
 
 def _chunks(elements: Iterable[Any], size: int, index: int) -> Iterator[list[tuple[Any, Any]]]:
     chunk: list[tuple[Any, Any]] = []
     for j, element in enumerate(elements):
         if not (isinstance(element, tuple) and len(element) == 2):
-            raise TypeError(f"element {j} of partition {index} is a {type(element).__name__}, not a (key, value) "
-                            "pair")
+            raise TypeError(f"element {j} of partition {index} is a {type(element).__name__}, not a (key, value) pair")
         chunk.append(element)
         if len(chunk) == size:
             yield chunk
@@ -82,8 +83,10 @@ def _inputs(key: Any, value: Any, masked: bool) -> tuple[list[torch.Tensor], lis
     """One example's input tensors and masks, checked."""
     if masked:
         if not (isinstance(value, tuple) and len(value) == 2):
-            raise TypeError(f"the value of key {key!r} is a {type(value).__name__}; feed_forward_with_mask_and_key "
-                            "takes (features, mask) pairs")
+            raise TypeError(
+                f"the value of key {key!r} is a {type(value).__name__}; feed_forward_with_mask_and_key "
+                "takes (features, mask) pairs"
+            )
         value, mask = value
     else:
         mask = None
@@ -96,18 +99,25 @@ def _inputs(key: Any, value: Any, masked: bool) -> tuple[list[torch.Tensor], lis
             raise TypeError(f"the features of key {key!r} hold a {type(t).__name__}, not a torch.Tensor")
     for f, m in zip(features, masks):
         if m is not None and (m.dim() != 1 or f.dim() < 1 or m.shape[0] != f.shape[0]):
-            raise DataShapeError(f"key {key!r}: a mask of shape {tuple(m.shape)} for features of shape "
-                                 f"{tuple(f.shape)}; a mask is [time] for features [time, ...]")
+            raise DataShapeError(
+                f"key {key!r}: a mask of shape {tuple(m.shape)} for features of shape "
+                f"{tuple(f.shape)}; a mask is [time] for features [time, ...]"
+            )
     return features, masks
 
 
 def _pad(tensors: Sequence[torch.Tensor], length: int) -> torch.Tensor:
-    return torch.stack([t if t.shape[0] == length else
-                        torch.cat([t, t.new_zeros((length - t.shape[0], *t.shape[1:]))]) for t in tensors])
+    return torch.stack(
+        [
+            t if t.shape[0] == length else torch.cat([t, t.new_zeros((length - t.shape[0], *t.shape[1:]))])
+            for t in tensors
+        ]
+    )
 
 
-def _stack(chunk: list[tuple[Any, Any]], masked: bool
-           ) -> tuple[list[torch.Tensor], list[torch.Tensor | None] | None, int | None, list[int]]:
+def _stack(
+    chunk: list[tuple[Any, Any]], masked: bool
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None] | None, int | None, list[int]]:
     """The batch of a chunk's examples and their masks; with masks, the padded length of the first
     masked input and each example's own length of it (to cut sequence outputs back to)."""
     examples = [_inputs(k, v, masked) for k, v in chunk]
@@ -120,9 +130,11 @@ def _stack(chunk: list[tuple[Any, Any]], masked: bool
             if len(fs) != len(first):
                 raise DataShapeError(f"key {key!r} has {len(fs)} inputs, key {first_key!r} has {len(first)}")
             if fs[i].shape[1:] != first[i].shape[1:] or (ms[i] is None and fs[i].shape != first[i].shape):
-                raise DataShapeError(f"input {i} of key {key!r} has shape {tuple(fs[i].shape)}, of key "
-                                     f"{first_key!r} {tuple(first[i].shape)}; only sequences with masks may differ "
-                                     "in length")
+                raise DataShapeError(
+                    f"input {i} of key {key!r} has shape {tuple(fs[i].shape)}, of key "
+                    f"{first_key!r} {tuple(first[i].shape)}; only sequences with masks may differ "
+                    "in length"
+                )
         column = [fs[i] for fs, _ in examples]
         column_masks = [ms[i] for _, ms in examples]
         if all(m is None for m in column_masks):
@@ -147,8 +159,9 @@ def _row(out: torch.Tensor, i: int, padded: int | None, length: int | None) -> t
     return row.clone()  # a view would pickle with the whole batch
 
 
-def _forward_partition(masked: bool, key: str, batch_size: int, index: int, blob: bytes,
-                       elements: Iterable[Any]) -> list[tuple[Any, Any]]:
+def _forward_partition(
+    masked: bool, key: str, batch_size: int, index: int, blob: bytes, elements: Iterable[Any]
+) -> list[tuple[Any, Any]]:
     results: list[tuple[Any, Any]] = []
     try:
         match_threads()
@@ -159,8 +172,10 @@ def _forward_partition(masked: bool, key: str, batch_size: int, index: int, blob
                 outputs = out if isinstance(out, list) else [out]
                 for bad, o in enumerate(outputs):
                     if not torch.isfinite(o).all():
-                        raise ValueError(f"output {bad} of the network is NaN or infinite for some of the keys "
-                                         f"{[k for k, _ in chunk][:5]}...")
+                        raise ValueError(
+                            f"output {bad} of the network is NaN or infinite for some of the keys "
+                            f"{[k for k, _ in chunk][:5]}..."
+                        )
                 for j, (k, _) in enumerate(chunk):
                     rows = [_row(o, j, padded, own[j] if own else None) for o in outputs]
                     results.append((k, rows[0] if len(rows) == 1 else rows))
@@ -171,20 +186,28 @@ def _forward_partition(masked: bool, key: str, batch_size: int, index: int, blob
 
 
 # -- scores -----------------------------------------------------------------------------------
-def score_examples(network: Network, rdd: RDD, include_regularization: bool = False,
-                   batch_size: int | None = None) -> RDD:
+def score_examples(
+    network: Network, rdd: RDD, include_regularization: bool = False, batch_size: int | None = None
+) -> RDD:
     """The loss of every example (see :meth:`~dlscale.nn.Network.score_examples`), lazily.
 
     For an RDD of DataSet or MultiDataSet: an RDD of floats, one per example, in order. For an RDD
     of ``(key, DataSet)`` pairs, each DataSet one example: an RDD of ``(key, float)``.
     """
     # the optimizer's weight decay is the regularization term
-    return _shipped(network, "scoreExamples", partial(_score_partition, include_regularization), rdd,
-                    _batch_size(batch_size), with_optimizer=include_regularization)
+    return _shipped(
+        network,
+        "scoreExamples",
+        partial(_score_partition, include_regularization),
+        rdd,
+        _batch_size(batch_size),
+        with_optimizer=include_regularization,
+    )
 
 
-def _score_partition(include_regularization: bool, key: str, batch_size: int, index: int, blob: bytes,
-                     elements: Iterable[Any]) -> list[Any]:
+def _score_partition(
+    include_regularization: bool, key: str, batch_size: int, index: int, blob: bytes, elements: Iterable[Any]
+) -> list[Any]:
     elements = list(elements)
     keyed = bool(elements) and isinstance(elements[0], tuple)
     results: list[Any] = []
@@ -228,8 +251,14 @@ def _add_pairs(a: tuple[float, int], b: tuple[float, int]) -> tuple[float, int]:
 
 
 # -- predictions for minibatch files --------------------------------------------------------
-def predict_files(network: Network, paths: RDD, output: str, loader: Any = None, batch_size: int | None = None,
-                  storage_options: dict[str, Any] | None = None) -> list[int]:
+def predict_files(
+    network: Network,
+    paths: RDD,
+    output: str,
+    loader: Any = None,
+    batch_size: int | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> list[int]:
     """Apply ``network`` to the minibatch files named by ``paths`` (read by ``loader``, default
     ``.dlb``) and write each file's outputs to ``output/<file name>.npy``; returns the number of
     examples of each file. ``output`` must not exist yet (a relative URL is under the storage root)."""
@@ -240,8 +269,16 @@ def predict_files(network: Network, paths: RDD, output: str, loader: Any = None,
     return _shipped(network, "predictFiles", task, paths, _batch_size(batch_size)).collect()
 
 
-def _predict_files_partition(url: str, options: dict[str, Any] | None, loader: Any, key: str, batch_size: int,
-                             index: int, blob: bytes, elements: Iterable[Any]) -> list[int]:
+def _predict_files_partition(
+    url: str,
+    options: dict[str, Any] | None,
+    loader: Any,
+    key: str,
+    batch_size: int,
+    index: int,
+    blob: bytes,
+    elements: Iterable[Any],
+) -> list[int]:
     elements = list(elements)
     counts = []
     try:
@@ -249,8 +286,12 @@ def _predict_files_partition(url: str, options: dict[str, Any] | None, loader: A
         with shipping.borrow(key, blob, worker_copies(None)) as network:
             for source, batch in zip(elements, minibatches(elements, loader)):
                 inputs = [batch.features] if isinstance(batch, DataSet) else batch.features
-                out = torch.cat([_as_tensor(network.output(*[t[i:i + batch_size] for t in inputs]), source)
-                                 for i in range(0, batch.num_examples(), batch_size)])
+                out = torch.cat(
+                    [
+                        _as_tensor(network.output(*[t[i : i + batch_size] for t in inputs]), source)
+                        for i in range(0, batch.num_examples(), batch_size)
+                    ]
+                )
                 name = str(source).rstrip("/").rsplit("/", 1)[-1].rsplit(".", 1)[0] + ".npy"
                 fs, path = storage.open_fs(f"{url.rstrip('/')}/{name}", options)
                 buffer = io.BytesIO()
@@ -266,8 +307,10 @@ def _predict_files_partition(url: str, options: dict[str, Any] | None, loader: A
 
 def _as_tensor(out: Any, source: Any) -> torch.Tensor:
     if isinstance(out, list):
-        raise TypeError(f"predict_files writes one output per file; the network gives {len(out)} for {source} "
-                        "(use feed_forward_with_key)")
+        raise TypeError(
+            f"predict_files writes one output per file; the network gives {len(out)} for {source} "
+            "(use feed_forward_with_key)"
+        )
     return out
 
 
@@ -287,10 +330,17 @@ def predict(network: Network, data: Any, batch_size: int | None = None, columns:
             raise ValueError("predict needs examples along axis 0 of the array")
         data = data.rechunk({i: -1 for i in range(1, data.ndim)})
         meta = _sample_output(network, data.shape[1:], data.dtype)
-        return da.map_blocks(_predict_array, data, blob, key, size, dtype=meta.dtype,
-                             chunks=(data.chunks[0], *((n,) for n in meta.shape[1:])),
-                             drop_axis=list(range(1, data.ndim)) if meta.ndim == 1 else None,
-                             new_axis=list(range(data.ndim, meta.ndim)) if meta.ndim > data.ndim else None)
+        return da.map_blocks(
+            _predict_array,
+            data,
+            blob,
+            key,
+            size,
+            dtype=meta.dtype,
+            chunks=(data.chunks[0], *((n,) for n in meta.shape[1:])),
+            drop_axis=list(range(1, data.ndim)) if meta.ndim == 1 else None,
+            new_axis=list(range(data.ndim, meta.ndim)) if meta.ndim > data.ndim else None,
+        )
     try:
         import dask.dataframe as dd
         import pandas as pd
@@ -321,7 +371,7 @@ def _predict_array(block: np.ndarray, blob: bytes, key: str, batch_size: int) ->
     match_threads()
     x = torch.from_numpy(np.ascontiguousarray(block))
     with shipping.borrow(key, blob, worker_copies(None)) as network:
-        parts = [network.output(x[i:i + batch_size]) for i in range(0, x.shape[0], batch_size)] or [network.output(x)]
+        parts = [network.output(x[i : i + batch_size]) for i in range(0, x.shape[0], batch_size)] or [network.output(x)]
     return torch.cat(parts).numpy()
 
 

@@ -89,12 +89,13 @@ def atomic_write(fs: fsspec.AbstractFileSystem, path: str, write: Callable[[Any]
 
 def _visible(root: str, path: str) -> bool:
     """False for a file whose name, or a folder below ``root``, starts with ``_`` or ``.`` (as Hadoop)."""
-    rel = path[len(root):] if path.startswith(root) else os.path.basename(path)
+    rel = path[len(root) :] if path.startswith(root) else os.path.basename(path)
     return not any(part.startswith(("_", ".")) for part in rel.split("/") if part)
 
 
-def find_files(url: str, storage_options: dict[str, Any] | None, recursive: bool = True,
-               extensions: Iterable[str] | None = None) -> tuple[fsspec.AbstractFileSystem, list[str]]:
+def find_files(
+    url: str, storage_options: dict[str, Any] | None, recursive: bool = True, extensions: Iterable[str] | None = None
+) -> tuple[fsspec.AbstractFileSystem, list[str]]:
     """The file system and the sorted paths of the visible files at or under ``url``.
 
     Names starting with ``_`` or ``.`` (markers, temporary files) are skipped at any depth;

@@ -40,8 +40,9 @@ def start(port: int = 0, buckets: tuple[str, ...] = ()) -> tuple[Any, str]:
     if buckets:
         import boto3
 
-        client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=KEY,
-                              aws_secret_access_key=SECRET, region_name=REGION)
+        client = boto3.client(
+            "s3", endpoint_url=endpoint, aws_access_key_id=KEY, aws_secret_access_key=SECRET, region_name=REGION
+        )
         for bucket in buckets:
             client.create_bucket(Bucket=bucket)
     return server, endpoint

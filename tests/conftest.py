@@ -77,8 +77,11 @@ def s3(s3_endpoint: str) -> dict:
     import s3fs
 
     client = boto3.client(
-        "s3", endpoint_url=s3_endpoint, aws_access_key_id="testing",
-        aws_secret_access_key="testing", region_name="us-east-1",
+        "s3",
+        endpoint_url=s3_endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
     )
     for bucket in client.list_buckets().get("Buckets", []):
         objects = client.list_objects_v2(Bucket=bucket["Name"]).get("Contents", [])

@@ -45,7 +45,9 @@ def fit_once(sc, name: str, tmp_path: Path) -> Network:
     net = Network(module, "cross_entropy", functools.partial(torch.optim.SGD, lr=0.1))
     x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
     rdd = sc.parallelize(DataSet(x, (x[:, 0] > 0).long()).batch_by(8), 2)
-    master = ParameterAveragingTrainingMaster(8, averaging_frequency=2, export_directory=str(tmp_path / uuid.uuid4().hex))
+    master = ParameterAveragingTrainingMaster(
+        8, averaging_frequency=2, export_directory=str(tmp_path / uuid.uuid4().hex)
+    )
     SparkNet(sc, net, master).fit(rdd)
     return net
 

@@ -41,6 +41,6 @@ def test_unpersist_and_destroy(sc: SparkContext) -> None:
     assert sc.parallelize([0, 1, 2], 2).map(lambda i: b.value[i]).collect() == [1, 2, 3]
     b.destroy()
     with pytest.raises(BroadcastDestroyedError, match="destroyed"):
-        b.value
+        b.value  # noqa: B018 - reading it is the test
     with pytest.raises(BroadcastDestroyedError, match="destroyed"):
         sc.parallelize([0]).map(lambda i: b.value).collect()

@@ -61,11 +61,17 @@ def test_given_client_and_cluster_are_not_closed() -> None:
 
 
 def test_memory_thresholds_reach_the_embedded_workers() -> None:
-    settings = {"dlscale.local.memory-target": 0.4, "dlscale.local.memory-spill": 0.5,
-                "dlscale.local.memory-pause": False}
+    settings = {
+        "dlscale.local.memory-target": 0.4,
+        "dlscale.local.memory-spill": 0.5,
+        "dlscale.local.memory-pause": False,
+    }
     with dask.config.set(settings), SparkContext("local[1]") as ctx:
-        seen = ctx.client.run(lambda dask_worker: [getattr(dask_worker.memory_manager, f"memory_{n}_fraction")
-                                                   for n in ("target", "spill", "pause")])
+        seen = ctx.client.run(
+            lambda dask_worker: [
+                getattr(dask_worker.memory_manager, f"memory_{n}_fraction") for n in ("target", "spill", "pause")
+            ]
+        )
     assert list(seen.values()) == [[0.4, 0.5, False]]
 
 
@@ -108,8 +114,10 @@ def test_spark_cluster_manager_url_explains_the_alternative() -> None:
 
 def test_unreachable_scheduler_names_the_address() -> None:
     address = f"tcp://127.0.0.1:{free_port()}"
-    with dask.config.set({"dlscale.connect-timeout": "1s"}), pytest.raises(ClusterConnectionError,
-                                                                          match="127.0.0.1") as e:
+    with (
+        dask.config.set({"dlscale.connect-timeout": "1s"}),
+        pytest.raises(ClusterConnectionError, match="127.0.0.1") as e,
+    ):
         SparkContext(address)
     assert address in str(e.value) and isinstance(e.value, ConnectionError)
 

@@ -22,8 +22,8 @@ from dlscale import (
     SparkNet,
 )
 from dlscale.data import DataSet, load
-from dlscale.devices import device_for, setting
 from dlscale.nn import Network
+from dlscale.runtime.devices import device_for, setting
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
@@ -39,7 +39,7 @@ def minibatches(n: int = 600, size: int = 20) -> list[DataSet]:
     g = torch.Generator().manual_seed(3)
     x = torch.randn(n, 8, generator=g)
     y = (x[:, 0] > 0).long() + (x[:, 1] + x[:, 2] > 1).long()
-    return [DataSet(x[i:i + size], y[i:i + size]) for i in range(0, n, size)]
+    return [DataSet(x[i : i + size], y[i : i + size]) for i in range(0, n, size)]
 
 
 def accuracy(net: Network, batches: list[DataSet]) -> float:
@@ -51,9 +51,17 @@ def accuracy(net: Network, batches: list[DataSet]) -> float:
 def gpu_workers(request: pytest.FixtureRequest) -> Iterator[SparkContext]:
     """Worker processes told DLSCALE_DEVICE through their environment; the driver sets nothing."""
     device, workers = request.param
-    with distributed.LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None,
-                                  resources={"GPU": 1}, env={"DLSCALE_DEVICE": device}) as cluster, \
-            SparkContext(cluster.scheduler_address, "devices") as sc:
+    with (
+        distributed.LocalCluster(
+            n_workers=workers,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=None,
+            resources={"GPU": 1},
+            env={"DLSCALE_DEVICE": device},
+        ) as cluster,
+        SparkContext(cluster.scheduler_address, "devices") as sc,
+    ):
         yield sc
 
 
@@ -131,8 +139,9 @@ def test_a_network_on_the_gpu_computes_what_it_computes_on_the_cpu() -> None:
 @pytest.mark.parametrize("gpu_workers", [("cuda", 1)], indirect=True)
 def test_parameter_averaging_on_a_gpu_worker_from_a_cpu_driver(gpu_workers: SparkContext, tmp_path) -> None:
     sc = gpu_workers
-    master = ParameterAveragingTrainingMaster(20, averaging_frequency=3, collect_training_stats=True, rng_seed=1,
-                                              export_directory=str(tmp_path / "export"))
+    master = ParameterAveragingTrainingMaster(
+        20, averaging_frequency=3, collect_training_stats=True, rng_seed=1, export_directory=str(tmp_path / "export")
+    )
     spark_net = SparkNet(sc, network(), master)
     spark_net.fit(sc.parallelize(minibatches(), 3), epochs=2)
     assert spark_net.network.device.type == "cpu"

@@ -155,7 +155,7 @@ def test_non_finite_residual_refused_and_left_unchanged(bad: float, fraction: fl
         for form in (None, "sparse", "bitmap"):
             residual = before.clone()
             residual[where] = bad
-            residual[where + 1:where + 3] = bad  # later ones are not the first
+            residual[where + 1 : where + 3] = bad  # later ones are not the first
             kept = residual.clone()
             with pytest.raises(NonFiniteUpdateError, match=rf"element {where} is {bad}") as info:
                 encode(residual, threshold, form=form)
@@ -231,7 +231,7 @@ def test_damaged_bytes_refused() -> None:
     flipped = bytearray(data)
     flipped[HEADER_BYTES + 17] ^= 0x10
     cases = {
-        "at least": data[:HEADER_BYTES - 1],
+        "at least": data[: HEADER_BYTES - 1],
         "magic": b"XXXX" + data[4:],
         "checksum": bytes(flipped),
         "payload": data[:-1],
@@ -239,7 +239,10 @@ def test_damaged_bytes_refused() -> None:
     for match, bad in cases.items():
         with pytest.raises(CorruptDataError, match=match):
             EncodedUpdate.from_bytes(bad)
-    i32 = lambda *v: np.array(v, "<i4").tobytes()
+
+    def i32(*v: int) -> bytes:
+        return np.array(v, "<i4").tobytes()
+
     invalid = {
         "version 2": message_bytes(0, 1.0, 10, 1, i32(3), version=2),
         "form code 7": message_bytes(7, 1.0, 10, 1, i32(3)),
@@ -296,10 +299,16 @@ def test_describe() -> None:
     message = encode(residual, 1.0)
     stats = describe(message, residual)
     assert stats == {
-        "form": "sparse", "threshold": 1.0, "length": 100, "count": 3, "sparsity": 0.03,
-        "message_bytes": HEADER_BYTES + 12, "dense_bytes": 400,
+        "form": "sparse",
+        "threshold": 1.0,
+        "length": 100,
+        "count": 3,
+        "sparsity": 0.03,
+        "message_bytes": HEADER_BYTES + 12,
+        "dense_bytes": 400,
         "residual_l2": pytest.approx(float(torch.linalg.vector_norm(before - reference(before, 1.0)))),
-        "residual_max_abs": 2.5, "residual_above_threshold": 2,
+        "residual_max_abs": 2.5,
+        "residual_above_threshold": 2,
     }
     with pytest.raises(ValueError, match="residual has 99 elements"):
         describe(message, residual[:99])
@@ -325,8 +334,9 @@ def test_fixed_threshold() -> None:
 
 
 def test_adaptive_threshold_trajectory() -> None:
-    algorithm = AdaptiveThresholdAlgorithm(initial_threshold=0.1, min_target_sparsity=1e-3,
-                                           max_target_sparsity=1e-2, decay_rate=0.5)
+    algorithm = AdaptiveThresholdAlgorithm(
+        initial_threshold=0.1, min_target_sparsity=1e-3, max_target_sparsity=1e-2, decay_rate=0.5
+    )
     sparsities = [1e-4, 1e-4, 5e-3, 1e-3, 1e-2, 0.2, 0.2, 0.2, 0.0]
     expected, t = [], 0.1
     for s in sparsities:
@@ -422,7 +432,9 @@ def test_threshold_algorithm_registry() -> None:
     assert threshold_algorithm("fixed", threshold=0.1).threshold == 0.1
     instance = TargetSparsityThresholdAlgorithm()
     assert threshold_algorithm(instance) is instance
-    with pytest.raises(ValueError, match="unknown threshold algorithm 'adaptiv'; known: adaptive, fixed, target_sparsity"):
+    with pytest.raises(
+        ValueError, match="unknown threshold algorithm 'adaptiv'; known: adaptive, fixed, target_sparsity"
+    ):
         threshold_algorithm("adaptiv")
     with pytest.raises(TypeError, match="keyword arguments"):
         threshold_algorithm(instance, decay_rate=0.9)
@@ -449,8 +461,11 @@ def test_residual_clipping_frequency_and_bounds() -> None:
 
 
 def test_residual_post_processor_arguments_and_registry() -> None:
-    for kwargs, name in (({"clip_multiple": 0.5}, "clip_multiple"), ({"frequency": 0}, "frequency"),
-                         ({"frequency": 2.5}, "frequency")):
+    for kwargs, name in (
+        ({"clip_multiple": 0.5}, "clip_multiple"),
+        ({"frequency": 0}, "frequency"),
+        ({"frequency": 2.5}, "frequency"),
+    ):
         with pytest.raises(ValueError, match=name):
             ResidualClippingPostProcessor(**kwargs)
     with pytest.raises(ValueError, match="iteration"):

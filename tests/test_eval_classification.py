@@ -59,8 +59,9 @@ def check_against_sklearn(e: Evaluation, y: np.ndarray, pred: np.ndarray, c: int
     assert e.num_examples() == len(y)
     assert e.accuracy() == approx(skm.accuracy_score(y, pred))
     assert e.matthews_correlation() == approx(skm.matthews_corrcoef(y, pred))
-    assert [e.matthews_correlation(k) for k in labels] == approx([skm.matthews_corrcoef(y == k, pred == k)
-                                                                   for k in labels])
+    assert [e.matthews_correlation(k) for k in labels] == approx(
+        [skm.matthews_corrcoef(y == k, pred == k) for k in labels]
+    )
     scores = {"precision": skm.precision_score, "recall": skm.recall_score, "f1": skm.f1_score}
     for name, score in scores.items():
         assert [getattr(e, name)(k) for k in labels] == approx(score(y, pred, average=None, **kw))
@@ -76,8 +77,9 @@ def check_against_sklearn(e: Evaluation, y: np.ndarray, pred: np.ndarray, c: int
             for name, score in scores.items():
                 assert getattr(e, name)(averaging=averaging) == approx(score(y, pred, average=averaging, **kw))
             for beta in (0.5, 2.0):
-                assert e.f_beta(beta, averaging=averaging) \
-                    == approx(skm.fbeta_score(y, pred, beta=beta, average=averaging, **kw))
+                assert e.f_beta(beta, averaging=averaging) == approx(
+                    skm.fbeta_score(y, pred, beta=beta, average=averaging, **kw)
+                )
         assert e.g_measure() == approx(np.mean(np.sqrt(p * r)))
         assert e.false_positive_rate() == approx(fpr.mean())
         assert e.false_alarm_rate() == approx((fpr.mean() + fnr.mean()) / 2)
@@ -191,8 +193,13 @@ def test_two_columns_use_the_arg_max() -> None:
 
 def test_before_any_batch_metrics_are_zero() -> None:
     e = Evaluation(top_n=2)
-    assert (e.accuracy(), e.top_n_accuracy(), e.precision(), e.f1(averaging="micro"), e.matthews_correlation()) \
-        == (0.0, 0.0, 0.0, 0.0, 0.0)
+    assert (e.accuracy(), e.top_n_accuracy(), e.precision(), e.f1(averaging="micro"), e.matthews_correlation()) == (
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+    )
     assert e.num_classes() == e.num_examples() == 0
     assert e.confusion_matrix().shape == (0, 0) and e.true_positives().size == 0
     assert "no examples" in e.stats()
@@ -219,8 +226,11 @@ def test_merged_parts_equal_the_whole(parts: int) -> None:
 def test_json_and_yaml_round_trip() -> None:
     y, scores = random_data(11, 3)
     e = evaluated(y, scores, labels=["cat", "dog", "bird"], top_n=2, binary_decision_threshold=0.4)
-    for restored in (Evaluation.from_json(e.to_json()), Evaluation.from_yaml(e.to_yaml()),
-                     BaseEvaluation.from_json(e.to_json())):
+    for restored in (
+        Evaluation.from_json(e.to_json()),
+        Evaluation.from_yaml(e.to_yaml()),
+        BaseEvaluation.from_json(e.to_json()),
+    ):
         assert type(restored) is Evaluation and restored == e
         assert restored.f1("dog") == e.f1("dog") and restored.top_n_accuracy() == e.top_n_accuracy()
         assert restored.stats() == e.stats()
@@ -281,16 +291,21 @@ def multi_label(seed: int, n: int = 200, c: int = 4) -> tuple[np.ndarray, np.nda
     return y, p, rng.random((n, c)) < 0.7
 
 
-def check_binary_against_sklearn(e: EvaluationBinary, y: np.ndarray, p: np.ndarray, mask: np.ndarray,
-                                 thresholds: np.ndarray) -> None:
+def check_binary_against_sklearn(
+    e: EvaluationBinary, y: np.ndarray, p: np.ndarray, mask: np.ndarray, thresholds: np.ndarray
+) -> None:
     """Every metric of each output equals scikit-learn's on that column's unmasked entries."""
     c = y.shape[1]
     assert e.num_outputs() == c
     for k in range(c):
         yk, pk = y[mask[:, k], k], (p[mask[:, k], k] >= thresholds[k]).astype(np.int64)
         tn, fp, fn, tp = skm.confusion_matrix(yk, pk, labels=[0, 1]).ravel()
-        assert (e.true_positives(k), e.false_positives(k), e.true_negatives(k), e.false_negatives(k)) \
-            == (tp, fp, tn, fn)
+        assert (e.true_positives(k), e.false_positives(k), e.true_negatives(k), e.false_negatives(k)) == (
+            tp,
+            fp,
+            tn,
+            fn,
+        )
         assert e.total_count(k) == len(yk)
         assert e.accuracy(k) == approx(skm.accuracy_score(yk, pk))
         assert e.precision(k) == approx(skm.precision_score(yk, pk, zero_division=0))
@@ -340,8 +355,7 @@ def test_binary_sequences_with_masks() -> None:
     check_binary_against_sklearn(per_step, y[steps], p[steps], np.ones((steps.sum(), 4), bool), np.full(4, 0.5))
     per_output = EvaluationBinary()
     per_output.eval(y, p, mask)
-    check_binary_against_sklearn(per_output, y.reshape(-1, 4), p.reshape(-1, 4), mask.reshape(-1, 4),
-                                 np.full(4, 0.5))
+    check_binary_against_sklearn(per_output, y.reshape(-1, 4), p.reshape(-1, 4), mask.reshape(-1, 4), np.full(4, 0.5))
 
 
 @pytest.mark.parametrize("parts", [1, 3, 7])

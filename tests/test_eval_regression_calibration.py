@@ -32,20 +32,26 @@ def regression_data(seed: int, n: int = 300, c: int = 4, offset: float = 0.0, sc
 def reference(y: np.ndarray, p: np.ndarray) -> dict[str, np.ndarray]:
     """Per column metrics from scikit-learn and numpy."""
     mse = mean_squared_error(y, p, multioutput="raw_values")
-    return {"mse": mse, "mae": mean_absolute_error(y, p, multioutput="raw_values"), "rmse": np.sqrt(mse),
-            "r2": r2_score(y, p, multioutput="raw_values"),
-            "pearson": np.array([np.corrcoef(y[:, j], p[:, j])[0, 1] for j in range(y.shape[1])]),
-            "rse": ((y - p) ** 2).sum(axis=0) / ((y - y.mean(axis=0)) ** 2).sum(axis=0)}
+    return {
+        "mse": mse,
+        "mae": mean_absolute_error(y, p, multioutput="raw_values"),
+        "rmse": np.sqrt(mse),
+        "r2": r2_score(y, p, multioutput="raw_values"),
+        "pearson": np.array([np.corrcoef(y[:, j], p[:, j])[0, 1] for j in range(y.shape[1])]),
+        "rse": ((y - p) ** 2).sum(axis=0) / ((y - y.mean(axis=0)) ** 2).sum(axis=0),
+    }
 
 
 def metrics(e: RegressionEvaluation) -> dict[str, np.ndarray]:
     cols = range(e.num_columns())
-    return {"mse": np.array([e.mean_squared_error(j) for j in cols]),
-            "mae": np.array([e.mean_absolute_error(j) for j in cols]),
-            "rmse": np.array([e.root_mean_squared_error(j) for j in cols]),
-            "r2": np.array([e.r_squared(j) for j in cols]),
-            "pearson": np.array([e.pearson_correlation(j) for j in cols]),
-            "rse": np.array([e.relative_squared_error(j) for j in cols])}
+    return {
+        "mse": np.array([e.mean_squared_error(j) for j in cols]),
+        "mae": np.array([e.mean_absolute_error(j) for j in cols]),
+        "rmse": np.array([e.root_mean_squared_error(j) for j in cols]),
+        "r2": np.array([e.r_squared(j) for j in cols]),
+        "pearson": np.array([e.pearson_correlation(j) for j in cols]),
+        "rse": np.array([e.relative_squared_error(j) for j in cols]),
+    }
 
 
 def assert_metrics(got: dict[str, np.ndarray], want: dict[str, np.ndarray], rtol: float) -> None:
@@ -80,9 +86,9 @@ def test_regression_per_output_mask(seed: int) -> None:
     e.eval(torch.from_numpy(y), torch.from_numpy(p), torch.from_numpy(mask))
     for j in range(y.shape[1]):
         keep = mask[:, j]
-        want = reference(y[keep, j:j + 1], p[keep, j:j + 1])
+        want = reference(y[keep, j : j + 1], p[keep, j : j + 1])
         got = metrics(e)
-        assert_metrics({k: v[j:j + 1] for k, v in got.items()}, want, 1e-6)
+        assert_metrics({k: v[j : j + 1] for k, v in got.items()}, want, 1e-6)
         assert e.example_count(j) == keep.sum()
 
 
@@ -124,8 +130,10 @@ def test_regression_merge_equals_one_pass(parts: int, offset: float, scale: floa
             part.eval(y[piece], p[piece], mask[piece])
         merged.merge(part)
     assert_metrics(metrics(merged), metrics(whole), 1e-9)
-    want = {k: np.array([reference(y[mask[:, j], j:j + 1], p[mask[:, j], j:j + 1])[k][0] for j in range(4)])
-            for k in ("r2", "pearson", "rse", "mse")}
+    want = {
+        k: np.array([reference(y[mask[:, j], j : j + 1], p[mask[:, j], j : j + 1])[k][0] for j in range(4)])
+        for k in ("r2", "pearson", "rse", "mse")
+    }
     assert_metrics(metrics(merged), want, 1e-6)
 
 
@@ -214,16 +222,19 @@ def test_calibration_matches_sklearn_and_numpy(seed: int, use_torch: bool, one_h
         counts = counts[counts > 0]
         ece.append(np.sum(counts * np.abs(prob_true - prob_pred)) / len(y))
         assert e.expected_calibration_error(k) == pytest.approx(ece[-1], rel=1e-6)
-        for got, values in ((e.residual_plot(k), residual[:, k]),
-                            (e.residual_plot(k, actual_class_only=True), residual[y == k, k]),
-                            (e.probability_histogram(k), prob[:, k]),
-                            (e.probability_histogram(k, actual_class_only=True), prob[y == k, k])):
+        for got, values in (
+            (e.residual_plot(k), residual[:, k]),
+            (e.residual_plot(k, actual_class_only=True), residual[y == k, k]),
+            (e.probability_histogram(k), prob[:, k]),
+            (e.probability_histogram(k, actual_class_only=True), prob[y == k, k]),
+        ):
             np.testing.assert_array_equal(got[0], np.histogram(values, edges)[0])
             np.testing.assert_array_equal(got[1], edges)
     assert e.expected_calibration_error() == pytest.approx(np.mean(ece), rel=1e-6)
     np.testing.assert_array_equal(e.residual_plot()[0], np.histogram(residual, edges)[0])
-    np.testing.assert_array_equal(e.residual_plot(actual_class_only=True)[0],
-                                  np.histogram(residual[onehot == 1], edges)[0])
+    np.testing.assert_array_equal(
+        e.residual_plot(actual_class_only=True)[0], np.histogram(residual[onehot == 1], edges)[0]
+    )
     np.testing.assert_array_equal(e.probability_histogram()[0], np.histogram(prob, edges)[0])
     np.testing.assert_array_equal(e.label_counts(), np.bincount(y, minlength=3))
     np.testing.assert_array_equal(e.prediction_counts(), np.bincount(prob.argmax(axis=1), minlength=3))

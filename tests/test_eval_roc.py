@@ -47,8 +47,9 @@ def assert_curves_equal(ours: tuple[np.ndarray, ...], theirs: tuple[np.ndarray, 
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-12)
 
 
-def parts(evaluation: type[BaseEvaluation], n_parts: int, labels: np.ndarray, predictions: np.ndarray,
-          **settings) -> BaseEvaluation:
+def parts(
+    evaluation: type[BaseEvaluation], n_parts: int, labels: np.ndarray, predictions: np.ndarray, **settings
+) -> BaseEvaluation:
     """``labels``/``predictions`` evaluated in ``n_parts`` separate evaluations, merged."""
     pieces = []
     for y, p in zip(np.array_split(labels, n_parts), np.array_split(predictions, n_parts), strict=True):
@@ -81,9 +82,14 @@ def test_input_forms_agree(seed: int) -> None:
     y, s = binary_data(seed)
     two = np.stack([1 - s, s], axis=1)
     one_hot = np.eye(2)[y]
-    forms = [(y, s), (y[:, None], s[:, None]), (one_hot, two), (y, two),
-             (torch.from_numpy(y), torch.from_numpy(s)),
-             (torch.from_numpy(one_hot), torch.from_numpy(two))]
+    forms = [
+        (y, s),
+        (y[:, None], s[:, None]),
+        (one_hot, two),
+        (y, two),
+        (torch.from_numpy(y), torch.from_numpy(s)),
+        (torch.from_numpy(one_hot), torch.from_numpy(two)),
+    ]
     results = []
     for labels, predictions in forms:
         roc = ROC()
@@ -135,8 +141,7 @@ def test_only_negatives(steps: int) -> None:
     assert math.isnan(roc.calculate_auc())
     assert math.isnan(sklearn_quiet(metrics.roc_auc_score, np.zeros(4), s))
     assert roc.calculate_auprc() == sklearn_quiet(metrics.average_precision_score, np.zeros(4), s) == 0.0
-    assert_curves_equal(roc.get_precision_recall_curve(),
-                        sklearn_quiet(metrics.precision_recall_curve, np.zeros(4), s))
+    assert_curves_equal(roc.get_precision_recall_curve(), sklearn_quiet(metrics.precision_recall_curve, np.zeros(4), s))
 
 
 @pytest.mark.parametrize("steps", [0, 10])
@@ -237,8 +242,9 @@ def test_rocbinary_average_matches_sklearn_macro(seed: int) -> None:
     roc = ROCBinary()
     roc.eval(y, p)
     assert math.isclose(roc.calculate_average_auc(), metrics.roc_auc_score(y, p, average="macro"), abs_tol=1e-12)
-    assert math.isclose(roc.calculate_average_auprc(), metrics.average_precision_score(y, p, average="macro"),
-                        abs_tol=1e-12)
+    assert math.isclose(
+        roc.calculate_average_auprc(), metrics.average_precision_score(y, p, average="macro"), abs_tol=1e-12
+    )
 
 
 def test_rocbinary_undefined_output_makes_average_nan() -> None:
@@ -258,11 +264,13 @@ def test_multiclass_matches_sklearn_ovr(seed: int, one_hot: bool) -> None:
     roc = ROCMultiClass()
     roc.eval(torch.from_numpy(np.eye(4)[y] if one_hot else y), torch.from_numpy(p))
     assert roc.num_classes() == 4
-    assert math.isclose(roc.calculate_average_auc(), metrics.roc_auc_score(y, p, multi_class="ovr", average="macro"),
-                        abs_tol=1e-12)
+    assert math.isclose(
+        roc.calculate_average_auc(), metrics.roc_auc_score(y, p, multi_class="ovr", average="macro"), abs_tol=1e-12
+    )
     y_bin = np.eye(4)[y]
-    assert math.isclose(roc.calculate_average_auprc(), metrics.average_precision_score(y_bin, p, average="macro"),
-                        abs_tol=1e-12)
+    assert math.isclose(
+        roc.calculate_average_auprc(), metrics.average_precision_score(y_bin, p, average="macro"), abs_tol=1e-12
+    )
     for k in range(4):
         assert math.isclose(roc.calculate_auc(k), metrics.roc_auc_score(y == k, p[:, k]), abs_tol=1e-12)
         assert math.isclose(roc.calculate_auprc(k), metrics.average_precision_score(y == k, p[:, k]), abs_tol=1e-12)
@@ -341,8 +349,11 @@ def test_json_and_yaml_round_trip(steps: int) -> None:
     multi.eval(yc, pc)
     binary.eval(yb, pb, mb)
     for e in (roc, multi, binary, ROC(steps), ROCBinary(steps)):
-        for back in (type(e).from_json(e.to_json()), type(e).from_yaml(e.to_yaml()),
-                     BaseEvaluation.from_json(e.to_json())):
+        for back in (
+            type(e).from_json(e.to_json()),
+            type(e).from_yaml(e.to_yaml()),
+            BaseEvaluation.from_json(e.to_json()),
+        ):
             assert back == e and type(back) is type(e)
             if isinstance(e, ROC):
                 metrics_of = [e.calculate_auc(), e.calculate_auprc(), *e.get_roc_curve()]

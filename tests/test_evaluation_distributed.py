@@ -54,18 +54,54 @@ def cases() -> list[tuple[str, Network, torch.Tensor, Callable[[], list[BaseEval
     multi = (torch.rand(N, 3, generator=torch.Generator().manual_seed(3)) < 0.4).float()
     targets = x[:, :3] * 2 + 0.5
     return [
-        ("classification", network(4, torch.nn.Softmax(dim=1)), y4,
-         lambda: [Evaluation(top_n=2), ROCMultiClass(), ROCMultiClass(threshold_steps=40), EvaluationCalibration()],
-         lambda es: [es[0].accuracy(), es[0].top_n_accuracy(), es[0].f1(averaging="macro"),
-                     es[0].matthews_correlation(), es[1].calculate_average_auc(), es[1].calculate_average_auprc(),
-                     es[2].calculate_average_auc(), *es[3].reliability_diagram(1)[1]]),
-        ("binary", network(2, torch.nn.Softmax(dim=1)), y2, lambda: [ROC(), ROC(threshold_steps=25), Evaluation()],
-         lambda es: [es[0].calculate_auc(), es[0].calculate_auprc(), es[1].calculate_auc(), es[2].f1()]),
-        ("multi-label", network(3, torch.nn.Sigmoid(), "bce"), multi, lambda: [EvaluationBinary(), ROCBinary()],
-         lambda es: [*(es[0].f1(i) for i in range(3)), *(es[1].calculate_auc(i) for i in range(3))]),
-        ("regression", network(3, loss="mse"), targets, lambda: [RegressionEvaluation()],
-         lambda es: [*(f(i) for i in range(3) for f in (es[0].mean_squared_error, es[0].mean_absolute_error,
-                                                        es[0].r_squared, es[0].pearson_correlation))]),
+        (
+            "classification",
+            network(4, torch.nn.Softmax(dim=1)),
+            y4,
+            lambda: [Evaluation(top_n=2), ROCMultiClass(), ROCMultiClass(threshold_steps=40), EvaluationCalibration()],
+            lambda es: [
+                es[0].accuracy(),
+                es[0].top_n_accuracy(),
+                es[0].f1(averaging="macro"),
+                es[0].matthews_correlation(),
+                es[1].calculate_average_auc(),
+                es[1].calculate_average_auprc(),
+                es[2].calculate_average_auc(),
+                *es[3].reliability_diagram(1)[1],
+            ],
+        ),
+        (
+            "binary",
+            network(2, torch.nn.Softmax(dim=1)),
+            y2,
+            lambda: [ROC(), ROC(threshold_steps=25), Evaluation()],
+            lambda es: [es[0].calculate_auc(), es[0].calculate_auprc(), es[1].calculate_auc(), es[2].f1()],
+        ),
+        (
+            "multi-label",
+            network(3, torch.nn.Sigmoid(), "bce"),
+            multi,
+            lambda: [EvaluationBinary(), ROCBinary()],
+            lambda es: [*(es[0].f1(i) for i in range(3)), *(es[1].calculate_auc(i) for i in range(3))],
+        ),
+        (
+            "regression",
+            network(3, loss="mse"),
+            targets,
+            lambda: [RegressionEvaluation()],
+            lambda es: [
+                *(
+                    f(i)
+                    for i in range(3)
+                    for f in (
+                        es[0].mean_squared_error,
+                        es[0].mean_absolute_error,
+                        es[0].r_squared,
+                        es[0].pearson_correlation,
+                    )
+                )
+            ],
+        ),
     ]
 
 
@@ -87,7 +123,10 @@ def test_distributed_equals_one_process(sc, case: int, partitions: int) -> None:
     assert [type(e) for e in remote] == [type(e) for e in local]
     assert metrics(remote) == pytest.approx(metrics(local), abs=1e-6)
     if case in (0, 1):  # counts: exactly equal
-        assert remote[-1 if case == 1 else 0].confusion_matrix().tolist() == local[-1 if case == 1 else 0].confusion_matrix().tolist()
+        assert (
+            remote[-1 if case == 1 else 0].confusion_matrix().tolist()
+            == local[-1 if case == 1 else 0].confusion_matrix().tolist()
+        )
     for e in remote:  # and the JSON round trip keeps every number
         assert type(e).from_json(e.to_json()) == e
 
@@ -95,8 +134,9 @@ def test_distributed_equals_one_process(sc, case: int, partitions: int) -> None:
 def test_batch_size_and_network_copies_do_not_change_results(sc) -> None:
     _, net, y, make, metrics = cases()[0]
     rdd = sc.parallelize(pieces(features(), y, 29), 5)
-    results = [metrics(do_evaluation(net, rdd, *make(), batch_size=b, num_workers=w)) for b, w in
-               [(1, 1), (64, 2), (1000, 1)]]
+    results = [
+        metrics(do_evaluation(net, rdd, *make(), batch_size=b, num_workers=w)) for b, w in [(1, 1), (64, 2), (1000, 1)]
+    ]
     # float32 forward passes of different batch sizes differ in the last bits, which can swap the
     # ranks of two nearly equal scores in the exact AUC: 1e-5 is one swapped pair in 175 x 525
     assert results[1] == pytest.approx(results[0], abs=1e-5)
@@ -184,7 +224,9 @@ def test_bad_input_is_named(sc) -> None:
     _, net, y, _, _ = cases()[0]
     x = features()
     with pytest.raises(EvaluationError, match="labels of shape") as info:
-        do_evaluation(net, sc.parallelize(pieces(x, torch.nn.functional.one_hot(y.clamp(max=2), 3).float()), 2), Evaluation())
+        do_evaluation(
+            net, sc.parallelize(pieces(x, torch.nn.functional.one_hot(y.clamp(max=2), 3).float()), 2), Evaluation()
+        )
     assert "partition" in "".join(getattr(info.value, "__notes__", []))
     broken = network(4)
     with torch.no_grad():

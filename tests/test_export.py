@@ -38,14 +38,18 @@ def assert_batches(paths: list[str], expected: list, storage_options: dict | Non
     assert all(g.equals(e) for g, e in zip(got, expected))
 
 
-@pytest.mark.parametrize("sizes, batch_size", [
-    ([3, 7, 1, 12, 5, 9, 2], 4),   # batches cross every partition boundary
-    ([1, 1, 1, 1, 1, 1, 1, 1, 1], 5),  # one batch spans all three partitions
-    ([40, 2, 30], 8),             # elements larger than a batch
-    ([6, 6, 6, 6, 6, 6], 6),      # boundaries fall exactly on partitions
-])
-def test_export_from_three_partitions_gives_exact_batches(sc: SparkContext, tmp_path: Path, sizes: list[int],
-                                                          batch_size: int) -> None:
+@pytest.mark.parametrize(
+    "sizes, batch_size",
+    [
+        ([3, 7, 1, 12, 5, 9, 2], 4),  # batches cross every partition boundary
+        ([1, 1, 1, 1, 1, 1, 1, 1, 1], 5),  # one batch spans all three partitions
+        ([40, 2, 30], 8),  # elements larger than a batch
+        ([6, 6, 6, 6, 6, 6], 6),  # boundaries fall exactly on partitions
+    ],
+)
+def test_export_from_three_partitions_gives_exact_batches(
+    sc: SparkContext, tmp_path: Path, sizes: list[int], batch_size: int
+) -> None:
     elements = sequences(sizes)
     rdd = sc.parallelize(elements, 3)
     assert rdd.getNumPartitions() == 3
@@ -58,8 +62,12 @@ def test_export_from_three_partitions_gives_exact_batches(sc: SparkContext, tmp_
 
 def test_export_with_an_empty_partition_and_multidatasets(sc: SparkContext, tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(3)
-    elements = [MultiDataSet([torch.randn(n, 3, generator=g), torch.randint(0, 9, (n,), generator=g)],
-                             [torch.randn(n, 2, generator=g)]) for n in (5, 3, 8)]
+    elements = [
+        MultiDataSet(
+            [torch.randn(n, 3, generator=g), torch.randint(0, 9, (n,), generator=g)], [torch.randn(n, 2, generator=g)]
+        )
+        for n in (5, 3, 8)
+    ]
     rdd = sc.parallelize(elements, 2).union(sc.parallelize([], 1)).union(sc.parallelize(elements[:1], 1))
     paths = export_minibatches(rdd, str(tmp_path / "m"), 6)
     assert_batches(paths, reference([*elements, elements[0]], 6))
@@ -70,8 +78,11 @@ def test_export_from_a_persisted_rdd_of_single_examples(sc: SparkContext, tmp_pa
     from dlscale import StorageLevel
 
     x = torch.randn(50, 4)
-    rdd = sc.parallelize(range(50), 3).map(lambda i: DataSet(x[i : i + 1], torch.tensor([i]))).persist(
-        StorageLevel.MEMORY_ONLY_SER)
+    rdd = (
+        sc.parallelize(range(50), 3)
+        .map(lambda i: DataSet(x[i : i + 1], torch.tensor([i])))
+        .persist(StorageLevel.MEMORY_ONLY_SER)
+    )
     try:
         paths = export_minibatches(rdd, str(tmp_path / "single"), 16)
     finally:
@@ -136,7 +147,10 @@ def test_bad_exports_name_what_is_wrong(sc: SparkContext, tmp_path: Path) -> Non
 
 
 def test_unreachable_bucket_is_named(s3: dict) -> None:
-    broken = {**s3, "client_kwargs": {**s3["client_kwargs"], "endpoint_url": "http://127.0.0.1:9"},
-              "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}}}
+    broken = {
+        **s3,
+        "client_kwargs": {**s3["client_kwargs"], "endpoint_url": "http://127.0.0.1:9"},
+        "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}},
+    }
     with pytest.raises(StorageError, match="s3://test-bucket/nowhere"):
         export_minibatches(sequences([2]), "s3://test-bucket/nowhere", 2, storage_options=broken)

@@ -60,7 +60,7 @@ def url(path: Path) -> str:
 
 def local(file_url: str) -> Path:
     assert file_url.startswith("file://")
-    return Path(file_url[len("file://"):])
+    return Path(file_url[len("file://") :])
 
 
 def source_images(src: Path) -> list[Path]:
@@ -195,7 +195,9 @@ def zip_of(entries: list[tuple[str, bytes]]) -> bytes:
 
 
 def manifest(**fields: object) -> tuple[str, bytes]:
-    return "manifest.json", json.dumps({"format": "dlscale-filebatch", "version": 1, "paths": ["a/b.txt"], **fields}).encode()
+    return "manifest.json", json.dumps(
+        {"format": "dlscale-filebatch", "version": 1, "paths": ["a/b.txt"], **fields}
+    ).encode()
 
 
 @pytest.mark.parametrize(
@@ -207,7 +209,10 @@ def manifest(**fields: object) -> tuple[str, bytes]:
         ([manifest(version=2), ("files/00000000.txt", b"x")], "version 2; this dlscale reads up to version 1"),
         ([manifest(version="1"), ("files/00000000.txt", b"x")], "unknown file batch format version"),
         ([manifest(paths="a/b.txt"), ("files/00000000.txt", b"x")], "no list of paths"),
-        ([manifest(paths=["a/b.txt", "a/c.txt"]), ("files/00000000.txt", b"x")], "lists 2 files but the archive holds 1"),
+        (
+            [manifest(paths=["a/b.txt", "a/c.txt"]), ("files/00000000.txt", b"x")],
+            "lists 2 files but the archive holds 1",
+        ),
         ([manifest(), ("files/00000007.txt", b"x")], "should be 'files/00000000.txt'"),
         ([("manifest.json", b"{not json"), ("files/00000000.txt", b"x")], "not a readable file batch"),
     ],

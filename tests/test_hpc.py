@@ -27,18 +27,35 @@ pytest.importorskip("dask_jobqueue")
 
 def small_network() -> Network:
     torch.manual_seed(0)
-    return Network(torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10)),
-                   "cross_entropy", functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9))
+    return Network(
+        torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10)),
+        "cross_entropy",
+        functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9),
+    )
 
 
 def test_job_script_and_its_workers(tmp_path: Path) -> None:
-    cluster = slurm_cluster(cores=2, memory="2GB", processes=2, gpus=2, walltime="00:30:00", queue="gpu",
-                            scheduler_options={"host": "127.0.0.1", "dashboard_address": None},
-                            log_directory=str(tmp_path))
+    cluster = slurm_cluster(
+        cores=2,
+        memory="2GB",
+        processes=2,
+        gpus=2,
+        walltime="00:30:00",
+        queue="gpu",
+        scheduler_options={"host": "127.0.0.1", "dashboard_address": None},
+        log_directory=str(tmp_path),
+    )
     try:
         script = cluster.job_script()
-        for expected in ("#SBATCH --gres=gpu:2", "#SBATCH -p gpu", "#SBATCH -t 00:30:00", "--nworkers 2",
-                         "--nthreads 1", "--resources GPU=1", cluster.scheduler_address):
+        for expected in (
+            "#SBATCH --gres=gpu:2",
+            "#SBATCH -p gpu",
+            "#SBATCH -t 00:30:00",
+            "--nworkers 2",
+            "--nthreads 1",
+            "--resources GPU=1",
+            cluster.scheduler_address,
+        ):
             assert expected in script, expected
         # what SLURM would run on the allocated node: the script's worker command
         command = shlex.split(script.strip().splitlines()[-1].replace("dummy-name", "slurm-job-1"))
@@ -50,8 +67,9 @@ def test_job_script_and_its_workers(tmp_path: Path) -> None:
                 assert [w["resources"] for w in workers] == [{"GPU": 1.0}] * 2
                 x, y = load_digits()
                 network = small_network()
-                spark_net = SparkNet(sc, network, SharedTrainingMaster(16, rng_seed=0,
-                                                                       export_directory=str(tmp_path / "e")))
+                spark_net = SparkNet(
+                    sc, network, SharedTrainingMaster(16, rng_seed=0, export_directory=str(tmp_path / "e"))
+                )
                 rdd = sc.parallelize(DataSet(x.flatten(1)[:400], y[:400]).batch_by(20), 4)
                 spark_net.fit(rdd, epochs=3)
                 assert spark_net.evaluate(rdd).accuracy() > 0.3  # learned something (chance is 0.1)
@@ -98,8 +116,14 @@ def test_slurm_runner_with_the_environment_srun_gives(tmp_path: Path) -> None:
     tasks = []
     for rank in range(4):  # scheduler, driver, two workers
         env = {**os.environ, "SLURM_PROCID": str(rank), "SLURM_NTASKS": "4", "SLURM_JOB_ID": "4242"}
-        tasks.append(subprocess.Popen([sys.executable, str(job), str(out), str(scheduler_file)], env=env,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        tasks.append(
+            subprocess.Popen(
+                [sys.executable, str(job), str(out), str(scheduler_file)],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+        )
     deadline = time.monotonic() + 120
     try:
         tasks[1].wait(max(1, deadline - time.monotonic()))

@@ -120,7 +120,7 @@ def test_score_examples_and_calculate_score(sc) -> None:
     penalty = 0.005 * float(net.params().pow(2).sum())
     with_reg = torch.tensor(score_examples(net, rdd, include_regularization=True, batch_size=40).collect())
     torch.testing.assert_close(with_reg, expected + penalty, atol=1e-5, rtol=0)
-    keyed_pairs = sc.parallelize([(f"k{i}", DataSet(x[i:i + 1], y[i:i + 1])) for i in range(300)], 3)
+    keyed_pairs = sc.parallelize([(f"k{i}", DataSet(x[i : i + 1], y[i : i + 1])) for i in range(300)], 3)
     got = dict(score_examples(net, keyed_pairs).collect())
     torch.testing.assert_close(torch.tensor([got[f"k{i}"] for i in range(300)]), expected, atol=1e-6, rtol=0)
     assert calculate_score(net, rdd) == pytest.approx(net.score(DataSet(x, y)), abs=1e-6)

@@ -27,7 +27,7 @@ def text_dir(tmp_path: Path) -> Path:
     d.mkdir()
     (d / "a.txt").write_text("alpha\nbeta\n\ngamma\n")
     (d / "b.txt").write_text("".join(f"line {i}\r\n" for i in range(200)) + "no newline at end")
-    (d / "c.txt.gz").write_bytes(gzip.compress("zipped one\nzipped two\n".encode()))
+    (d / "c.txt.gz").write_bytes(gzip.compress(b"zipped one\nzipped two\n"))
     (d / "_SUCCESS").write_text("")
     (d / ".hidden").write_text("never read\n")
     return d
@@ -49,7 +49,10 @@ def test_whole_text_and_binary_files_match_pyspark(text_dir: Path, sc: SparkCont
     def by_name(pairs: list) -> list:
         return sorted((os.path.basename(p), v) for p, v in pairs)
 
-    assert by_name(sc.wholeTextFiles(str(text_dir)).collect())[:2] == by_name(spark.wholeTextFiles(str(text_dir)).collect())[:2]
+    assert (
+        by_name(sc.wholeTextFiles(str(text_dir)).collect())[:2]
+        == by_name(spark.wholeTextFiles(str(text_dir)).collect())[:2]
+    )
     ours = dict(by_name(sc.binaryFiles(str(text_dir)).collect()))
     assert ours["a.txt"] == b"alpha\nbeta\n\ngamma\n"
     assert set(ours) == {"a.txt", "b.txt", "c.txt.gz"}
@@ -153,7 +156,12 @@ def test_s3_round_trip(s3: dict, sc: SparkContext) -> None:
     sc.parallelize([f"row {i}" for i in range(100)], 4).saveAsTextFile("s3://test-bucket/lines", storage_options=s3)
     fs = fsspec.filesystem("s3", **s3)
     assert sorted(p.rsplit("/", 1)[1] for p in fs.ls("test-bucket/lines")) == [
-        "_SUCCESS", "part-00000", "part-00001", "part-00002", "part-00003"]
+        "_SUCCESS",
+        "part-00000",
+        "part-00001",
+        "part-00002",
+        "part-00003",
+    ]
     back = sc.textFile("s3://test-bucket/lines", storage_options=s3)
     assert back.collect() == [f"row {i}" for i in range(100)]
     sc.parallelize([torch.ones(3) * i for i in range(10)], 2).saveAsPickleFile("s3://test-bucket/p", storage_options=s3)

@@ -89,8 +89,7 @@ def test_training_over_more_data_than_the_workers_memory(small_sc: SparkContext,
     pids = ctx.client.run(os.getpid)
     count = 2 * WORKERS * MEMORY_LIMIT // (TRAIN_BATCH * TRAIN_FEATURES * 4)  # 2x the workers' memory in all
     export_minibatches(_minibatches(count), str(tmp_path / "train"), TRAIN_BATCH)
-    network = Network(torch.nn.Linear(TRAIN_FEATURES, 2), "cross_entropy",
-                      functools.partial(torch.optim.SGD, lr=0.01))
+    network = Network(torch.nn.Linear(TRAIN_FEATURES, 2), "cross_entropy", functools.partial(torch.optim.SGD, lr=0.01))
     before = network.params().clone()
     spark_net = SparkNet(ctx, network, SharedTrainingMaster(TRAIN_BATCH, collect_training_stats=True, rng_seed=0))
     spark_net.fit_paths(list_paths(ctx, str(tmp_path / "train")), epochs=2)

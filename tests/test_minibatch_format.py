@@ -25,7 +25,9 @@ def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torc
     if dtype.is_floating_point:
         return (torch.randn(shape, generator=g) * 100).to(dtype)
     info = torch.iinfo(dtype)
-    return torch.randint(max(info.min, -(2**31)), min(info.max, 2**31 - 1), shape, generator=g, dtype=torch.int64).to(dtype)
+    return torch.randint(max(info.min, -(2**31)), min(info.max, 2**31 - 1), shape, generator=g, dtype=torch.int64).to(
+        dtype
+    )
 
 
 SHAPES = [(5,), (5, 3), (5, 4, 2), (5, 2, 3, 4), (0, 3)]
@@ -87,14 +89,19 @@ def test_s3_round_trip_every_dtype_shape_and_mask(s3: dict) -> None:
     cases = {}
     for name, dtype in DTYPES.items():
         for shape in SHAPES:
-            cases[f"{name}-{len(shape)}d-{shape[0]}"] = DataSet(random_tensor(shape, dtype, 1),
-                                                               random_tensor((shape[0], 2), dtype, 2))
+            cases[f"{name}-{len(shape)}d-{shape[0]}"] = DataSet(
+                random_tensor(shape, dtype, 1), random_tensor((shape[0], 2), dtype, 2)
+            )
     for masks in ("features", "labels", "both"):
         fmask = (torch.rand(6, 7) > 0.3).float() if masks in ("features", "both") else None
         lmask = (torch.rand(6, 7) > 0.3).float() if masks in ("labels", "both") else None
         cases[f"mask-{masks}"] = DataSet(torch.randn(6, 7, 3), torch.randn(6, 7, 2), fmask, lmask)
-    cases["multi"] = MultiDataSet([torch.randn(3, 4, 2), torch.randint(0, 9, (3,))], [torch.randn(3, 4, 1)],
-                                  [torch.ones(3, 4), None], [torch.ones(3, 4)])
+    cases["multi"] = MultiDataSet(
+        [torch.randn(3, 4, 2), torch.randint(0, 9, (3,))],
+        [torch.randn(3, 4, 1)],
+        [torch.ones(3, 4), None],
+        [torch.ones(3, 4)],
+    )
     for key, ds in cases.items():
         save(ds, f"s3://test-bucket/batches/{key}.dlb", storage_options=s3)
     for key, ds in cases.items():
@@ -208,10 +215,12 @@ def test_merge_pads_sequences_and_builds_masks() -> None:
     assert m.features_mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0]]
     assert m.labels_mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
     assert m.features[0, 3:].abs().sum() == 0 and m.features[2, :].eq(2).all()
-    mds = MultiDataSet.merge([
-        MultiDataSet([torch.ones(1, 2, 3), torch.ones(1, 4)], [torch.ones(1)]),
-        MultiDataSet([torch.ones(2, 4, 3), torch.ones(2, 4)], [torch.zeros(2)]),
-    ])
+    mds = MultiDataSet.merge(
+        [
+            MultiDataSet([torch.ones(1, 2, 3), torch.ones(1, 4)], [torch.ones(1)]),
+            MultiDataSet([torch.ones(2, 4, 3), torch.ones(2, 4)], [torch.zeros(2)]),
+        ]
+    )
     assert mds.features[0].shape == (3, 4, 3) and mds.features_masks[0].sum() == 2 + 8
     assert mds.features_masks[1] is None and mds.labels[0].tolist() == [1, 0, 0]
 

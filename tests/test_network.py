@@ -55,10 +55,14 @@ def flat(module: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
 
 
-@pytest.mark.parametrize("optimizer", [
-    functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
-    functools.partial(torch.optim.Adam, lr=0.01),
-], ids=["sgd-momentum", "adam"])
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
+        functools.partial(torch.optim.Adam, lr=0.01),
+    ],
+    ids=["sgd-momentum", "adam"],
+)
 def test_training_equals_plain_pytorch(optimizer: functools.partial) -> None:
     net = Network(fresh(mlp), "cross_entropy", optimizer)
     ref = fresh(mlp)
@@ -77,12 +81,16 @@ def test_training_equals_plain_pytorch(optimizer: functools.partial) -> None:
 
 def test_multi_input_multi_output_sums_the_losses() -> None:
     g = torch.Generator().manual_seed(2)
-    mds = MultiDataSet([torch.randn(12, 4, generator=g), torch.randn(12, 2, generator=g)],
-                       [torch.randint(0, 3, (12,), generator=g), torch.randn(12, 1, generator=g)])
+    mds = MultiDataSet(
+        [torch.randn(12, 4, generator=g), torch.randn(12, 2, generator=g)],
+        [torch.randint(0, 3, (12,), generator=g), torch.randn(12, 1, generator=g)],
+    )
     opt = functools.partial(torch.optim.SGD, lr=0.05)
     net = Network(fresh(TwoInTwoOut), "mse", opt)
-    with pytest.raises(DataShapeError, match=r"labels of shape \(12,\).*do not fit loss 'mse'.*\(12, 3\)"), \
-            pytest.warns(UserWarning):
+    with (
+        pytest.raises(DataShapeError, match=r"labels of shape \(12,\).*do not fit loss 'mse'.*\(12, 3\)"),
+        pytest.warns(UserWarning),
+    ):
         net.fit(mds)  # class indices cannot be regressed on the 3 class scores
 
     def both(outputs: list, labels: list) -> torch.Tensor:
@@ -119,7 +127,9 @@ def test_masked_sequence_loss_ignores_padding() -> None:
     keep = mask.bool()
     expected = F.cross_entropy(out[keep], labels[keep])
     assert net.score(DataSet(out, labels, None, mask)) == pytest.approx(float(expected), rel=1e-6)
-    assert net.score(DataSet(out, labels)) == pytest.approx(float(F.cross_entropy(out.reshape(-1, 3), labels.reshape(-1))))
+    assert net.score(DataSet(out, labels)) == pytest.approx(
+        float(F.cross_entropy(out.reshape(-1, 3), labels.reshape(-1)))
+    )
 
 
 def test_bad_input_is_named() -> None:
@@ -213,7 +223,9 @@ def test_crafted_and_damaged_archives_are_refused(tmp_path: Path, monkeypatch: p
         (tmp_path / name).write_bytes(out.getvalue())
         return str(tmp_path / name)
 
-    evil = archive("evil.dln", {**header, "factory": {"name": "os:system", "kwargs": {"command": "touch PWNED_BY_ARCHIVE"}}}, blob)
+    evil = archive(
+        "evil.dln", {**header, "factory": {"name": "os:system", "kwargs": {"command": "touch PWNED_BY_ARCHIVE"}}}, blob
+    )
     with pytest.raises(ValueError, match="'os:system', which is not registered"):
         Network.load(evil)
     (tmp_path / "pickled.dln").write_bytes(pickle.dumps(RunsCode()))

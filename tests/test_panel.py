@@ -16,9 +16,9 @@ import torch
 
 from dlscale import ParameterAveragingTrainingMaster, SharedTrainingMaster, SparkNet
 from dlscale.data import DataSet
+from dlscale.monitor.panel import PATH, TrainingPanel, open_fit, url
+from dlscale.monitor.progress import Progress
 from dlscale.nn import Network
-from dlscale.panel import PATH, TrainingPanel, open_fit, url
-from dlscale.progress import Progress
 
 
 def network() -> Network:
@@ -31,7 +31,7 @@ def batches(n: int = 800, size: int = 16) -> list[DataSet]:
     g = torch.Generator().manual_seed(2)
     x = torch.randn(n, 6, generator=g)
     y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
-    return [DataSet(x[i:i + size], y[i:i + size]) for i in range(0, n, size)]
+    return [DataSet(x[i : i + size], y[i : i + size]) for i in range(0, n, size)]
 
 
 def fetch(address: str) -> str:
@@ -59,7 +59,10 @@ def test_gradient_sharing_rows_match_each_trainers_statistics(sc) -> None:
         trainer = stats[name]
         assert row["worker"] == trainer.worker
         assert (row["minibatches"], row["examples"], row["bytes_sent"]) == (
-            trainer.minibatches, trainer.examples, trainer.bytes_sent)
+            trainer.minibatches,
+            trainer.examples,
+            trainer.bytes_sent,
+        )
         if trainer.steps:
             _, threshold, sparsity, _ = trainer.steps[-1]
             assert row["threshold"] == pytest.approx(threshold) and row["sparsity"] == pytest.approx(sparsity)
@@ -74,8 +77,9 @@ def test_gradient_sharing_rows_match_each_trainers_statistics(sc) -> None:
 
 
 def test_parameter_averaging_rows_match_each_workers_rounds(sc, tmp_path) -> None:
-    master = ParameterAveragingTrainingMaster(16, averaging_frequency=3, collect_training_stats=True,
-                                              export_directory=str(tmp_path))
+    master = ParameterAveragingTrainingMaster(
+        16, averaging_frequency=3, collect_training_stats=True, export_directory=str(tmp_path)
+    )
     spark_net = SparkNet(sc, network(), master)
     spark_net.fit(sc.parallelize(batches(), 3), epochs=2)
     fit = newest(sc, "parameter averaging")
@@ -87,8 +91,9 @@ def test_parameter_averaging_rows_match_each_workers_rounds(sc, tmp_path) -> Non
             counts[0] += len(w.batches)
             counts[1] += w.examples
             counts[2] = w.score
-    assert {name: [row["minibatches"], row["examples"], pytest.approx(row["loss"])]
-            for name, row in fit["rows"].items()} == expected
+    assert {
+        name: [row["minibatches"], row["examples"], pytest.approx(row["loss"])] for name, row in fit["rows"].items()
+    } == expected
     assert fit["done"] == fit["minibatches"] == sum(c[0] for c in expected.values())
     assert all(row["threshold"] is None for row in fit["rows"].values())
 
@@ -97,13 +102,44 @@ def test_the_page_refreshes_while_a_fit_runs_and_escapes_names() -> None:
     panel = TrainingPanel()
     panel.begin("f1", "gradient sharing", 10)
     t0 = time.time()
-    panel.record("f1", [{"row": "<t>#0", "worker": "tcp://a:1", "minibatches": 2, "examples": 20, "loss": 1.5,
-                         "threshold": 1e-3, "sparsity": 0.01, "bytes_sent": 100}])
-    panel.record("f1", [{"row": "<t>#0", "worker": "tcp://a:1", "minibatches": 3, "examples": 30, "loss": 0.5,
-                         "threshold": 2e-3, "sparsity": 0.02, "bytes_sent": 50}])
+    panel.record(
+        "f1",
+        [
+            {
+                "row": "<t>#0",
+                "worker": "tcp://a:1",
+                "minibatches": 2,
+                "examples": 20,
+                "loss": 1.5,
+                "threshold": 1e-3,
+                "sparsity": 0.01,
+                "bytes_sent": 100,
+            }
+        ],
+    )
+    panel.record(
+        "f1",
+        [
+            {
+                "row": "<t>#0",
+                "worker": "tcp://a:1",
+                "minibatches": 3,
+                "examples": 30,
+                "loss": 0.5,
+                "threshold": 2e-3,
+                "sparsity": 0.02,
+                "bytes_sent": 50,
+            }
+        ],
+    )
     row = panel.view()["f1"]["rows"]["<t>#0"]
     assert (row["minibatches"], row["examples"], row["bytes_sent"], row["loss"], row["threshold"]) == (
-        5, 50, 150, 0.5, 2e-3)
+        5,
+        50,
+        150,
+        0.5,
+        2e-3,
+    )
     assert row["examples_per_second"] > 30 / (time.time() - t0) * 0.5
     page = panel.page()
     assert 'http-equiv="refresh"' in page and "gradient sharing: running" in page and "5 of 10 minibatches" in page
@@ -143,7 +179,9 @@ def test_the_panel_is_live_during_a_fit(sc, tmp_path) -> None:
     watcher = threading.Thread(target=watch, args=(stop,))
     watcher.start()
     try:
-        SparkNet(sc, network(), SharedTrainingMaster(batch_size_per_worker=16)).fit(sc.parallelize(batches(1600), 4), epochs=3)
+        SparkNet(sc, network(), SharedTrainingMaster(batch_size_per_worker=16)).fit(
+            sc.parallelize(batches(1600), 4), epochs=3
+        )
     finally:
         stop.set()
         watcher.join()

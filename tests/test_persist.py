@@ -15,9 +15,17 @@ from dask.sizeof import sizeof
 from dlscale import CorruptDataError, SparkContext, StorageLevel
 
 ALL_LEVELS = [
-    "MEMORY_ONLY", "MEMORY_ONLY_2", "MEMORY_ONLY_SER", "MEMORY_ONLY_SER_2", "MEMORY_AND_DISK",
-    "MEMORY_AND_DISK_2", "MEMORY_AND_DISK_SER", "MEMORY_AND_DISK_SER_2", "MEMORY_AND_DISK_DESER",
-    "DISK_ONLY", "OFF_HEAP",
+    "MEMORY_ONLY",
+    "MEMORY_ONLY_2",
+    "MEMORY_ONLY_SER",
+    "MEMORY_ONLY_SER_2",
+    "MEMORY_AND_DISK",
+    "MEMORY_AND_DISK_2",
+    "MEMORY_AND_DISK_SER",
+    "MEMORY_AND_DISK_SER_2",
+    "MEMORY_AND_DISK_DESER",
+    "DISK_ONLY",
+    "OFF_HEAP",
 ]
 
 

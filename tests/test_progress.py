@@ -12,8 +12,8 @@ import torch
 
 from dlscale import ParameterAveragingTrainingMaster, SparkNet
 from dlscale.data import DataSet
+from dlscale.monitor.progress import Progress
 from dlscale.nn import Network
-from dlscale.progress import Progress
 
 
 class Terminal(io.StringIO):
@@ -35,7 +35,7 @@ def test_a_line_per_epoch_with_the_example_weighted_loss() -> None:
 
 
 def test_a_live_bar_on_a_terminal_and_nothing_when_off(monkeypatch) -> None:
-    monkeypatch.setattr("dlscale.progress.REDRAW_SECONDS", 0.0)
+    monkeypatch.setattr("dlscale.monitor.progress.REDRAW_SECONDS", 0.0)
     terminal = Terminal()
     with dask.config.set({"dlscale.progress": "auto"}):
         bar = Progress("training", per_epoch=4, epochs=1, stream=terminal)

@@ -60,7 +60,9 @@ CASES: dict[str, tuple[Callable[[Any], Any], bool]] = {
     "filter": (lambda c: nums(c).filter(lambda x: x % 3 == 0).glom().collect(), False),
     "mapPartitions": (lambda c: nums(c).mapPartitions(lambda it: [sum(it)]).collect(), False),
     "mapPartitionsWithIndex": (
-        lambda c: nums(c, 10).mapPartitionsWithIndex(lambda i, it: [(i, list(it))]).collect(), False),
+        lambda c: nums(c, 10).mapPartitionsWithIndex(lambda i, it: [(i, list(it))]).collect(),
+        False,
+    ),
     "glom": (lambda c: nums(c, 7, 3).glom().collect(), False),
     "keyBy": (lambda c: nums(c, 5).keyBy(lambda x: x % 2).collect(), False),
     "keys": (lambda c: pairs(c).keys().collect(), False),
@@ -80,7 +82,10 @@ CASES: dict[str, tuple[Callable[[Any], Any], bool]] = {
     "sample.with_replacement": (lambda c: nums(c, 100, 4).sample(True, 0.5, 7).collect(), False),
     "randomSplit": (lambda c: [r.collect() for r in nums(c, 100, 3).randomSplit([2, 3], 17)], False),
     # wide transformations
-    "partitionBy.glom": (lambda c: c.parallelize([1, 2, 3, 4, 2, 4, 1], 3).map(lambda x: (x, x)).partitionBy(2).glom().collect(), False),
+    "partitionBy.glom": (
+        lambda c: c.parallelize([1, 2, 3, 4, 2, 4, 1], 3).map(lambda x: (x, x)).partitionBy(2).glom().collect(),
+        False,
+    ),
     "partitionBy.custom": (lambda c: pairs(c).partitionBy(3, lambda k: ord(k[0])).glom().collect(), False),
     "reduceByKey": (lambda c: pairs(c).reduceByKey(operator.add).collect(), True),
     "reduceByKey.numPartitions": (lambda c: pairs(c).reduceByKey(operator.add, 5).getNumPartitions(), False),
@@ -88,9 +93,24 @@ CASES: dict[str, tuple[Callable[[Any], Any], bool]] = {
     "groupByKey": (lambda c: pairs(c).groupByKey().mapValues(sorted).collect(), True),
     "groupByKey.len": (lambda c: pairs(c).groupByKey().mapValues(len).collect(), True),
     "groupBy": (lambda c: nums(c, 10).groupBy(lambda x: x % 3).mapValues(sorted).collect(), True),
-    "combineByKey": (lambda c: pairs(c).combineByKey(lambda v: [v], lambda a, v: a + [v], lambda a, b: a + b).mapValues(sorted).collect(), True),
-    "aggregateByKey": (lambda c: pairs(c).aggregateByKey((0, 0), lambda a, v: (a[0] + v, a[1] + 1), lambda a, b: (a[0] + b[0], a[1] + b[1])).collect(), True),
-    "aggregateByKey.mutable_zero": (lambda c: pairs(c).aggregateByKey([], lambda a, v: a + [v], lambda a, b: a + b).mapValues(sorted).collect(), True),
+    "combineByKey": (
+        lambda c: (
+            pairs(c).combineByKey(lambda v: [v], lambda a, v: a + [v], lambda a, b: a + b).mapValues(sorted).collect()
+        ),
+        True,
+    ),
+    "aggregateByKey": (
+        lambda c: (
+            pairs(c)
+            .aggregateByKey((0, 0), lambda a, v: (a[0] + v, a[1] + 1), lambda a, b: (a[0] + b[0], a[1] + b[1]))
+            .collect()
+        ),
+        True,
+    ),
+    "aggregateByKey.mutable_zero": (
+        lambda c: pairs(c).aggregateByKey([], lambda a, v: a + [v], lambda a, b: a + b).mapValues(sorted).collect(),
+        True,
+    ),
     "foldByKey": (lambda c: pairs(c).foldByKey(0, operator.add).collect(), True),
     "distinct": (lambda c: c.parallelize([1, 1, 2, 3, 3, 3, "a", "a", None], 3).distinct().collect(), True),
     "distinct.numPartitions": (lambda c: c.parallelize([1, 1, 2], 3).distinct(2).getNumPartitions(), False),
@@ -99,16 +119,34 @@ CASES: dict[str, tuple[Callable[[Any], Any], bool]] = {
     "leftOuterJoin": (lambda c: pairs(c).leftOuterJoin(other_pairs(c)).collect(), True),
     "rightOuterJoin": (lambda c: pairs(c).rightOuterJoin(other_pairs(c)).collect(), True),
     "fullOuterJoin": (lambda c: pairs(c).fullOuterJoin(other_pairs(c), 2).collect(), True),
-    "cogroup": (lambda c: [(k, (sorted(a), sorted(b))) for k, (a, b) in pairs(c).cogroup(other_pairs(c)).collect()], True),
+    "cogroup": (
+        lambda c: [(k, (sorted(a), sorted(b))) for k, (a, b) in pairs(c).cogroup(other_pairs(c)).collect()],
+        True,
+    ),
     "subtractByKey": (lambda c: pairs(c).subtractByKey(other_pairs(c)).collect(), True),
     "subtract": (lambda c: c.parallelize([1, 2, 2, 3, 4, 5], 2).subtract(c.parallelize([2, 5, 9], 2)).collect(), True),
-    "intersection": (lambda c: c.parallelize([1, 2, 2, 3, 4, 5], 2).intersection(c.parallelize([2, 5, 5, 9], 3)).collect(), True),
-    "groupWith": (lambda c: [(k, tuple(sorted(g) for g in gs)) for k, gs in pairs(c).groupWith(other_pairs(c), c.parallelize([("a", 0.5)], 1)).collect()], True),
+    "intersection": (
+        lambda c: c.parallelize([1, 2, 2, 3, 4, 5], 2).intersection(c.parallelize([2, 5, 5, 9], 3)).collect(),
+        True,
+    ),
+    "groupWith": (
+        lambda c: [
+            (k, tuple(sorted(g) for g in gs))
+            for k, gs in pairs(c).groupWith(other_pairs(c), c.parallelize([("a", 0.5)], 1)).collect()
+        ],
+        True,
+    ),
     "cartesian": (lambda c: nums(c, 3, 2).cartesian(c.parallelize("ab", 2)).glom().collect(), False),
     "sortByKey": (lambda c: pairs(c).sortByKey().collect(), False),
     "sortByKey.descending": (lambda c: pairs(c).sortByKey(False).collect(), False),
-    "sortByKey.glom": (lambda c: c.parallelize([(i * 37 % 101, i) for i in range(100)], 4).sortByKey(True, 3).glom().collect(), False),
-    "sortByKey.keyfunc": (lambda c: c.parallelize([("B", 1), ("a", 2), ("C", 3)], 2).sortByKey(True, 1, keyfunc=str.lower).collect(), False),
+    "sortByKey.glom": (
+        lambda c: c.parallelize([(i * 37 % 101, i) for i in range(100)], 4).sortByKey(True, 3).glom().collect(),
+        False,
+    ),
+    "sortByKey.keyfunc": (
+        lambda c: c.parallelize([("B", 1), ("a", 2), ("C", 3)], 2).sortByKey(True, 1, keyfunc=str.lower).collect(),
+        False,
+    ),
     "sortBy": (lambda c: c.parallelize([5, 3, 9, 1, 7, 2], 3).sortBy(lambda x: -x).collect(), False),
     "sortBy.numPartitions": (lambda c: nums(c, 50, 3).sortBy(lambda x: x % 7, True, 2).glom().collect(), False),
     # actions
@@ -121,11 +159,17 @@ CASES: dict[str, tuple[Callable[[Any], Any], bool]] = {
     "top": (lambda c: nums(c).top(4), False),
     "top.key": (lambda c: nums(c).top(3, key=lambda x: -x), False),
     "takeOrdered": (lambda c: c.parallelize([10, 1, 2, 9, 3, 4, 5, 6, 7], 3).takeOrdered(6), False),
-    "takeOrdered.key": (lambda c: c.parallelize([10, 1, 2, 9, 3, 4, 5, 6, 7], 3).takeOrdered(4, key=lambda x: -x), False),
+    "takeOrdered.key": (
+        lambda c: c.parallelize([10, 1, 2, 9, 3, 4, 5, 6, 7], 3).takeOrdered(4, key=lambda x: -x),
+        False,
+    ),
     "reduce": (lambda c: nums(c).reduce(operator.add), False),
     "fold": (lambda c: nums(c).fold(0, operator.add), False),
     "fold.nonneutral_zero": (lambda c: nums(c, 10, 4).fold(1, operator.add), False),
-    "aggregate": (lambda c: nums(c).aggregate((0, 0), lambda a, x: (a[0] + x, a[1] + 1), lambda a, b: (a[0] + b[0], a[1] + b[1])), False),
+    "aggregate": (
+        lambda c: nums(c).aggregate((0, 0), lambda a, x: (a[0] + x, a[1] + 1), lambda a, b: (a[0] + b[0], a[1] + b[1])),
+        False,
+    ),
     "treeReduce": (lambda c: nums(c, 100, 10).treeReduce(operator.add, 3), False),
     "treeAggregate": (lambda c: nums(c, 100, 10).treeAggregate(0, operator.add, operator.add, 2), False),
     "sum": (lambda c: nums(c).sum(), False),
@@ -143,7 +187,10 @@ CASES: dict[str, tuple[Callable[[Any], Any], bool]] = {
     "histogram.int": (lambda c: nums(c, 51, 3).histogram(4), False),
     "histogram.float_buckets": (lambda c: c.parallelize([1.1, 2.5, 3.3, 9.9, 5.0], 2).histogram(3), False),
     "histogram.list": (lambda c: nums(c, 51, 3).histogram([0, 5, 25, 50]), False),
-    "histogram.uneven_list": (lambda c: c.parallelize([1, 2, 3, 50, None, float("nan")], 2).histogram([0, 10, 20, 50]), False),
+    "histogram.uneven_list": (
+        lambda c: c.parallelize([1, 2, 3, 50, None, float("nan")], 2).histogram([0, 10, 20, 50]),
+        False,
+    ),
     "histogram.one_value": (lambda c: c.parallelize([3, 3, 3], 2).histogram(3), False),
     "countByValue": (lambda c: dict(c.parallelize([1, 2, 1, 2, 2, "x"], 2).countByValue()), False),
     "countByKey": (lambda c: dict(pairs(c).countByKey()), False),
@@ -151,9 +198,20 @@ CASES: dict[str, tuple[Callable[[Any], Any], bool]] = {
     "lookup": (lambda c: sorted(pairs(c).lookup("a")), False),
     # int keys: PySpark's driver hashes strings with its own salt, so its partitioned lookup of a
     # string key depends on PYTHONHASHSEED being set before the driver started
-    "lookup.partitioned": (lambda c: sorted(c.parallelize([(i % 7, i) for i in range(50)], 3).partitionBy(4).lookup(3)), False),
+    "lookup.partitioned": (
+        lambda c: sorted(c.parallelize([(i % 7, i) for i in range(50)], 3).partitionBy(4).lookup(3)),
+        False,
+    ),
     "lookup.missing": (lambda c: pairs(c).lookup("zz"), False),
-    "isEmpty": (lambda c: (nums(c).isEmpty(), c.parallelize([], 2).isEmpty(), c.emptyRDD().isEmpty(), nums(c).filter(lambda x: x > 99).isEmpty()), False),
+    "isEmpty": (
+        lambda c: (
+            nums(c).isEmpty(),
+            c.parallelize([], 2).isEmpty(),
+            c.emptyRDD().isEmpty(),
+            nums(c).filter(lambda x: x > 99).isEmpty(),
+        ),
+        False,
+    ),
     "takeSample.without": (lambda c: nums(c, 100, 4).takeSample(False, 10, 3), False),
     "takeSample.with": (lambda c: nums(c, 100, 4).takeSample(True, 12, 5), False),
     "takeSample.all": (lambda c: nums(c, 10, 3).takeSample(False, 20, 1), False),

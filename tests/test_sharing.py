@@ -48,8 +48,9 @@ def mlp(sizes: list[int], lr: float = 0.01) -> Network:
     layers: list[torch.nn.Module] = []
     for a, b in itertools.pairwise(sizes):
         layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
-    return Network(torch.nn.Sequential(*layers[:-1]), "cross_entropy",
-                   functools.partial(torch.optim.SGD, lr=lr, momentum=0.9))
+    return Network(
+        torch.nn.Sequential(*layers[:-1]), "cross_entropy", functools.partial(torch.optim.SGD, lr=lr, momentum=0.9)
+    )
 
 
 def accuracy(net: Network, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -61,12 +62,12 @@ def single_process(sizes: list[int], x: torch.Tensor, y: torch.Tensor, epochs: i
     g = torch.Generator().manual_seed(1)
     for _ in range(epochs):
         order = torch.randperm(len(x), generator=g)
-        net.fit([DataSet(x[order[i:i + BATCH]], y[order[i:i + BATCH]]) for i in range(0, len(x), BATCH)])
+        net.fit([DataSet(x[order[i : i + BATCH]], y[order[i : i + BATCH]]) for i in range(0, len(x), BATCH)])
     return net
 
 
 def examples_rdd(sc: SparkContext, x: torch.Tensor, y: torch.Tensor, partitions: int = 4) -> RDD:
-    return sc.parallelize([DataSet(x[i:i + 4], y[i:i + 4]) for i in range(0, len(x), 4)], partitions)
+    return sc.parallelize([DataSet(x[i : i + 4], y[i : i + 4]) for i in range(0, len(x), 4)], partitions)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +83,8 @@ def data() -> tuple[torch.Tensor, ...]:
 
 @pytest.mark.parametrize("workers", [2, 3])
 def test_digits_accuracy_matches_single_process_with_100x_compression(
-        workers: int, sc: SparkContext, sc3: SparkContext, data: tuple[torch.Tensor, ...]) -> None:
+    workers: int, sc: SparkContext, sc3: SparkContext, data: tuple[torch.Tensor, ...]
+) -> None:
     x, y, tx, ty = data
     sizes = [64, 256, 256, 10]
     reference = accuracy(single_process(sizes, x, y, EPOCHS), tx, ty)
@@ -120,7 +122,7 @@ def test_small_momentum_network_matches_single_process(sc: SparkContext, data: t
     g = torch.Generator().manual_seed(1)
     for _ in range(epochs):
         order = torch.randperm(len(x), generator=g)
-        reference.fit([DataSet(x[order[i:i + BATCH]], y[order[i:i + BATCH]]) for i in range(0, len(x), BATCH)])
+        reference.fit([DataSet(x[order[i : i + BATCH]], y[order[i : i + BATCH]]) for i in range(0, len(x), BATCH)])
     expected = accuracy(reference, tx, ty)
     shared = []
     for seed in (0, 1, 2):  # asynchronous: each run takes its own path, so the mean of three is compared
@@ -136,11 +138,16 @@ def test_momentum_masking_zeroes_the_momentum_of_sent_elements() -> None:
     from dlscale.training.sharing._trainer import _mask_momentum
 
     x, y, _, _ = digits()
-    for optimizer, key in ((functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9), "momentum_buffer"),
-                           (functools.partial(torch.optim.Adam, lr=0.01), "exp_avg")):
+    for optimizer, key in (
+        (functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9), "momentum_buffer"),
+        (functools.partial(torch.optim.Adam, lr=0.01), "exp_avg"),
+    ):
         torch.manual_seed(0)
-        net = Network(torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.ReLU(), torch.nn.Linear(8, 10)),
-                      "cross_entropy", optimizer)
+        net = Network(
+            torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.ReLU(), torch.nn.Linear(8, 10)),
+            "cross_entropy",
+            optimizer,
+        )
         before = net.params().clone()
         net.fit_batch(DataSet(x[:32], y[:32]))
         residual = net.params() - before
@@ -164,11 +171,13 @@ def test_larger_synthetic_task_from_paths_matches_single_process(sc: SparkContex
     sizes = [200, 512, 512, 10]
     epochs = 4
     reference = accuracy(single_process(sizes, x, y, epochs), tx, ty)
-    export_minibatches([DataSet(x[i:i + BATCH], y[i:i + BATCH]) for i in range(0, len(x), BATCH)],
-                       f"{tmp_path}/train", BATCH)
+    export_minibatches(
+        [DataSet(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, len(x), BATCH)], f"{tmp_path}/train", BATCH
+    )
     net = mlp(sizes)
-    SparkNet(sc, net, SharedTrainingMaster(BATCH, rng_seed=0)).fit_paths(list_paths(sc, f"{tmp_path}/train"),
-                                                                      epochs=epochs)
+    SparkNet(sc, net, SharedTrainingMaster(BATCH, rng_seed=0)).fit_paths(
+        list_paths(sc, f"{tmp_path}/train"), epochs=epochs
+    )
     assert accuracy(net, tx, ty) >= reference - 0.01
 
 
@@ -204,8 +213,9 @@ def test_killed_worker_mid_training_finishes_with_the_survivors(data: tuple[torc
 
 def test_a_failing_loader_stops_every_trainer_and_names_the_file(sc: SparkContext, tmp_path: object) -> None:
     x, y, _, _ = digits()
-    export_minibatches([DataSet(x[i:i + BATCH], y[i:i + BATCH]) for i in range(0, 320, BATCH)],
-                       f"{tmp_path}/train", BATCH)
+    export_minibatches(
+        [DataSet(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, 320, BATCH)], f"{tmp_path}/train", BATCH
+    )
     paths = sorted(list_paths(sc, f"{tmp_path}/train").collect())
     with open(paths[7], "r+b") as f:
         f.seek(40)
@@ -220,8 +230,14 @@ def test_a_failing_loader_stops_every_trainer_and_names_the_file(sc: SparkContex
 def test_direct_approach_and_two_trainers_per_worker(sc: SparkContext, data: tuple[torch.Tensor, ...]) -> None:
     x, y, tx, ty = data
     net = mlp([64, 64, 10])
-    master = SharedTrainingMaster(BATCH, workers_per_node=2, rdd_training_approach="direct", rng_seed=0,
-                                  collect_training_stats=True, mesh_build_mode="mesh")
+    master = SharedTrainingMaster(
+        BATCH,
+        workers_per_node=2,
+        rdd_training_approach="direct",
+        rng_seed=0,
+        collect_training_stats=True,
+        mesh_build_mode="mesh",
+    )
     spark_net = SparkNet(sc, net, master)
     spark_net.fit(examples_rdd(sc, x, y), epochs=5)
     trainers = spark_net.training_stats.trainers
@@ -236,13 +252,15 @@ def test_fewer_minibatches_than_trainers(sc: SparkContext, data: tuple[torch.Ten
     single = mlp([64, 32, 10])
     single.fit(DataSet(x[:BATCH], y[:BATCH]))
     SparkNet(sc, net, SharedTrainingMaster(BATCH, threshold_algorithm=FixedThresholdAlgorithm(1e-9))).fit(
-        examples_rdd(sc, x[:BATCH], y[:BATCH], 1))
+        examples_rdd(sc, x[:BATCH], y[:BATCH], 1)
+    )
     # one trainer idle, the other's one step: what was sent plus what its residual kept is that step
     assert torch.allclose(net.params(), single.params(), atol=1e-6)
 
 
-def test_encoding_debug_mode_logs_on_the_driver(sc: SparkContext, data: tuple[torch.Tensor, ...],
-                                                caplog: pytest.LogCaptureFixture) -> None:
+def test_encoding_debug_mode_logs_on_the_driver(
+    sc: SparkContext, data: tuple[torch.Tensor, ...], caplog: pytest.LogCaptureFixture
+) -> None:
     x, y, _, _ = data
     master = SharedTrainingMaster(BATCH, encoding_debug_mode=True, threshold_algorithm=FixedThresholdAlgorithm(1e-2))
     with caplog.at_level(logging.INFO, logger="dlscale.training.sharing"):
@@ -264,6 +282,7 @@ def test_settings_are_validated() -> None:
 
 
 # -- the mesh on 64 lightweight peers: real comm servers in one process ------------------------
+
 
 async def _mesh_round(nodes: dict[str, Node], version: int, seq: int) -> None:
     for node in nodes.values():
@@ -293,7 +312,8 @@ def test_every_update_reaches_every_peer_once_on_64_nodes(mode: str, fanout: int
             await server.listen("tcp://127.0.0.1:0")
             node = Node("s", server.address, pool, loop, 1, mode, fanout=fanout)
             server.handlers["dlscale_update"] = lambda session, sender, messages, node=node: node.receive(
-                sender, messages)
+                sender, messages
+            )
             servers.append(server)
             nodes[server.address] = node
         try:

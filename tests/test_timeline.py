@@ -12,8 +12,8 @@ from html.parser import HTMLParser
 
 import pytest
 
-from dlscale import timeline
-from dlscale.stats import PHASES, RoundStats, TrainerStats, TrainingStats, WorkerRound
+from dlscale.monitor import timeline
+from dlscale.monitor.stats import PHASES, RoundStats, TrainerStats, TrainingStats, WorkerRound
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 T0 = 1_700_000_000.0
@@ -68,14 +68,31 @@ class Page(HTMLParser):
         return [a for t, a in self.elements if t == tag and all(a.get(k) == v for k, v in attrs.items())]
 
 
-def trainer(name: str, steps: int, start: float, fit: float = 0.004, encode: float = 0.0005, send: float = 0.0002,
-            apply: float = 0.0003, wait_every: int = 0, wait: float = 0.0, seed: int = 0) -> TrainerStats:
+def trainer(
+    name: str,
+    steps: int,
+    start: float,
+    fit: float = 0.004,
+    encode: float = 0.0005,
+    send: float = 0.0002,
+    apply: float = 0.0003,
+    wait_every: int = 0,
+    wait: float = 0.0,
+    seed: int = 0,
+) -> TrainerStats:
     """A trainer of ``steps`` steps, each fit, encode, send and apply (times jittered by ``seed``), and a
     wait every ``wait_every`` steps."""
     rng = random.Random(seed)
-    t = TrainerStats(name, f"tcp://127.0.0.1:{4000 + seed}", minibatches=steps, examples=32 * steps,
-                     messages_sent=steps, bytes_sent=100 * steps, messages_received=2 * steps,
-                     bytes_received=200 * steps)
+    t = TrainerStats(
+        name,
+        f"tcp://127.0.0.1:{4000 + seed}",
+        minibatches=steps,
+        examples=32 * steps,
+        messages_sent=steps,
+        bytes_sent=100 * steps,
+        messages_received=2 * steps,
+        bytes_received=200 * steps,
+    )
     now = start
     for i in range(steps):
         for phase, seconds in (("fit", fit), ("encode", encode), ("send", send), ("apply", apply)):
@@ -90,18 +107,30 @@ def trainer(name: str, steps: int, start: float, fit: float = 0.004, encode: flo
 
 
 def gradient_sharing() -> TrainingStats:
-    trainers = [trainer(NAMES[0], 200, T0, wait_every=50, wait=0.05),
-                trainer(NAMES[1], 150, T0 + 0.01, fit=0.006, send=0.002, seed=1),
-                trainer(NAMES[2], 100, T0 + 0.02, encode=0.001, wait_every=10, wait=0.01, seed=2)]
+    trainers = [
+        trainer(NAMES[0], 200, T0, wait_every=50, wait=0.05),
+        trainer(NAMES[1], 150, T0 + 0.01, fit=0.006, send=0.002, seed=1),
+        trainer(NAMES[2], 100, T0 + 0.02, encode=0.001, wait_every=10, wait=0.01, seed=2),
+    ]
     return TrainingStats("gradient sharing", 3, trainers=trainers)
 
 
 def parameter_averaging() -> TrainingStats:
     rounds = []
     for r in range(4):
-        shares = [WorkerRound(f"tcp://w{j}<x>", [f"batch-{r}-{j}-{k}" for k in range(5)], 160, 1.0 / (r + 1),
-                              fit_seconds=0.8, wait_seconds=0.1 * (j + 1), start=T0 + r + 0.05 * j, end=T0 + r + 0.8)
-                  for j in range(2)]
+        shares = [
+            WorkerRound(
+                f"tcp://w{j}<x>",
+                [f"batch-{r}-{j}-{k}" for k in range(5)],
+                160,
+                1.0 / (r + 1),
+                fit_seconds=0.8,
+                wait_seconds=0.1 * (j + 1),
+                start=T0 + r + 0.05 * j,
+                end=T0 + r + 0.8,
+            )
+            for j in range(2)
+        ]
         rounds.append(RoundStats(0, r, 1.0, 320, 1.0 / (r + 1), shares))
     return TrainingStats("parameter averaging", 2, prepare_seconds=0.5, rounds=rounds)
 
@@ -139,7 +168,7 @@ def test_table_has_the_phase_totals() -> None:
         total = sum(expected.values())
         cells = rows[t.trainer]
         assert cells[2][1] == f"{len(t.steps):,}" and cells[8][1] == f"{t.bytes_received:,}"
-        for (attrs, text), phase in zip(cells[-len(PHASES):], PHASES, strict=True):
+        for (attrs, text), phase in zip(cells[-len(PHASES) :], PHASES, strict=True):
             assert float(attrs["data-seconds"]) == pytest.approx(expected[phase], rel=1e-9, abs=1e-12)
             assert text == f"{expected[phase]:.3f} s ({expected[phase] / total:.1%})"
     assert rows["alpha"][-1][1].startswith("0.200 s")  # alpha waited 4 × 0.05 s
@@ -152,8 +181,9 @@ def test_table_has_the_phase_totals() -> None:
 def test_long_runs_are_downsampled(monkeypatch: pytest.MonkeyPatch) -> None:
     # 100k steps, five phases each with jittered times: 400k spans for one trainer, plus two short ones
     big = trainer("big", 100_000, T0, wait_every=1000, wait=0.5, seed=3)
-    stats = TrainingStats("gradient sharing", 3, trainers=[big, trainer("small", 50, T0, seed=4),
-                                                           trainer("tiny", 1, T0 + 10)])
+    stats = TrainingStats(
+        "gradient sharing", 3, trainers=[big, trainer("small", 50, T0, seed=4), trainer("tiny", 1, T0 + 10)]
+    )
     text = timeline.to_html(stats)
     page = Page(text)
     assert page.errors == []

@@ -20,8 +20,9 @@ from dlscale.nn import Network
 def tls_cluster() -> Iterator[tuple[LocalCluster, Security]]:
     pytest.importorskip("cryptography")
     security = Security.temporary()
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, protocol="tls", security=security,
-                      dashboard_address=None) as cluster:
+    with LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, protocol="tls", security=security, dashboard_address=None
+    ) as cluster:
         yield cluster, security
 
 
@@ -31,14 +32,18 @@ def test_training_evaluation_and_inference_over_tls(tls_cluster, tmp_path) -> No
     x, y = load_digits()
     x, y = x.flatten(1)[:600], y[:600]
     torch.manual_seed(0)
-    network = Network(torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10)),
-                      "cross_entropy", functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9))
+    network = Network(
+        torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10)),
+        "cross_entropy",
+        functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9),
+    )
     before = network.params().clone()
     with SparkContext(cluster.scheduler_address, "tls", security=security) as sc:
         workers = sc.client.scheduler_info(n_workers=-1)["workers"]
         assert len(workers) == 2 and all(w.startswith("tls://") for w in workers)
-        master = SharedTrainingMaster(16, rng_seed=0, export_directory=str(tmp_path / "export"),
-                                      collect_training_stats=True)
+        master = SharedTrainingMaster(
+            16, rng_seed=0, export_directory=str(tmp_path / "export"), collect_training_stats=True
+        )
         spark_net = SparkNet(sc, network, master)
         rdd = sc.parallelize(DataSet(x, y).batch_by(20), 4)
         spark_net.fit(rdd, epochs=10)
@@ -49,8 +54,12 @@ def test_training_evaluation_and_inference_over_tls(tls_cluster, tmp_path) -> No
         local.eval(y, network.output(x))
         assert evaluation.confusion_matrix().tolist() == local.confusion_matrix().tolist()
         assert evaluation.accuracy() > 0.5  # it learned (chance is 0.1)
-        keyed = dict(spark_net.feed_forward_with_key(sc.parallelize([(i, x[i].clone()) for i in range(50)], 2)).collect())
-        torch.testing.assert_close(torch.stack([keyed[i] for i in range(50)]), network.output(x[:50]), atol=1e-6, rtol=0)
+        keyed = dict(
+            spark_net.feed_forward_with_key(sc.parallelize([(i, x[i].clone()) for i in range(50)], 2)).collect()
+        )
+        torch.testing.assert_close(
+            torch.stack([keyed[i] for i in range(50)]), network.output(x[:50]), atol=1e-6, rtol=0
+        )
 
 
 def test_without_credentials_the_connection_is_refused(tls_cluster) -> None:

@@ -38,8 +38,11 @@ MOMENTUM = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
 
 def mlp_network(optimizer=SGD, seed: int = 0, norm: bool = False) -> Network:
     torch.manual_seed(seed)
-    layers = [torch.nn.Linear(6, 12)] + ([torch.nn.BatchNorm1d(12)] if norm else []) + [torch.nn.Tanh(),
-                                                                                        torch.nn.Linear(12, 3)]
+    layers = (
+        [torch.nn.Linear(6, 12)]
+        + ([torch.nn.BatchNorm1d(12)] if norm else [])
+        + [torch.nn.Tanh(), torch.nn.Linear(12, 3)]
+    )
     return Network(torch.nn.Sequential(*layers), "cross_entropy", optimizer)
 
 
@@ -52,7 +55,7 @@ def data(n: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 def rdd_of(sc: SparkContext, n: int, piece: int, slices: int):
     """An RDD of DataSets of ``piece`` examples; pieces do not line up with minibatches."""
     x, y = data(n)
-    return sc.parallelize([DataSet(x[i:i + piece], y[i:i + piece]) for i in range(0, n, piece)], slices)
+    return sc.parallelize([DataSet(x[i : i + piece], y[i : i + piece]) for i in range(0, n, piece)], slices)
 
 
 def trained_order(stats: dlscale.TrainingStats) -> Iterator[list[list[str]]]:
@@ -80,8 +83,9 @@ def one_thread() -> Iterator[None]:
 def test_two_workers_equal_one_process_with_twice_the_batch(sc, tmp_path, one_thread) -> None:
     """Plain SGD, averaging every minibatch: W workers of batch B are one process of batch W*B."""
     rdd = rdd_of(sc, 240, 7, 3)
-    master = ParameterAveragingTrainingMaster(10, averaging_frequency=1, collect_training_stats=True, rng_seed=5,
-                                              export_directory=str(tmp_path / "export"))
+    master = ParameterAveragingTrainingMaster(
+        10, averaging_frequency=1, collect_training_stats=True, rng_seed=5, export_directory=str(tmp_path / "export")
+    )
     spark_net = SparkNet(sc, mlp_network(), master)
     spark_net.fit(rdd, epochs=2)
 
@@ -99,8 +103,9 @@ def test_two_workers_equal_one_process_with_twice_the_batch(sc, tmp_path, one_th
 def test_one_worker_equals_one_process_exactly(sc1, tmp_path, one_thread) -> None:
     """One worker carrying momentum across rounds of 3 minibatches is single-process training, bit for bit."""
     rdd = rdd_of(sc1, 200, 9, 2)
-    master = ParameterAveragingTrainingMaster(16, averaging_frequency=3, collect_training_stats=True, rng_seed=2,
-                                              export_directory=str(tmp_path / "export"))
+    master = ParameterAveragingTrainingMaster(
+        16, averaging_frequency=3, collect_training_stats=True, rng_seed=2, export_directory=str(tmp_path / "export")
+    )
     spark_net = SparkNet(sc1, mlp_network(MOMENTUM), master)
     spark_net.fit(rdd, epochs=2)
 
@@ -116,9 +121,14 @@ def test_one_worker_equals_one_process_exactly(sc1, tmp_path, one_thread) -> Non
 
 def test_without_save_updater_the_optimizer_restarts_every_round(sc1, tmp_path, one_thread) -> None:
     rdd = rdd_of(sc1, 120, 10, 2)
-    master = ParameterAveragingTrainingMaster(10, averaging_frequency=2, save_updater=False,
-                                              collect_training_stats=True, rng_seed=4,
-                                              export_directory=str(tmp_path / "export"))
+    master = ParameterAveragingTrainingMaster(
+        10,
+        averaging_frequency=2,
+        save_updater=False,
+        collect_training_stats=True,
+        rng_seed=4,
+        export_directory=str(tmp_path / "export"),
+    )
     spark_net = SparkNet(sc1, mlp_network(MOMENTUM), master)
     spark_net.fit(rdd)
 
@@ -133,8 +143,9 @@ def test_without_save_updater_the_optimizer_restarts_every_round(sc1, tmp_path, 
 def test_buffers_and_optimizer_state_are_averaged_by_examples(sc, tmp_path, one_thread) -> None:
     """BatchNorm statistics (buffers, not parameters) and momentum are averaged like the parameters."""
     rdd = rdd_of(sc, 48, 8, 2)
-    master = ParameterAveragingTrainingMaster(16, averaging_frequency=2, collect_training_stats=True, rng_seed=1,
-                                              export_directory=str(tmp_path / "export"))
+    master = ParameterAveragingTrainingMaster(
+        16, averaging_frequency=2, collect_training_stats=True, rng_seed=1, export_directory=str(tmp_path / "export")
+    )
     spark_net = SparkNet(sc, mlp_network(MOMENTUM, norm=True), master)
     spark_net.fit(rdd)
 
@@ -165,16 +176,22 @@ def test_direct_trains_like_export_and_never_moves_minibatches(sc, tmp_path) -> 
     rdd = rdd_of(sc, 160, 10, 2).persist(dlscale.StorageLevel.MEMORY_ONLY_SER)
     results = {}
     for approach in ("export", "direct"):
-        master = ParameterAveragingTrainingMaster(10, averaging_frequency=2, rdd_training_approach=approach,
-                                                  rng_seed=9, export_directory=str(tmp_path / "export"))
+        master = ParameterAveragingTrainingMaster(
+            10,
+            averaging_frequency=2,
+            rdd_training_approach=approach,
+            rng_seed=9,
+            export_directory=str(tmp_path / "export"),
+        )
         spark_net = SparkNet(sc, mlp_network(), master)
         spark_net.fit(rdd, epochs=2)
         results[approach] = spark_net.network.params().clone()
     torch.testing.assert_close(results["direct"], results["export"], rtol=0, atol=1e-6)
 
     # "never": each worker trains the minibatches it holds, the same ones in every epoch
-    master = ParameterAveragingTrainingMaster(10, averaging_frequency=2, rdd_training_approach="direct",
-                                              repartition="never", collect_training_stats=True)
+    master = ParameterAveragingTrainingMaster(
+        10, averaging_frequency=2, rdd_training_approach="direct", repartition="never", collect_training_stats=True
+    )
     spark_net = SparkNet(sc, mlp_network(), master)
     spark_net.fit(rdd, epochs=2)
     owner: dict[int, dict[str, str]] = {0: {}, 1: {}}
@@ -197,8 +214,11 @@ class TwoInputs(torch.nn.Module):
 
 def test_fit_paths_trains_multidatasets_with_a_custom_loader(sc, tmp_path, one_thread) -> None:
     x, y = data(96)
-    export_minibatches([MultiDataSet([x[i:i + 8, :4], x[i:i + 8, 4:]], [y[i:i + 8]]) for i in range(0, 96, 8)],
-                       str(tmp_path / "mds"), 16)
+    export_minibatches(
+        [MultiDataSet([x[i : i + 8, :4], x[i : i + 8, 4:]], [y[i : i + 8]]) for i in range(0, 96, 8)],
+        str(tmp_path / "mds"),
+        16,
+    )
     paths = list_paths(sc, str(tmp_path / "mds"))
     calls = []
     torch.manual_seed(0)
@@ -222,8 +242,7 @@ def test_fit_paths_trains_multidatasets_with_a_custom_loader(sc, tmp_path, one_t
 
 def test_exports_once_per_rdd_and_deletes_its_files(sc, tmp_path) -> None:
     rdd = rdd_of(sc, 64, 8, 2)
-    master = ParameterAveragingTrainingMaster(8, export_directory=str(tmp_path / "export"),
-                                              collect_training_stats=True)
+    master = ParameterAveragingTrainingMaster(8, export_directory=str(tmp_path / "export"), collect_training_stats=True)
     spark_net = SparkNet(sc, mlp_network(), master)
     spark_net.fit(rdd)
     spark_net.fit(rdd)
@@ -247,7 +266,8 @@ def test_bad_input_is_refused_before_training(sc, tmp_path) -> None:
         SparkNet(sc, mlp_network(), master).fit(sc.parallelize([], 2))
     with pytest.raises(ValueError, match="batch_size_per_worker=64 is larger than the whole data set"):
         SparkNet(sc, mlp_network(), ParameterAveragingTrainingMaster(64, export_directory=str(export))).fit(
-            sc.parallelize([DataSet(x, y)]))
+            sc.parallelize([DataSet(x, y)])
+        )
     with pytest.raises(TypeError, match="fit trains on an RDD of DataSet"):
         SparkNet(sc, mlp_network(), master).fit(sc.parallelize([1, 2, 3]))
     with pytest.raises(DataShapeError, match="do not fit loss 'cross_entropy'") as info:
@@ -283,9 +303,17 @@ def test_a_failing_round_leaves_the_network_as_it_was(sc, tmp_path) -> None:
     assert torch.equal(network.params(), before) and network.iteration == 0 and network.epoch == 0
 
 
-@pytest.mark.parametrize(("name", "value"), [
-    ("batch_size_per_worker", 0), ("averaging_frequency", 0), ("aggregation_depth", 0),
-    ("worker_prefetch_num_batches", -1), ("repartition", "sometimes"), ("rdd_training_approach", "stream")])
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("batch_size_per_worker", 0),
+        ("averaging_frequency", 0),
+        ("aggregation_depth", 0),
+        ("worker_prefetch_num_batches", -1),
+        ("repartition", "sometimes"),
+        ("rdd_training_approach", "stream"),
+    ],
+)
 def test_master_settings_are_validated(name, value) -> None:
     kwargs = {"batch_size_per_worker": 8, name: value}
     with pytest.raises(ValueError, match=name):
@@ -293,8 +321,15 @@ def test_master_settings_are_validated(name, value) -> None:
 
 
 def test_average_is_exact_for_one_state_and_weighted_by_examples() -> None:
-    a = {"params": torch.tensor([1.0, 2.0]), "buffers": {}, "optimizer": None, "examples": 3, "batches": 1,
-         "score": 1.0, "shares": []}
+    a = {
+        "params": torch.tensor([1.0, 2.0]),
+        "buffers": {},
+        "optimizer": None,
+        "examples": 3,
+        "batches": 1,
+        "score": 1.0,
+        "shares": [],
+    }
     b = {**a, "params": torch.tensor([5.0, -2.0]), "examples": 1, "score": 3.0}
     assert _worker.average(a) is a
     both = _worker.average(a, b)
@@ -302,13 +337,13 @@ def test_average_is_exact_for_one_state_and_weighted_by_examples() -> None:
     assert both["score"] == pytest.approx(1.5)
     # a tree of averages is the flat average
     c = {**a, "params": torch.tensor([0.0, 4.0]), "examples": 2}
-    torch.testing.assert_close(_worker.average(_worker.average(a, b), c)["params"],
-                               _worker.average(a, b, c)["params"])
+    torch.testing.assert_close(_worker.average(_worker.average(a, b), c)["params"], _worker.average(a, b, c)["params"])
 
 
 def test_stats_summary_and_json(sc, tmp_path: Path) -> None:
-    master = ParameterAveragingTrainingMaster(8, averaging_frequency=2, rdd_training_approach="direct",
-                                              collect_training_stats=True)
+    master = ParameterAveragingTrainingMaster(
+        8, averaging_frequency=2, rdd_training_approach="direct", collect_training_stats=True
+    )
     spark_net = SparkNet(sc, mlp_network(), master)
     spark_net.fit(rdd_of(sc, 64, 8, 2))
     stats = spark_net.training_stats

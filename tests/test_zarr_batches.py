@@ -43,8 +43,13 @@ def test_export_from_three_partitions_and_train_from_references(sc: SparkContext
 
 def test_multidataset_iterable_and_s3(s3: dict) -> None:
     g = torch.Generator().manual_seed(1)
-    data = [MultiDataSet([torch.randn(n, 2, generator=g), torch.randint(0, 5, (n, 3), generator=g)],
-                         [torch.rand(n, 1, generator=g) > 0.5]) for n in (3, 7, 4)]
+    data = [
+        MultiDataSet(
+            [torch.randn(n, 2, generator=g), torch.randint(0, 5, (n, 3), generator=g)],
+            [torch.rand(n, 1, generator=g) > 0.5],
+        )
+        for n in (3, 7, 4)
+    ]
     refs = export_zarr(iter(data), "s3://test-bucket/mds.zarr", 5, storage_options=s3)
     expected = MultiDataSet.merge(data).batch_by(5)
     loader = ZarrLoader(s3)

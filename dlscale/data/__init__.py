@@ -17,7 +17,23 @@ from dlscale.data.loaders import DataSetLoader, MultiDataSetLoader, prefetch
 from dlscale.data.zarr_batches import ZarrLoader, export_zarr, list_zarr_batches
 
 __all__ = [
-    "DataSet", "DataSetLoader", "DataShapeError", "FileBatch", "ImageFileBatchLoader", "ImagePreProcessingScaler",
-    "MultiDataSet", "MultiDataSetLoader", "ZarrLoader", "create_file_batches", "export_minibatches", "export_zarr",
-    "list_paths", "list_zarr_batches", "load", "load_digits", "parent_path_labels", "prefetch", "save",
+    "DataSet",
+    "DataSetLoader",
+    "DataShapeError",
+    "FileBatch",
+    "ImageFileBatchLoader",
+    "ImagePreProcessingScaler",
+    "MultiDataSet",
+    "MultiDataSetLoader",
+    "ZarrLoader",
+    "create_file_batches",
+    "export_minibatches",
+    "export_zarr",
+    "list_paths",
+    "list_zarr_batches",
+    "load",
+    "load_digits",
+    "parent_path_labels",
+    "prefetch",
+    "save",
 ]

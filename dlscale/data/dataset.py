@@ -193,7 +193,9 @@ class DataSet(_Minibatch):
             raise ValueError("merge needs at least one DataSet")
         if any((d.labels is None) != (datasets[0].labels is None) for d in datasets):
             raise DataShapeError("cannot merge DataSets with and without labels")
-        features, fmask = _merge_with_masks([d.features for d in datasets], [d.features_mask for d in datasets], "features")
+        features, fmask = _merge_with_masks(
+            [d.features for d in datasets], [d.features_mask for d in datasets], "features"
+        )
         if datasets[0].labels is None:
             return DataSet(features, None, fmask)
         labels, lmask = _merge_with_masks([d.labels for d in datasets], [d.labels_mask for d in datasets], "labels")
@@ -253,8 +255,10 @@ class MultiDataSet(_Minibatch):
 
     def _select(self, idx: Any) -> MultiDataSet:
         return MultiDataSet(
-            [t[idx] for t in self.features], [t[idx] for t in self.labels],
-            [_index(m, idx) for m in self.features_masks], [_index(m, idx) for m in self.labels_masks],
+            [t[idx] for t in self.features],
+            [t[idx] for t in self.labels],
+            [_index(m, idx) for m in self.features_masks],
+            [_index(m, idx) for m in self.labels_masks],
         )
 
     def _moved(self, device: torch.device) -> MultiDataSet:
@@ -270,11 +274,15 @@ class MultiDataSet(_Minibatch):
             raise DataShapeError("cannot merge MultiDataSets with different numbers of arrays")
         features, fmasks, labels, lmasks = [], [], [], []
         for i in range(len(first.features)):
-            t, m = _merge_with_masks([d.features[i] for d in datasets], [d.features_masks[i] for d in datasets], f"features[{i}]")
+            t, m = _merge_with_masks(
+                [d.features[i] for d in datasets], [d.features_masks[i] for d in datasets], f"features[{i}]"
+            )
             features.append(t)
             fmasks.append(m)
         for i in range(len(first.labels)):
-            t, m = _merge_with_masks([d.labels[i] for d in datasets], [d.labels_masks[i] for d in datasets], f"labels[{i}]")
+            t, m = _merge_with_masks(
+                [d.labels[i] for d in datasets], [d.labels_masks[i] for d in datasets], f"labels[{i}]"
+            )
             labels.append(t)
             lmasks.append(m)
         return MultiDataSet(features, labels, fmasks, lmasks)

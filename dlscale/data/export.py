@@ -23,8 +23,8 @@ from dlscale.data.dataset import DataSet, MultiDataSet
 from dlscale.data.format import entries, save
 
 if TYPE_CHECKING:
-    from dlscale.context import SparkContext
-    from dlscale.rdd import RDD
+    from dlscale.facade.context import SparkContext
+    from dlscale.facade.rdd import RDD
 
 Minibatch = DataSet | MultiDataSet
 PREFIXES = {DataSet: "dataset", MultiDataSet: "multidataset"}
@@ -57,8 +57,9 @@ class FileSink:
         return path
 
 
-def rebatch(elements: Iterable[Any], batch_size: int, start: int, total: int | None,
-            where: str) -> Iterator[tuple[int, bool, Minibatch]]:
+def rebatch(
+    elements: Iterable[Any], batch_size: int, start: int, total: int | None, where: str
+) -> Iterator[tuple[int, bool, Minibatch]]:
     """Cut a stream of minibatches that starts at example ``start`` at the global batch boundaries.
 
     Yields ``(k, whole, piece)``: ``piece`` holds examples of batch ``k``, and ``whole`` says it is
@@ -96,8 +97,9 @@ def _merge(kind: type, pieces: list, k: int, where: str) -> Minibatch:
 
 def schema(batch: Minibatch) -> tuple:
     """Every array's field, index, dtype and shape after the examples dimension."""
-    return tuple((field, index, str(t.dtype).removeprefix("torch."), tuple(t.shape[1:]))
-                 for field, index, t in entries(batch)[1])
+    return tuple(
+        (field, index, str(t.dtype).removeprefix("torch."), tuple(t.shape[1:])) for field, index, t in entries(batch)[1]
+    )
 
 
 @dataclass(frozen=True)
@@ -122,8 +124,9 @@ def _describe(index: int, elements: Iterable[Any]) -> list[Description]:
     return [Description(count, kind, frozenset(schemas))]
 
 
-def _write_partition(elements: Iterable[Any], index: int, sink: Any, batch_size: int, start: int,
-                     count: int, total: int) -> tuple[dict[int, str], dict[int, Minibatch]]:
+def _write_partition(
+    elements: Iterable[Any], index: int, sink: Any, batch_size: int, start: int, count: int, total: int
+) -> tuple[dict[int, str], dict[int, Minibatch]]:
     written, pieces, seen = {}, {}, 0
     for k, whole, piece in rebatch(elements, batch_size, start, total, f"partition {index}"):
         seen += piece.num_examples()
@@ -190,7 +193,7 @@ def plan_export(rdd: RDD, batch_size: int, make_sink: Callable[[type, int, set],
 def write_plan(sc: SparkContext, plan: ExportPlan) -> list[Any]:
     """Run ``plan``; returns what the sink's ``write`` returned for every batch, in order."""
     done = sc._compute([*plan.parts, *plan.joins.values()])
-    paths = dict(zip(plan.joins, done[len(plan.parts):]))
+    paths = dict(zip(plan.joins, done[len(plan.parts) :]))
     for written, _ in done[: len(plan.parts)]:
         paths.update(written)
     return [paths[k] for k in sorted(paths)]
@@ -201,15 +204,16 @@ def export_rdd(rdd: RDD, batch_size: int, make_sink: Callable[[type, int, set], 
     return write_plan(rdd.ctx, plan_export(rdd, batch_size, make_sink))
 
 
-def export_minibatches(data: RDD | Iterable[Minibatch], url: str, batch_size: int, *,
-                       storage_options: dict[str, Any] | None = None) -> list[str]:
+def export_minibatches(
+    data: RDD | Iterable[Minibatch], url: str, batch_size: int, *, storage_options: dict[str, Any] | None = None
+) -> list[str]:
     """Write ``data`` to ``url`` as ``.dlb`` files of exactly ``batch_size`` examples (the last may be fewer).
 
     ``data`` is an RDD of DataSet or MultiDataSet (written on the workers, in parallel) or a local
     iterable of them (written here). Files are named ``dataset_00000000.dlb``, ... (``multidataset_``
     for MultiDataSets) so that listing order is write order. Returns the files' URLs in order.
     """
-    from dlscale.rdd import RDD
+    from dlscale.facade.rdd import RDD
 
     check_batch_size(batch_size)
     url, storage_options = storage.resolve(url, storage_options)
@@ -225,8 +229,13 @@ def export_minibatches(data: RDD | Iterable[Minibatch], url: str, batch_size: in
     return paths
 
 
-def list_paths(sc: SparkContext, url: str, storage_options: dict[str, Any] | None = None,
-               recursive: bool = True, extensions: Iterable[str] | None = None) -> RDD:
+def list_paths(
+    sc: SparkContext,
+    url: str,
+    storage_options: dict[str, Any] | None = None,
+    recursive: bool = True,
+    extensions: Iterable[str] | None = None,
+) -> RDD:
     """An RDD of the URLs of the files under ``url``, sorted (DL4J's ``SparkUtils.listPaths``).
 
     Names starting with ``_`` or ``.`` are skipped (temporary and marker files); ``extensions``

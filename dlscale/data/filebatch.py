@@ -30,7 +30,7 @@ from dlscale.errors import CorruptDataError, StorageError
 from dlscale.storage import atomic_write, check_empty, find_files, open_fs
 
 if TYPE_CHECKING:
-    from dlscale.context import SparkContext
+    from dlscale.facade.context import SparkContext
 
 FORMAT = "dlscale-filebatch"
 VERSION = 1
@@ -69,8 +69,10 @@ class FileBatch:
         manifest = json.dumps({"format": FORMAT, "version": VERSION, "paths": list(self.paths)}).encode()
         size = len(manifest) + sum(len(c) for c in self.contents)
         if size > MAX_BATCH_BYTES:
-            raise ValueError(f"a file batch of {size} bytes is more than the {MAX_BATCH_BYTES} bytes readers "
-                             "accept; use a smaller batch_size")
+            raise ValueError(
+                f"a file batch of {size} bytes is more than the {MAX_BATCH_BYTES} bytes readers "
+                "accept; use a smaller batch_size"
+            )
         buf = io.BytesIO()
         with zipfile.ZipFile(buf, "w") as zf:
             zf.writestr(_zip_info(MANIFEST, zipfile.ZIP_DEFLATED), manifest)
@@ -124,8 +126,9 @@ def _check_layout(infos: list[zipfile.ZipInfo], source: str) -> None:
         raise CorruptDataError(f"{source}: not a file batch (no {MANIFEST} as the first entry)")
     declared = sum(info.file_size for info in infos)
     if declared > MAX_BATCH_BYTES:
-        raise CorruptDataError(f"{source}: declares {declared} uncompressed bytes, more than the "
-                               f"{MAX_BATCH_BYTES} a file batch may hold")
+        raise CorruptDataError(
+            f"{source}: declares {declared} uncompressed bytes, more than the {MAX_BATCH_BYTES} a file batch may hold"
+        )
 
 
 def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, source: str) -> bytes:
@@ -144,8 +147,9 @@ def _check_manifest(manifest: Any, entries: int, source: str) -> list[str]:
     if not isinstance(version, int) or version < 1:
         raise CorruptDataError(f"{source}: unknown file batch format version {version!r}")
     if version > VERSION:
-        raise CorruptDataError(f"{source}: written in file batch format version {version}; "
-                               f"this dlscale reads up to version {VERSION}")
+        raise CorruptDataError(
+            f"{source}: written in file batch format version {version}; this dlscale reads up to version {VERSION}"
+        )
     paths = manifest.get("paths")
     if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
         raise CorruptDataError(f"{source}: {MANIFEST} has no list of paths")
@@ -163,8 +167,9 @@ def _prepare_output(dst_url: str, storage_options: dict[str, Any] | None) -> tup
     return fs, root.rstrip("/")
 
 
-def _write_batch(src_fs: fsspec.AbstractFileSystem, storage_options: dict[str, Any] | None,
-                 job: tuple[str, list[str]]) -> None:
+def _write_batch(
+    src_fs: fsspec.AbstractFileSystem, storage_options: dict[str, Any] | None, job: tuple[str, list[str]]
+) -> None:
     """Read the files of one batch (concurrently on object stores) and write the batch to ``url``."""
     url, paths = job
     contents = src_fs.cat_ranges(paths, None, None, on_error="return")
@@ -174,9 +179,17 @@ def _write_batch(src_fs: fsspec.AbstractFileSystem, storage_options: dict[str, A
     FileBatch([src_fs.unstrip_protocol(p) for p in paths], contents).write(url, storage_options)
 
 
-def create_file_batches(src_url: str, dst_url: str, batch_size: int, extensions: Sequence[str] | None = None, *,
-                        recursive: bool = True, seed: int | None = 0, sc: SparkContext | None = None,
-                        storage_options: dict[str, Any] | None = None) -> list[str]:
+def create_file_batches(
+    src_url: str,
+    dst_url: str,
+    batch_size: int,
+    extensions: Sequence[str] | None = None,
+    *,
+    recursive: bool = True,
+    seed: int | None = 0,
+    sc: SparkContext | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> list[str]:
     """Pack the files under ``src_url`` into file batches of ``batch_size`` files in ``dst_url``.
 
     Files whose name (or a folder below ``src_url``) starts with ``_`` or ``.`` are skipped;

@@ -16,8 +16,8 @@ Layout, all integers little-endian (see ``docs/minibatch-format.md``)::
     ...     4     CRC-32C of the data (uint32)
 
 Loading reads the file once into one 64-byte-aligned buffer, checks it, and returns tensors that
-are views of that buffer (no copy), each starting on a 64-byte boundary. Nothing in a file can make the reader run code: the header is JSON and
-dtypes come from a fixed table.
+are views of that buffer (no copy), each starting on a 64-byte boundary. Nothing in a file can
+make the reader run code: the header is JSON and dtypes come from a fixed table.
 """
 
 from __future__ import annotations
@@ -42,10 +42,18 @@ _PREAMBLE = struct.Struct("<8sHHIIIQ")
 _CRC = struct.Struct("<I")
 
 DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-    "float64": torch.float64, "complex64": torch.complex64, "complex128": torch.complex128,
-    "uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16, "int32": torch.int32,
-    "int64": torch.int64, "bool": torch.bool,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "complex64": torch.complex64,
+    "complex128": torch.complex128,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "bool": torch.bool,
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
 
@@ -88,8 +96,14 @@ def tensor_at(buf: bytearray | np.ndarray, entry: dict, start: int = 0) -> torch
             raise ValueError(f"negative dimension in shape {shape}")
         count *= s
     itemsize = torch.empty((), dtype=dtype).element_size()
-    if count * itemsize != entry["nbytes"] or entry["offset"] < 0 or start + entry["offset"] + entry["nbytes"] > len(buf):
-        raise ValueError(f"{entry['nbytes']} bytes at offset {entry['offset']} do not hold shape {shape} of {entry['dtype']}")
+    if (
+        count * itemsize != entry["nbytes"]
+        or entry["offset"] < 0
+        or start + entry["offset"] + entry["nbytes"] > len(buf)
+    ):
+        raise ValueError(
+            f"{entry['nbytes']} bytes at offset {entry['offset']} do not hold shape {shape} of {entry['dtype']}"
+        )
     if count == 0:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(buf, dtype=dtype, count=count, offset=start + entry["offset"]).reshape(shape)
@@ -101,15 +115,24 @@ def to_bytes(batch: DataSet | MultiDataSet) -> list[bytes | memoryview]:
     arrays, blobs, offset = [], [], 0
     for field, index, t in tensors:
         data = raw_bytes(t, f"{field}[{index}]")
-        arrays.append({"field": field, "index": index, "dtype": _NAMES[t.dtype], "shape": list(t.shape),
-                       "offset": offset, "nbytes": data.nbytes})
+        arrays.append(
+            {
+                "field": field,
+                "index": index,
+                "dtype": _NAMES[t.dtype],
+                "shape": list(t.shape),
+                "offset": offset,
+                "nbytes": data.nbytes,
+            }
+        )
         blobs.append(memoryview(data))
         offset += data.nbytes
         blobs.append(b"\0" * _pad(offset))
         offset += _pad(offset)
     counts = {"features": len(batch.features), "labels": len(batch.labels)} if kind == "MultiDataSet" else {}
-    header = json.dumps({"kind": kind, "num_examples": batch.num_examples(), "counts": counts,
-                         "arrays": arrays}).encode()
+    header = json.dumps(
+        {"kind": kind, "num_examples": batch.num_examples(), "counts": counts, "arrays": arrays}
+    ).encode()
     crc = 0
     for b in blobs:
         crc = crc32c.crc32c(b, value=crc)
@@ -159,6 +182,7 @@ def _read(url: str, storage_options: dict[str, Any] | None) -> np.ndarray:
 
 def from_buffer(buf: bytearray | np.ndarray, source: str = "buffer") -> DataSet | MultiDataSet:
     """Parse a minibatch from ``buf``; the tensors are views of it. Errors name ``source``."""
+
     def bad(what: str) -> CorruptDataError:
         return CorruptDataError(f"{source}: {what}")
 
@@ -225,4 +249,3 @@ def from_bytes(blob: bytes | memoryview, source: str = "buffer") -> DataSet | Mu
 def load(url: str, storage_options: dict[str, Any] | None = None) -> DataSet | MultiDataSet:
     """Read a minibatch written by :func:`save`; a damaged or foreign file raises an error naming it."""
     return from_buffer(_read(url, storage_options), source=url)
-

@@ -28,8 +28,9 @@ def _parent(path: str) -> str:
     return posixpath.basename(posixpath.dirname(path))
 
 
-def parent_path_labels(src_url: str, extensions: Sequence[str] | None = None, *,
-                       storage_options: dict[str, Any] | None = None) -> list[str]:
+def parent_path_labels(
+    src_url: str, extensions: Sequence[str] | None = None, *, storage_options: dict[str, Any] | None = None
+) -> list[str]:
     """The sorted distinct parent-folder names of the files under ``src_url``: the class labels."""
     _, files = find_files(src_url, storage_options, True, extensions)
     return sorted({_parent(p) for p in files})
@@ -75,7 +76,8 @@ class ImageFileBatchLoader:
             if image.shape != images[0].shape:
                 raise DataShapeError(
                     f"{path} in {url} is {image.shape[1]}x{image.shape[0]} but {batch.paths[0]} is "
-                    f"{images[0].shape[1]}x{images[0].shape[0]}; give the loader a height and width to resize")
+                    f"{images[0].shape[1]}x{images[0].shape[0]}; give the loader a height and width to resize"
+                )
         features = torch.from_numpy(np.stack(images)).reshape(len(images), *images[0].shape[:2], -1)
         labels = torch.tensor([self._label(p) for p in batch.paths], dtype=torch.int64)
         ds = DataSet(features.permute(0, 3, 1, 2).to(torch.float32).contiguous(), labels)
@@ -94,8 +96,10 @@ class ImageFileBatchLoader:
                 # Pillow only warns between MAX_IMAGE_PIXELS and twice that; refuse as it does above
                 limit = Image.MAX_IMAGE_PIXELS
                 if limit is not None and img.width * img.height > limit:
-                    raise CorruptDataError(f"{path} in {url}: {img.width}x{img.height} pixels is more than "
-                                           f"PIL.Image.MAX_IMAGE_PIXELS ({limit}), a possible decompression bomb")
+                    raise CorruptDataError(
+                        f"{path} in {url}: {img.width}x{img.height} pixels is more than "
+                        f"PIL.Image.MAX_IMAGE_PIXELS ({limit}), a possible decompression bomb"
+                    )
                 img = img.convert(MODES[self.channels])
                 if self.height is not None:
                     img = img.resize((self.width, self.height), Image.Resampling.BILINEAR)

@@ -31,8 +31,9 @@ class DataSetLoader:
     def __call__(self, path: str) -> DataSet | MultiDataSet:
         batch = load(path, self.storage_options)
         if not isinstance(batch, self.kind):
-            raise TypeError(f"{path} holds a {type(batch).__name__}, not a {self.kind.__name__}: "
-                            f"use {type(batch).__name__}Loader")
+            raise TypeError(
+                f"{path} holds a {type(batch).__name__}, not a {self.kind.__name__}: use {type(batch).__name__}Loader"
+            )
         return batch
 
     def __repr__(self) -> str:
@@ -52,8 +53,10 @@ def _checked(loader: Loader, path: Any) -> DataSet | MultiDataSet:
         e.add_note(f"while loading {path} with {loader!r}")
         raise
     if not isinstance(batch, (DataSet, MultiDataSet)):
-        raise TypeError(f"loader {loader!r} returned a {type(batch).__name__} for {path}; "
-                        "a loader must return a DataSet or MultiDataSet")
+        raise TypeError(
+            f"loader {loader!r} returned a {type(batch).__name__} for {path}; "
+            "a loader must return a DataSet or MultiDataSet"
+        )
     return batch
 
 

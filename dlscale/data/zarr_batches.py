@@ -30,8 +30,8 @@ from dlscale.data.format import assemble, entries
 from dlscale.errors import CorruptDataError, StorageError
 
 if TYPE_CHECKING:
-    from dlscale.context import SparkContext
-    from dlscale.rdd import RDD
+    from dlscale.facade.context import SparkContext
+    from dlscale.facade.rdd import RDD
 
 FORMAT = "dlscale-minibatches"
 VERSION = 1
@@ -73,15 +73,21 @@ class ZarrSink:
         group = _open(self.url, self.storage_options, "w")
         for field, index, dtype, shape in layout:
             group.create_array(
-                _name(self.kind, field, index), shape=(total, *shape), chunks=(self.batch_size, *shape),
-                dtype=_numpy_dtype(dtype, f"{field}[{index}]"), compressors=[Crc32cCodec()], fill_value=0,
+                _name(self.kind, field, index),
+                shape=(total, *shape),
+                chunks=(self.batch_size, *shape),
+                dtype=_numpy_dtype(dtype, f"{field}[{index}]"),
+                compressors=[Crc32cCodec()],
+                fill_value=0,
             )
 
     def _pairs(self, batch: Minibatch) -> list[tuple[Any, np.ndarray]]:
         if self._arrays is None:
             self._arrays = dict(_open(self.url, self.storage_options, "r+").arrays())
-        return [(self._arrays[_name(self.kind, field, index)], t.detach().cpu().numpy())
-                for field, index, t in entries(batch)[1]]
+        return [
+            (self._arrays[_name(self.kind, field, index)], t.detach().cpu().numpy())
+            for field, index, t in entries(batch)[1]
+        ]
 
     def write(self, k: int, batch: Minibatch) -> str:
         start = k * self.batch_size
@@ -98,8 +104,12 @@ class ZarrSink:
         """Mark the group complete; readers refuse it before this."""
         counts = {group: sum(1 for entry in layout if entry[0] == group) for group in ("features", "labels")}
         _open(self.url, self.storage_options, "r+").attrs["dlscale"] = {
-            "format": FORMAT, "version": VERSION, "kind": self.kind.__name__, "batch_size": self.batch_size,
-            "num_examples": total, "counts": counts,
+            "format": FORMAT,
+            "version": VERSION,
+            "kind": self.kind.__name__,
+            "batch_size": self.batch_size,
+            "num_examples": total,
+            "counts": counts,
             "arrays": [[field, index, _name(self.kind, field, index)] for field, index, _, _ in layout],
         }
 
@@ -107,18 +117,21 @@ class ZarrSink:
 def _one_layout(layouts: set, url: str) -> tuple:
     if len(layouts) != 1:
         a, b = sorted(layouts)[:2]
-        raise ValueError(f"zarr export to {url} needs every minibatch to have the same arrays, dtypes and shapes "
-                         f"(apart from the number of examples), but found {a} and {b}; use .dlb files")
+        raise ValueError(
+            f"zarr export to {url} needs every minibatch to have the same arrays, dtypes and shapes "
+            f"(apart from the number of examples), but found {a} and {b}; use .dlb files"
+        )
     return next(iter(layouts))
 
 
-def export_zarr(data: RDD | Iterable[Minibatch], url: str, batch_size: int, *,
-                storage_options: dict[str, Any] | None = None) -> list[str]:
+def export_zarr(
+    data: RDD | Iterable[Minibatch], url: str, batch_size: int, *, storage_options: dict[str, Any] | None = None
+) -> list[str]:
     """Write ``data`` to a zarr group at ``url``, one chunk per minibatch of ``batch_size`` examples.
 
     Returns the references ``<url>#<k>`` of the minibatches, in order; :class:`ZarrLoader` loads them.
     """
-    from dlscale.rdd import RDD
+    from dlscale.facade.rdd import RDD
 
     check_batch_size(batch_size)
     url, storage_options = storage.resolve(url, storage_options)

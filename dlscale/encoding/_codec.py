@@ -70,8 +70,10 @@ class EncodedUpdate:
         dtype, size = (np.int32, self.count) if self.form == SPARSE else (np.uint8, _bitmap_bytes(self.length))
         if not isinstance(self.payload, np.ndarray) or self.payload.dtype != dtype or self.payload.shape != (size,):
             got = f"{self.payload.shape} {self.payload.dtype}" if isinstance(self.payload, np.ndarray) else self.payload
-            raise ValueError(f"a {self.form} payload of a {self.length}-element vector with {self.count} elements "
-                             f"sent is {size} {np.dtype(dtype)}, got {got!r}")
+            raise ValueError(
+                f"a {self.form} payload of a {self.length}-element vector with {self.count} elements "
+                f"sent is {size} {np.dtype(dtype)}, got {got!r}"
+            )
 
     @property
     def nbytes(self) -> int:
@@ -86,9 +88,12 @@ class EncodedUpdate:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, EncodedUpdate):
             return NotImplemented
-        return ((self.form, self.threshold, self.length, self.count) == (other.form, other.threshold, other.length,
-                                                                          other.count)
-                and np.array_equal(self.payload, other.payload))
+        return (self.form, self.threshold, self.length, self.count) == (
+            other.form,
+            other.threshold,
+            other.length,
+            other.count,
+        ) and np.array_equal(self.payload, other.payload)
 
     __hash__ = None
 
@@ -114,21 +119,25 @@ class EncodedUpdate:
         if form_code >= len(FORMS) or reserved != 0:
             raise CorruptDataError(f"encoded update header has form code {form_code} and reserved field {reserved}")
         if not (np.isfinite(threshold) and threshold > 0) or length > MAX_LENGTH or count > length:
-            raise CorruptDataError(f"encoded update header is inconsistent: threshold {threshold}, length {length}, "
-                                   f"count {count}")
+            raise CorruptDataError(
+                f"encoded update header is inconsistent: threshold {threshold}, length {length}, count {count}"
+            )
         form = FORMS[form_code]
         expected = 4 * count if form == SPARSE else _bitmap_bytes(length)
         if len(data) - HEADER_BYTES != expected:
-            raise CorruptDataError(f"a {form} encoded update of {length} elements with {count} sent has a "
-                                   f"{expected}-byte payload, got {len(data) - HEADER_BYTES}")
-        if crc32c.crc32c(data[HEADER_BYTES:], value=crc32c.crc32c(data[:HEADER_BYTES - 4])) != crc:
+            raise CorruptDataError(
+                f"a {form} encoded update of {length} elements with {count} sent has a "
+                f"{expected}-byte payload, got {len(data) - HEADER_BYTES}"
+            )
+        if crc32c.crc32c(data[HEADER_BYTES:], value=crc32c.crc32c(data[: HEADER_BYTES - 4])) != crc:
             raise CorruptDataError("encoded update checksum mismatch: the bytes were damaged")
         if form == SPARSE:
             payload = np.frombuffer(data, "<i4", count, HEADER_BYTES).astype(np.int32, copy=False)
             index = np.abs(payload.astype(np.int64)) - 1
             if count and (index.min() < 0 or index.max() >= length or np.any(np.diff(index) <= 0)):
-                raise CorruptDataError("sparse encoded update entries must be non-zero, within the length and in "
-                                       "increasing index order")
+                raise CorruptDataError(
+                    "sparse encoded update entries must be non-zero, within the length and in increasing index order"
+                )
         else:
             payload = np.frombuffer(data, np.uint8, expected, HEADER_BYTES)
             if np.any(payload & (payload >> 1) & 0x55):
@@ -180,7 +189,7 @@ def decode(message: EncodedUpdate) -> torch.Tensor:
     """The update ``message`` describes, as a dense float32 vector."""
     t = np.float32(message.threshold)
     if message.form == BITMAP:
-        return torch.from_numpy(_unpack(message.payload, t)[:message.length])
+        return torch.from_numpy(_unpack(message.payload, t)[: message.length])
     out = np.zeros(message.length, np.float32)
     index, values = _sparse_entries(message.payload, t)
     out[index] = values
@@ -191,7 +200,7 @@ def sent_indices(message: EncodedUpdate) -> np.ndarray:
     """The positions of the elements ``message`` changes, in increasing order (int64): cheap for a
     sparse message, a full decode for a bitmap."""
     if message.form == BITMAP:
-        return np.flatnonzero(_unpack(message.payload, np.float32(1))[:message.length])
+        return np.flatnonzero(_unpack(message.payload, np.float32(1))[: message.length])
     index = np.abs(message.payload.astype(np.int64))
     index -= 1
     if len(index) > 1 and not (index[1:] >= index[:-1]).all():  # encode() writes them in order
@@ -318,8 +327,8 @@ def _pack(codes: np.ndarray) -> np.ndarray:
     whole = len(codes) // 4
     out = np.empty(_bitmap_bytes(len(codes)), np.uint8)
     if whole < len(out):
-        out[-1] = sum(int(c) << 2 * k for k, c in enumerate(codes[4 * whole:]))
-    words = codes[:4 * whole].view("<u4")
+        out[-1] = sum(int(c) << 2 * k for k, c in enumerate(codes[4 * whole :]))
+    words = codes[: 4 * whole].view("<u4")
     words *= _PACK
     words >>= 24
     out[:whole] = words
@@ -330,8 +339,8 @@ def _add_bitmap(a: np.ndarray, payload: np.ndarray, value: np.float32) -> None:
     """Add ``value`` where the bitmap ``payload`` says 1 and ``-value`` where it says 2, a chunk of
     :data:`_CHUNK` elements at a time, so that each chunk's decoded values are still in cache."""
     for start in range(0, len(a), _CHUNK):
-        part = a[start:start + _CHUNK]
-        part += _unpack(payload[start // 4:(start + _CHUNK) // 4], value)[:len(part)]
+        part = a[start : start + _CHUNK]
+        part += _unpack(payload[start // 4 : (start + _CHUNK) // 4], value)[: len(part)]
 
 
 def _unpack(payload: np.ndarray, value: np.float32) -> np.ndarray:

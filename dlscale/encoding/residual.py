@@ -43,10 +43,15 @@ class ResidualClippingPostProcessor(ResidualPostProcessor):
     would be sent within ``clip_multiple`` steps. DL4J's default post-processor."""
 
     def __init__(self, clip_multiple: float = 5.0, frequency: int = 5) -> None:
-        if (isinstance(clip_multiple, bool) or not isinstance(clip_multiple, numbers.Real)
-                or not math.isfinite(clip_multiple) or clip_multiple < 1):
-            raise ValueError(f"clip_multiple must be a finite number >= 1 (1 clips at the threshold), "
-                             f"got {clip_multiple!r}")
+        if (
+            isinstance(clip_multiple, bool)
+            or not isinstance(clip_multiple, numbers.Real)
+            or not math.isfinite(clip_multiple)
+            or clip_multiple < 1
+        ):
+            raise ValueError(
+                f"clip_multiple must be a finite number >= 1 (1 clips at the threshold), got {clip_multiple!r}"
+            )
         if isinstance(frequency, bool) or not isinstance(frequency, int) or frequency < 1:
             raise ValueError(f"frequency must be a positive integer, got {frequency!r}")
         self.clip_multiple = float(clip_multiple)
@@ -81,6 +86,7 @@ def residual_post_processor(spec: ResidualPostProcessor | str, **kwargs: Any) ->
     if not isinstance(spec, str):
         raise TypeError(f"a residual post-processor is a ResidualPostProcessor or a name, got {type(spec).__name__}")
     if spec not in RESIDUAL_POST_PROCESSORS:
-        raise ValueError(f"unknown residual post-processor {spec!r}; known: "
-                         f"{', '.join(sorted(RESIDUAL_POST_PROCESSORS))}")
+        raise ValueError(
+            f"unknown residual post-processor {spec!r}; known: {', '.join(sorted(RESIDUAL_POST_PROCESSORS))}"
+        )
     return RESIDUAL_POST_PROCESSORS[spec](**kwargs)

@@ -34,8 +34,7 @@ class ThresholdAlgorithm(abc.ABC):
         vector it encodes; return the next threshold."""
         if isinstance(sparsity, bool) or not isinstance(sparsity, numbers.Real) or not 0 <= sparsity <= 1:
             raise ValueError(f"sparsity must be a number in [0, 1], got {sparsity!r}")
-        if length is not None and (isinstance(length, bool) or not isinstance(length, numbers.Integral)
-                                   or length < 1):
+        if length is not None and (isinstance(length, bool) or not isinstance(length, numbers.Integral) or length < 1):
             raise ValueError(f"length must be a positive integer or None, got {length!r}")
         self._threshold = min(max(self._next(float(sparsity), length), _LOWEST), _HIGHEST)
         return self._threshold
@@ -72,19 +71,29 @@ class AdaptiveThresholdAlgorithm(ThresholdAlgorithm):
     threshold would only coarsen the update (on a small network, a 1% bound drives the threshold up
     to the size of the weights themselves)."""
 
-    def __init__(self, initial_threshold: float = 1e-3, min_target_sparsity: float = 1e-4,
-                 max_target_sparsity: float = 1e-2, decay_rate: float = DEFAULT_DECAY_RATE,
-                 small_message_elements: int = 512) -> None:
+    def __init__(
+        self,
+        initial_threshold: float = 1e-3,
+        min_target_sparsity: float = 1e-4,
+        max_target_sparsity: float = 1e-2,
+        decay_rate: float = DEFAULT_DECAY_RATE,
+        small_message_elements: int = 512,
+    ) -> None:
         super().__init__(_positive("initial_threshold", initial_threshold))
         self.initial_threshold = self._threshold
         self.min_target_sparsity = _fraction("min_target_sparsity", min_target_sparsity, 1.0)
         self.max_target_sparsity = _fraction("max_target_sparsity", max_target_sparsity, 1.0)
         if self.min_target_sparsity > self.max_target_sparsity:
-            raise ValueError(f"min_target_sparsity ({min_target_sparsity}) must not exceed max_target_sparsity "
-                             f"({max_target_sparsity})")
+            raise ValueError(
+                f"min_target_sparsity ({min_target_sparsity}) must not exceed max_target_sparsity "
+                f"({max_target_sparsity})"
+            )
         self.decay_rate = _decay_rate(decay_rate)
-        if (isinstance(small_message_elements, bool) or not isinstance(small_message_elements, numbers.Integral)
-                or small_message_elements < 0):
+        if (
+            isinstance(small_message_elements, bool)
+            or not isinstance(small_message_elements, numbers.Integral)
+            or small_message_elements < 0
+        ):
             raise ValueError(f"small_message_elements must be a non-negative integer, got {small_message_elements!r}")
         self.small_message_elements = int(small_message_elements)
 
@@ -99,18 +108,21 @@ class AdaptiveThresholdAlgorithm(ThresholdAlgorithm):
         return self._threshold
 
     def __repr__(self) -> str:
-        return (f"AdaptiveThresholdAlgorithm(initial_threshold={self.initial_threshold!r}, "
-                f"min_target_sparsity={self.min_target_sparsity!r}, max_target_sparsity={self.max_target_sparsity!r}, "
-                f"decay_rate={self.decay_rate!r}, small_message_elements={self.small_message_elements!r}; "
-                f"threshold={self._threshold!r})")
+        return (
+            f"AdaptiveThresholdAlgorithm(initial_threshold={self.initial_threshold!r}, "
+            f"min_target_sparsity={self.min_target_sparsity!r}, max_target_sparsity={self.max_target_sparsity!r}, "
+            f"decay_rate={self.decay_rate!r}, small_message_elements={self.small_message_elements!r}; "
+            f"threshold={self._threshold!r})"
+        )
 
 
 class TargetSparsityThresholdAlgorithm(ThresholdAlgorithm):
     """Steers the sparsity towards ``sparsity_target``: the threshold is multiplied by
     ``decay_rate`` after a sparsity below the target, divided by it after one above, at every step."""
 
-    def __init__(self, initial_threshold: float = 1e-3, sparsity_target: float = 1e-3,
-                 decay_rate: float = DEFAULT_DECAY_RATE) -> None:
+    def __init__(
+        self, initial_threshold: float = 1e-3, sparsity_target: float = 1e-3, decay_rate: float = DEFAULT_DECAY_RATE
+    ) -> None:
         super().__init__(_positive("initial_threshold", initial_threshold))
         self.initial_threshold = self._threshold
         # above 1/16 the bitmap form is smaller, whatever the count: a higher target buys nothing
@@ -125,9 +137,11 @@ class TargetSparsityThresholdAlgorithm(ThresholdAlgorithm):
         return self._threshold
 
     def __repr__(self) -> str:
-        return (f"TargetSparsityThresholdAlgorithm(initial_threshold={self.initial_threshold!r}, "
-                f"sparsity_target={self.sparsity_target!r}, decay_rate={self.decay_rate!r}; "
-                f"threshold={self._threshold!r})")
+        return (
+            f"TargetSparsityThresholdAlgorithm(initial_threshold={self.initial_threshold!r}, "
+            f"sparsity_target={self.sparsity_target!r}, decay_rate={self.decay_rate!r}; "
+            f"threshold={self._threshold!r})"
+        )
 
 
 THRESHOLD_ALGORITHMS: dict[str, type[ThresholdAlgorithm]] = {

@@ -10,5 +10,14 @@ from dlscale.evaluation.distributed import do_evaluation
 from dlscale.evaluation.regression import RegressionEvaluation
 from dlscale.evaluation.roc import ROC, ROCBinary, ROCMultiClass
 
-__all__ = ["ROC", "BaseEvaluation", "Evaluation", "EvaluationBinary", "EvaluationCalibration", "ROCBinary",
-           "ROCMultiClass", "RegressionEvaluation", "do_evaluation"]
+__all__ = [
+    "ROC",
+    "BaseEvaluation",
+    "Evaluation",
+    "EvaluationBinary",
+    "EvaluationCalibration",
+    "ROCBinary",
+    "ROCMultiClass",
+    "RegressionEvaluation",
+    "do_evaluation",
+]

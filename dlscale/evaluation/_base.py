@@ -23,7 +23,6 @@ FORMAT_VERSION = 1
 REGISTRY: dict[str, type[BaseEvaluation]] = {}
 
 
-
 def as_numpy(x: Any, name: str) -> np.ndarray:
     """``x`` (a torch tensor, numpy array or nested list) as a numpy array on the CPU."""
     if hasattr(x, "detach"):  # a torch tensor, possibly on a GPU
@@ -56,8 +55,9 @@ class Rows:
         return self.labels.ndim == 1
 
 
-def rows(labels: Any, predictions: Any, mask: Any = None, *, per_output_mask: bool = False,
-         who: str = "evaluation") -> Rows:
+def rows(
+    labels: Any, predictions: Any, mask: Any = None, *, per_output_mask: bool = False, who: str = "evaluation"
+) -> Rows:
     """Check and flatten one batch.
 
     ``predictions`` is ``[N, C]``, ``[N]`` (one output) or ``[N, T, C]`` (sequences, batch-first).
@@ -75,15 +75,18 @@ def rows(labels: Any, predictions: Any, mask: Any = None, *, per_output_mask: bo
         if y.ndim == 1:
             y = y[:, None]
     if p.ndim not in (2, 3):
-        raise EvaluationError(f"{who}: predictions of shape {p.shape}; expected [examples, outputs] or "
-                              "[examples, time, outputs]")
+        raise EvaluationError(
+            f"{who}: predictions of shape {p.shape}; expected [examples, outputs] or [examples, time, outputs]"
+        )
     if y.shape == p.shape:
         dense = True
     elif y.shape == p.shape[:-1]:
         dense = False
     else:
-        raise EvaluationError(f"{who}: labels of shape {y.shape} do not fit predictions of shape {p.shape}; "
-                              f"labels must be {p.shape} (one column per output) or {p.shape[:-1]} (class indices)")
+        raise EvaluationError(
+            f"{who}: labels of shape {y.shape} do not fit predictions of shape {p.shape}; "
+            f"labels must be {p.shape} (one column per output) or {p.shape[:-1]} (class indices)"
+        )
     if not np.issubdtype(p.dtype, np.number) or not np.all(np.isfinite(p)):
         bad = int(np.size(p) - np.count_nonzero(np.isfinite(p))) if np.issubdtype(p.dtype, np.number) else "some"
         raise EvaluationError(f"{who}: predictions contain {bad} NaN or infinite values of {p.size}")
@@ -91,8 +94,9 @@ def rows(labels: Any, predictions: Any, mask: Any = None, *, per_output_mask: bo
         raise EvaluationError(f"{who}: labels contain NaN, infinite or non-numeric values")
     if not dense:
         if not np.all(np.equal(np.mod(y, 1), 0)):
-            raise EvaluationError(f"{who}: labels of shape {y.shape} are read as class indices, but some are not "
-                                  "whole numbers")
+            raise EvaluationError(
+                f"{who}: labels of shape {y.shape} are read as class indices, but some are not whole numbers"
+            )
         y = y.astype(np.int64)
     out_mask = None
     if mask is not None:
@@ -100,16 +104,20 @@ def rows(labels: Any, predictions: Any, mask: Any = None, *, per_output_mask: bo
         row_shapes = [p.shape[:-1]] + ([(p.shape[0], 1)] if p.ndim == 2 else [])
         if m.shape == p.shape and m.shape not in row_shapes:
             if not per_output_mask:
-                raise EvaluationError(f"{who}: a per-output mask of shape {m.shape} is not supported here; give "
-                                      "a mask per example or per time step (EvaluationBinary, ROCBinary and "
-                                      "RegressionEvaluation take per-output masks)")
+                raise EvaluationError(
+                    f"{who}: a per-output mask of shape {m.shape} is not supported here; give "
+                    "a mask per example or per time step (EvaluationBinary, ROCBinary and "
+                    "RegressionEvaluation take per-output masks)"
+                )
             out_mask = m.reshape(-1, p.shape[-1]) != 0
             keep = None
         elif m.shape in row_shapes:
             keep = m.reshape(-1) != 0
         else:
-            raise EvaluationError(f"{who}: mask of shape {m.shape} fits neither the examples {p.shape[:-1]} nor the "
-                                  f"outputs {p.shape} of predictions")
+            raise EvaluationError(
+                f"{who}: mask of shape {m.shape} fits neither the examples {p.shape[:-1]} nor the "
+                f"outputs {p.shape} of predictions"
+            )
     else:
         keep = None
     c = p.shape[-1]
@@ -131,8 +139,10 @@ def class_indices(r: Rows, num_classes: int, who: str = "evaluation") -> np.ndar
         y = np.argmax(r.labels, axis=1)
     limit = max(num_classes, 2)
     if y.size and (y.min() < 0 or y.max() >= limit):
-        raise EvaluationError(f"{who}: class index {int(y.max() if y.max() >= limit else y.min())} is outside "
-                              f"the {limit} classes of the predictions")
+        raise EvaluationError(
+            f"{who}: class index {int(y.max() if y.max() >= limit else y.min())} is outside "
+            f"the {limit} classes of the predictions"
+        )
     return y
 
 
@@ -211,17 +221,24 @@ class BaseEvaluation(abc.ABC):
             raise IncompatibleEvaluationError(f"cannot merge a {type(other).__name__} into a {type(self).__name__}")
         mine, theirs = to_plain(self._settings()), to_plain(other._settings())
         if mine != theirs:
-            diff = {k: (mine.get(k), theirs.get(k)) for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k)}
+            diff = {
+                k: (mine.get(k), theirs.get(k)) for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k)
+            }
             raise IncompatibleEvaluationError(
                 f"cannot merge {type(self).__name__} evaluations with different settings: "
-                + ", ".join(f"{k}={a!r} vs {b!r}" for k, (a, b) in sorted(diff.items())))
+                + ", ".join(f"{k}={a!r} vs {b!r}" for k, (a, b) in sorted(diff.items()))
+            )
         self._merge(other)
         return self
 
     def to_dict(self) -> dict[str, Any]:
         """The whole state as plain values: ``type``, ``version``, ``settings`` and ``accumulated``."""
-        return {"type": type(self).__name__, "version": FORMAT_VERSION,
-                "settings": to_plain(self._settings()), "accumulated": to_plain(self._accumulated())}
+        return {
+            "type": type(self).__name__,
+            "version": FORMAT_VERSION,
+            "settings": to_plain(self._settings()),
+            "accumulated": to_plain(self._accumulated()),
+        }
 
     def to_json(self) -> str:
         """This evaluation as JSON (DL4J's ``toJson``)."""
@@ -242,8 +259,9 @@ class BaseEvaluation(abc.ABC):
         if cls is not BaseEvaluation and kind is not cls:
             raise IncompatibleEvaluationError(f"this is a {state['type']}, not a {cls.__name__}")
         if state.get("version") != FORMAT_VERSION:
-            raise IncompatibleEvaluationError(f"evaluation format version {state.get('version')!r} is not "
-                                              f"{FORMAT_VERSION}")
+            raise IncompatibleEvaluationError(
+                f"evaluation format version {state.get('version')!r} is not {FORMAT_VERSION}"
+            )
         evaluation = kind(**state["settings"])
         evaluation._restore(state["accumulated"])
         return evaluation

@@ -42,16 +42,18 @@ def _check_bins(name: str, value: int) -> int:
     return int(value)
 
 
-def _counts(bins: np.ndarray, size: int, where: np.ndarray | None = None,
-            weights: np.ndarray | None = None) -> np.ndarray:
+def _counts(
+    bins: np.ndarray, size: int, where: np.ndarray | None = None, weights: np.ndarray | None = None
+) -> np.ndarray:
     """Per class (column) counts of ``[M, C]`` bin indices in ``[0, size)``, as ``[C, size]``:
     of the ``where`` entries only, or sums of ``weights``."""
     c = bins.shape[1]
     flat = bins + np.arange(c) * size
     if where is not None:
         flat = flat[where]
-    return np.bincount(flat.ravel(), weights=None if weights is None else weights.ravel(),
-                       minlength=c * size).reshape(c, size)
+    return np.bincount(flat.ravel(), weights=None if weights is None else weights.ravel(), minlength=c * size).reshape(
+        c, size
+    )
 
 
 class EvaluationCalibration(BaseEvaluation):
@@ -83,16 +85,17 @@ class EvaluationCalibration(BaseEvaluation):
 
     def _histogram_bins(self, values: np.ndarray) -> np.ndarray:
         """``numpy.histogram``'s bin of each value in ``[0, 1]``."""
-        return np.minimum(np.searchsorted(self._histogram_edges, values, side="right") - 1,
-                          self.histogram_bins - 1)
+        return np.minimum(np.searchsorted(self._histogram_edges, values, side="right") - 1, self.histogram_bins - 1)
 
     def eval(self, labels: Any, predictions: Any, mask: Any = None) -> None:
         """Add one batch of labels (0/1 per class, or class indices) and class probabilities."""
         r = self.rows(labels, predictions, mask)
         p = r.predictions
         if p.size and (p.min() < 0 or p.max() > 1):
-            raise EvaluationError(f"EvaluationCalibration: predictions must be probabilities in [0, 1]; found "
-                                  f"values in [{p.min():g}, {p.max():g}]")
+            raise EvaluationError(
+                f"EvaluationCalibration: predictions must be probabilities in [0, 1]; found "
+                f"values in [{p.min():g}, {p.max():g}]"
+            )
         if p.shape[1] == 1:
             p = np.hstack([1.0 - p, p])
             positive = class_indices(r, 1, "EvaluationCalibration")[:, None] == np.arange(2)
@@ -104,8 +107,9 @@ class EvaluationCalibration(BaseEvaluation):
         if not self.num_classes():
             self._allocate(c)
         elif c != self.num_classes():
-            raise EvaluationError(f"EvaluationCalibration: predictions for {c} classes, but this evaluation has "
-                                  f"{self.num_classes()}")
+            raise EvaluationError(
+                f"EvaluationCalibration: predictions for {c} classes, but this evaluation has {self.num_classes()}"
+            )
         b, h, s = self.reliability_diagram_bins, self.histogram_bins, self._state
         reliability = np.searchsorted(self._reliability_edges[1:-1], p)  # calibration_curve's binning
         s["bin_counts"] += _counts(reliability, b)
@@ -132,8 +136,10 @@ class EvaluationCalibration(BaseEvaluation):
         for k, v in self._state.items():
             value = np.asarray(accumulated[k], v.dtype)
             if value.size != v.size:
-                raise IncompatibleEvaluationError(f"EvaluationCalibration state {k!r} has {value.size} values; "
-                                                  f"{classes} classes and these settings need {v.size}")
+                raise IncompatibleEvaluationError(
+                    f"EvaluationCalibration state {k!r} has {value.size} values; "
+                    f"{classes} classes and these settings need {v.size}"
+                )
             self._state[k] = value.reshape(v.shape)
 
     def _merge(self, other: BaseEvaluation) -> None:
@@ -144,8 +150,9 @@ class EvaluationCalibration(BaseEvaluation):
         if not self.num_classes():
             self._allocate(classes)
         elif classes != self.num_classes():
-            raise IncompatibleEvaluationError(f"cannot merge an EvaluationCalibration of {classes} classes into "
-                                              f"one of {self.num_classes()}")
+            raise IncompatibleEvaluationError(
+                f"cannot merge an EvaluationCalibration of {classes} classes into one of {self.num_classes()}"
+            )
         for k, v in self._state.items():
             v += theirs[k]
 
@@ -173,8 +180,10 @@ class EvaluationCalibration(BaseEvaluation):
         k = self._class(cls)
         counts = self._state["bin_counts"][k]
         full = counts > 0
-        return (self._state["bin_probability_sums"][k][full] / counts[full],
-                self._state["bin_positives"][k][full] / counts[full])
+        return (
+            self._state["bin_probability_sums"][k][full] / counts[full],
+            self._state["bin_positives"][k][full] / counts[full],
+        )
 
     def expected_calibration_error(self, cls: int | None = None) -> float:
         """Expected calibration error of class ``cls``: the mean over examples of
@@ -215,11 +224,17 @@ class EvaluationCalibration(BaseEvaluation):
 
     def stats(self) -> str:
         labels, predicted = self._state["label_counts"], self._state["prediction_counts"]
-        lines = [(f"EvaluationCalibration, {self.num_classes()} classes, {self.example_count()} examples, "
-                  f"{self.reliability_diagram_bins} reliability bins, {self.histogram_bins} histogram bins"),
-                 f"{'class':>8} {'labels':>10} {'predicted':>10} {'ECE':>8}"]
-        lines += [f"{k:>8} {labels[k]:>10} {predicted[k]:>10} {self.expected_calibration_error(k):>8.4f}"
-                  for k in range(self.num_classes())]
+        lines = [
+            (
+                f"EvaluationCalibration, {self.num_classes()} classes, {self.example_count()} examples, "
+                f"{self.reliability_diagram_bins} reliability bins, {self.histogram_bins} histogram bins"
+            ),
+            f"{'class':>8} {'labels':>10} {'predicted':>10} {'ECE':>8}",
+        ]
+        lines += [
+            f"{k:>8} {labels[k]:>10} {predicted[k]:>10} {self.expected_calibration_error(k):>8.4f}"
+            for k in range(self.num_classes())
+        ]
         lines.append(f"{'all':>8} {'':>10} {'':>10} {self.expected_calibration_error():>8.4f}")
         return "\n".join(lines)
 
@@ -238,14 +253,19 @@ class EvaluationCalibration(BaseEvaluation):
         reliability.plot([0, 1], [0, 1], "k--", linewidth=1, label="perfectly calibrated")
         for k in range(self.num_classes()):
             reliability.plot(*self.reliability_diagram(k), "o-", markersize=3, label=f"class {k}")
-        reliability.set(title="Reliability diagram", xlabel="mean predicted probability",
-                        ylabel="fraction of positives", xlim=(-0.02, 1.02), ylim=(-0.02, 1.02))
+        reliability.set(
+            title="Reliability diagram",
+            xlabel="mean predicted probability",
+            ylabel="fraction of positives",
+            xlim=(-0.02, 1.02),
+            ylim=(-0.02, 1.02),
+        )
         if self.num_classes() <= 10:
             reliability.legend(fontsize="small")
         for axes, (counts, edges), title, xlabel in (
-                (residuals, self.residual_plot(), "Residuals, all classes", "|label - probability|"),
-                (probabilities, self.probability_histogram(), "Probabilities, all classes",
-                 "predicted probability")):
+            (residuals, self.residual_plot(), "Residuals, all classes", "|label - probability|"),
+            (probabilities, self.probability_histogram(), "Probabilities, all classes", "predicted probability"),
+        ):
             axes.stairs(counts, edges, fill=True)
             axes.set(title=title, xlabel=xlabel, ylabel="count", xlim=(0, 1))
         buffer = io.BytesIO()

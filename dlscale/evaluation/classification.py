@@ -170,8 +170,13 @@ class Evaluation(BaseEvaluation):
     ``top_n`` highest scores (ties ranked by index, as for the arg-max).
     """
 
-    def __init__(self, labels: Sequence[str] | None = None, top_n: int = 1, binary_positive_class: int = 1,
-                 binary_decision_threshold: float = 0.5) -> None:
+    def __init__(
+        self,
+        labels: Sequence[str] | None = None,
+        top_n: int = 1,
+        binary_positive_class: int = 1,
+        binary_decision_threshold: float = 0.5,
+    ) -> None:
         if isinstance(top_n, bool) or not isinstance(top_n, (int, np.integer)) or top_n < 1:
             raise ValueError(f"Evaluation: top_n must be an integer >= 1, not {top_n!r}")
         if binary_positive_class not in (0, 1) or isinstance(binary_positive_class, bool):
@@ -179,8 +184,9 @@ class Evaluation(BaseEvaluation):
         self.labels = _names(labels, 2, "Evaluation")
         self.top_n = int(top_n)
         self.binary_positive_class = int(binary_positive_class)
-        self.binary_decision_threshold = _finite_number(binary_decision_threshold,
-                                                        "Evaluation: binary_decision_threshold")
+        self.binary_decision_threshold = _finite_number(
+            binary_decision_threshold, "Evaluation: binary_decision_threshold"
+        )
         self.reset()
 
     # -- accumulation ---------------------------------------------------------------------
@@ -205,25 +211,34 @@ class Evaluation(BaseEvaluation):
 
     def _check_classes(self, n: int) -> None:
         if self.labels is not None and n != len(self.labels):
-            raise EvaluationError(f"Evaluation: predictions have {n} classes but {len(self.labels)} class names "
-                                  "were given as labels")
+            raise EvaluationError(
+                f"Evaluation: predictions have {n} classes but {len(self.labels)} class names were given as labels"
+            )
         if self._confusion is not None and n != len(self._confusion):
-            raise EvaluationError(f"Evaluation: predictions have {n} classes but earlier batches had "
-                                  f"{len(self._confusion)}")
+            raise EvaluationError(
+                f"Evaluation: predictions have {n} classes but earlier batches had {len(self._confusion)}"
+            )
 
     def reset(self) -> None:
         """Forget every batch seen."""
-        self._confusion: np.ndarray | None = (None if self.labels is None else
-                                              np.zeros((len(self.labels),) * 2, dtype=np.int64))
+        self._confusion: np.ndarray | None = (
+            None if self.labels is None else np.zeros((len(self.labels),) * 2, dtype=np.int64)
+        )
         self._top_n_correct = 0
 
     def _settings(self) -> dict[str, Any]:
-        return {"labels": self.labels, "top_n": self.top_n, "binary_positive_class": self.binary_positive_class,
-                "binary_decision_threshold": self.binary_decision_threshold}
+        return {
+            "labels": self.labels,
+            "top_n": self.top_n,
+            "binary_positive_class": self.binary_positive_class,
+            "binary_decision_threshold": self.binary_decision_threshold,
+        }
 
     def _accumulated(self) -> dict[str, Any]:
-        return {"confusion": None if self._confusion is None else self._confusion.tolist(),
-                "top_n_correct": self._top_n_correct}
+        return {
+            "confusion": None if self._confusion is None else self._confusion.tolist(),
+            "top_n_correct": self._top_n_correct,
+        }
 
     def _restore(self, accumulated: dict[str, Any]) -> None:
         self._confusion = _restored(accumulated["confusion"], 2, "Evaluation")
@@ -236,8 +251,9 @@ class Evaluation(BaseEvaluation):
         if self._confusion is None:
             self._confusion = np.zeros_like(other._confusion)
         elif self._confusion.shape != other._confusion.shape:
-            raise IncompatibleEvaluationError(f"cannot merge an Evaluation of {len(other._confusion)} classes "
-                                              f"into one of {len(self._confusion)}")
+            raise IncompatibleEvaluationError(
+                f"cannot merge an Evaluation of {len(other._confusion)} classes into one of {len(self._confusion)}"
+            )
         self._confusion += other._confusion
         self._top_n_correct += other._top_n_correct
 
@@ -371,19 +387,32 @@ class Evaluation(BaseEvaluation):
             scope = f"of the positive class {self._name(self.binary_positive_class)}"
         else:
             scope = f"macro-averaged over all {n} classes (never-predicted classes count with precision 0)"
-        values = [("# of classes", str(n)), ("# of examples", str(self.num_examples())),
-                  ("Accuracy", f"{self.accuracy():.4f}"), ("Precision", f"{self.precision():.4f}"),
-                  ("Recall", f"{self.recall():.4f}"), ("F1 Score", f"{self.f1():.4f}")]
+        values = [
+            ("# of classes", str(n)),
+            ("# of examples", str(self.num_examples())),
+            ("Accuracy", f"{self.accuracy():.4f}"),
+            ("Precision", f"{self.precision():.4f}"),
+            ("Recall", f"{self.recall():.4f}"),
+            ("F1 Score", f"{self.f1():.4f}"),
+        ]
         if self.top_n > 1:
             values.append((f"Top-{self.top_n} Accuracy", f"{self.top_n_accuracy():.4f}"))
         values.append(("Matthews Correlation", f"{self.matthews_correlation():.4f}"))
-        lines = [f"{' Evaluation Metrics ':=^66}", *(f" {name + ':':<22}{value}" for name, value in values),
-                 f"Precision, recall & F1: {scope}"]
+        lines = [
+            f"{' Evaluation Metrics ':=^66}",
+            *(f" {name + ':':<22}{value}" for name, value in values),
+            f"Precision, recall & F1: {scope}",
+        ]
         never = [self._name(k) for k in np.flatnonzero(self._confusion.sum(axis=0) == 0)]
         if never:
             lines.append(f"Never predicted ({len(never)} of {n} classes): {', '.join(never)}")
-        lines += ["", f"{' Confusion Matrix ':=^66}", *self._matrix_lines(),
-                  "Rows: actual class; columns: predicted class", "=" * 66]
+        lines += [
+            "",
+            f"{' Confusion Matrix ':=^66}",
+            *self._matrix_lines(),
+            "Rows: actual class; columns: predicted class",
+            "=" * 66,
+        ]
         return "\n".join(lines)
 
     def _matrix_lines(self) -> list[str]:
@@ -392,8 +421,11 @@ class Evaluation(BaseEvaluation):
             return [f"(not shown for more than {MAX_PRINTED_CLASSES} classes: see confusion_matrix())"]
         width = max(len(str(self._confusion.max())), len(str(n - 1)))
         header = " ".join(f"{k:>{width}}" for k in range(n))
-        rows = [" ".join(f"{v:>{width}}" for v in self._confusion[k])
-                + (f" | {k} = {self.labels[k]}" if self.labels else f" | {k}") for k in range(n)]
+        rows = [
+            " ".join(f"{v:>{width}}" for v in self._confusion[k])
+            + (f" | {k} = {self.labels[k]}" if self.labels else f" | {k}")
+            for k in range(n)
+        ]
         return [header, "-" * len(header), *rows]
 
 
@@ -422,20 +454,24 @@ class EvaluationBinary(BaseEvaluation):
 
     per_output_mask = True
 
-    def __init__(self, decision_threshold: float | Sequence[float] = 0.5,
-                 labels: Sequence[str] | None = None) -> None:
+    def __init__(self, decision_threshold: float | Sequence[float] = 0.5, labels: Sequence[str] | None = None) -> None:
         if isinstance(decision_threshold, (list, tuple, np.ndarray)):
             if not len(decision_threshold):
                 raise ValueError("EvaluationBinary: decision_threshold is an empty list")
             self.decision_threshold: float | list[float] = [
-                _finite_number(t, "EvaluationBinary: each decision_threshold") for t in decision_threshold]
+                _finite_number(t, "EvaluationBinary: each decision_threshold") for t in decision_threshold
+            ]
         else:
             self.decision_threshold = _finite_number(decision_threshold, "EvaluationBinary: decision_threshold")
         self.labels = _names(labels, 1, "EvaluationBinary")
-        if self.labels is not None and isinstance(self.decision_threshold, list) \
-                and len(self.labels) != len(self.decision_threshold):
-            raise ValueError(f"EvaluationBinary: {len(self.decision_threshold)} decision thresholds for "
-                             f"{len(self.labels)} outputs")
+        if (
+            self.labels is not None
+            and isinstance(self.decision_threshold, list)
+            and len(self.labels) != len(self.decision_threshold)
+        ):
+            raise ValueError(
+                f"EvaluationBinary: {len(self.decision_threshold)} decision thresholds for {len(self.labels)} outputs"
+            )
         self.reset()
 
     def _configured_outputs(self) -> int | None:
@@ -453,30 +489,41 @@ class EvaluationBinary(BaseEvaluation):
         y = r.labels
         if r.indexed:
             if n != 1:
-                raise EvaluationError(f"EvaluationBinary: labels of shape {y.shape} for predictions of shape "
-                                      f"{r.predictions.shape}: give one 0/1 label per output, not class indices")
+                raise EvaluationError(
+                    f"EvaluationBinary: labels of shape {y.shape} for predictions of shape "
+                    f"{r.predictions.shape}: give one 0/1 label per output, not class indices"
+                )
             y = y[:, None]
         counted = np.ones(y.shape, dtype=bool) if r.mask is None else r.mask
         if not np.isin(y[counted], (0, 1)).all():
             raise EvaluationError("EvaluationBinary: labels must be 0 or 1")
         actual = y == 1
         predicted = r.predictions >= np.asarray(self.decision_threshold)
-        batch = np.stack([np.count_nonzero(a & p & counted, axis=0) for a, p in
-                          ((actual, predicted), (~actual, predicted), (~actual, ~predicted), (actual, ~predicted))])
+        batch = np.stack(
+            [
+                np.count_nonzero(a & p & counted, axis=0)
+                for a, p in ((actual, predicted), (~actual, predicted), (~actual, ~predicted), (actual, ~predicted))
+            ]
+        )
         if self._counts is None:
             self._counts = np.zeros((4, n), dtype=np.int64)
         self._counts += batch
 
     def _check_outputs(self, n: int) -> None:
         if self.labels is not None and n != len(self.labels):
-            raise EvaluationError(f"EvaluationBinary: predictions have {n} outputs but {len(self.labels)} output "
-                                  "names were given as labels")
+            raise EvaluationError(
+                f"EvaluationBinary: predictions have {n} outputs but {len(self.labels)} output "
+                "names were given as labels"
+            )
         if isinstance(self.decision_threshold, list) and n != len(self.decision_threshold):
-            raise EvaluationError(f"EvaluationBinary: predictions have {n} outputs but "
-                                  f"{len(self.decision_threshold)} decision thresholds were given")
+            raise EvaluationError(
+                f"EvaluationBinary: predictions have {n} outputs but "
+                f"{len(self.decision_threshold)} decision thresholds were given"
+            )
         if self._counts is not None and n != self._counts.shape[1]:
-            raise EvaluationError(f"EvaluationBinary: predictions have {n} outputs but earlier batches had "
-                                  f"{self._counts.shape[1]}")
+            raise EvaluationError(
+                f"EvaluationBinary: predictions have {n} outputs but earlier batches had {self._counts.shape[1]}"
+            )
 
     def reset(self) -> None:
         """Forget every batch seen."""
@@ -502,8 +549,10 @@ class EvaluationBinary(BaseEvaluation):
         if self._counts is None:
             self._counts = np.zeros_like(other._counts)
         elif self._counts.shape != other._counts.shape:
-            raise IncompatibleEvaluationError(f"cannot merge an EvaluationBinary of {other._counts.shape[1]} "
-                                              f"outputs into one of {self._counts.shape[1]}")
+            raise IncompatibleEvaluationError(
+                f"cannot merge an EvaluationBinary of {other._counts.shape[1]} "
+                f"outputs into one of {self._counts.shape[1]}"
+            )
         self._counts += other._counts
 
     # -- counts and metrics ---------------------------------------------------------------
@@ -606,15 +655,24 @@ class EvaluationBinary(BaseEvaluation):
             return "EvaluationBinary: no examples evaluated"
         n = self.num_outputs()
         names = self.labels or [str(k) for k in range(n)]
-        thresholds = (self.decision_threshold if isinstance(self.decision_threshold, list)
-                      else [self.decision_threshold] * n)
+        thresholds = (
+            self.decision_threshold if isinstance(self.decision_threshold, list) else [self.decision_threshold] * n
+        )
         counts = Counts(*self._counts)
-        metrics = {"Accuracy": _accuracy(counts), "F1": _f_beta(1.0)(counts), "Precision": _precision(counts),
-                   "Recall": _recall(counts), "MCC": _matthews(counts)}
+        metrics = {
+            "Accuracy": _accuracy(counts),
+            "F1": _f_beta(1.0)(counts),
+            "Precision": _precision(counts),
+            "Recall": _recall(counts),
+            "MCC": _matthews(counts),
+        }
         name_width = max(len("Output"), *(len(name) for name in names))
         count_width = max(5, len(str(self._counts.sum(axis=0).max())))
-        widths = {**{h: max(len(h), 7) for h in metrics}, "Threshold": 9,
-                  **{h: count_width for h in ("Total", "TP", "TN", "FP", "FN")}}
+        widths = {
+            **{h: max(len(h), 7) for h in metrics},
+            "Threshold": 9,
+            **{h: count_width for h in ("Total", "TP", "TN", "FP", "FN")},
+        }
         header = f"{'Output':<{name_width}}  " + "  ".join(f"{h:>{w}}" for h, w in widths.items())
         lines = [header, "-" * len(header)]
         for k in range(n):
@@ -622,6 +680,8 @@ class EvaluationBinary(BaseEvaluation):
             cells += [str(v) for v in (self._counts[:, k].sum(), *self._counts[(0, 2, 1, 3), k])]
             row = "  ".join(f"{c:>{w}}" for c, w in zip(cells, widths.values(), strict=True))
             lines.append(f"{names[k]:<{name_width}}  {row}")
-        lines.append(f"Average over {n} outputs: accuracy {self.average_accuracy():.4f}, precision "
-                     f"{self.average_precision():.4f}, recall {self.average_recall():.4f}, F1 {self.average_f1():.4f}")
+        lines.append(
+            f"Average over {n} outputs: accuracy {self.average_accuracy():.4f}, precision "
+            f"{self.average_precision():.4f}, recall {self.average_recall():.4f}, F1 {self.average_f1():.4f}"
+        )
         return "\n".join(lines)

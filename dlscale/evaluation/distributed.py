@@ -15,24 +15,31 @@ from typing import TYPE_CHECKING, Any
 
 from distributed import get_worker
 
-from dlscale import _graph, config
-from dlscale._tasks import check_count, match_threads, worker_address
+from dlscale import config
 from dlscale.data.dataset import DataSet, MultiDataSet, rebatch
 from dlscale.data.format import load
 from dlscale.data.loaders import prefetch
 from dlscale.evaluation._base import BaseEvaluation
+from dlscale.facade import _graph
 from dlscale.nn import shipping
+from dlscale.runtime.tasks import check_count, match_threads, worker_address
 
 if TYPE_CHECKING:
+    from dlscale.facade.rdd import RDD
     from dlscale.nn.network import Network
-    from dlscale.rdd import RDD
 
 Loader = Callable[[Any], DataSet | MultiDataSet]
 
 
-def do_evaluation(network: Network, data: RDD, *evaluations: BaseEvaluation, batch_size: int | None = None,
-                  num_workers: int | None = None, loader: Loader | None = None, output: int = 0
-                  ) -> list[BaseEvaluation]:
+def do_evaluation(
+    network: Network,
+    data: RDD,
+    *evaluations: BaseEvaluation,
+    batch_size: int | None = None,
+    num_workers: int | None = None,
+    loader: Loader | None = None,
+    output: int = 0,
+) -> list[BaseEvaluation]:
     """Evaluate ``network`` on ``data`` with every one of ``evaluations`` in one pass.
 
     ``data`` is an RDD of DataSet or MultiDataSet, or of paths (URLs of minibatch files) read by
@@ -62,8 +69,9 @@ def do_evaluation(network: Network, data: RDD, *evaluations: BaseEvaluation, bat
     else:
         shipped = shipping.ship(data.ctx.client, network)
         task = partial(_evaluate_partition, shipped.key, templates, batch_size, num_workers, loader, output)
-        merged = data._derive(_graph.partitionwise("evaluate", task, data.to_bag(), shared=shipped)
-                              ).treeReduce(_merge_lists)
+        merged = data._derive(_graph.partitionwise("evaluate", task, data.to_bag(), shared=shipped)).treeReduce(
+            _merge_lists
+        )
         shipped.release()
     return [copy.deepcopy(e).merge(m) for e, m in zip(evaluations, merged)]
 
@@ -79,8 +87,10 @@ def minibatches(elements: Iterable[Any], loader: Loader | None) -> Iterator[Data
         return
     for element in elements:
         if not isinstance(element, (DataSet, MultiDataSet)):
-            raise TypeError(f"the RDD holds {type(element).__name__} elements; evaluation reads DataSet or "
-                            "MultiDataSet, or paths with a loader")
+            raise TypeError(
+                f"the RDD holds {type(element).__name__} elements; evaluation reads DataSet or "
+                "MultiDataSet, or paths with a loader"
+            )
         yield element
 
 
@@ -94,9 +104,17 @@ def worker_copies(num_workers: int | None) -> int:
         return 1
 
 
-def _evaluate_partition(key: str, templates: list[BaseEvaluation], batch_size: int, num_workers: int | None,
-                        loader: Loader | None, output: int, index: int, blob: bytes, elements: Iterable[Any]
-                        ) -> list[list[BaseEvaluation]]:
+def _evaluate_partition(
+    key: str,
+    templates: list[BaseEvaluation],
+    batch_size: int,
+    num_workers: int | None,
+    loader: Loader | None,
+    output: int,
+    index: int,
+    blob: bytes,
+    elements: Iterable[Any],
+) -> list[list[BaseEvaluation]]:
     evaluations = [copy.deepcopy(t) for t in templates]
     try:
         match_threads()
@@ -104,8 +122,9 @@ def _evaluate_partition(key: str, templates: list[BaseEvaluation], batch_size: i
             for batch in rebatch(minibatches(elements, loader), batch_size):
                 outputs, labels, masks = network.evaluate_batch(batch)
                 if output >= len(outputs) or output >= len(labels):
-                    raise ValueError(f"output={output}, but the network gives {len(outputs)} outputs for "
-                                     f"{len(labels)} label arrays")
+                    raise ValueError(
+                        f"output={output}, but the network gives {len(outputs)} outputs for {len(labels)} label arrays"
+                    )
                 for e in evaluations:
                     e.eval(labels[output], outputs[output], masks[output])
     except Exception as e:

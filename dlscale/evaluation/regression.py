@@ -25,8 +25,18 @@ from dlscale.evaluation._base import BaseEvaluation, as_numpy
 
 __all__ = ["RegressionEvaluation"]
 
-_FIELDS = ("count", "shift_label", "shift_prediction", "mean_label", "mean_prediction", "m2_label",
-           "m2_prediction", "comoment", "sum_abs_error", "sum_squared_error")
+_FIELDS = (
+    "count",
+    "shift_label",
+    "shift_prediction",
+    "mean_label",
+    "mean_prediction",
+    "m2_label",
+    "m2_prediction",
+    "comoment",
+    "sum_abs_error",
+    "sum_squared_error",
+)
 
 Moments = dict[str, np.ndarray]
 
@@ -51,12 +61,18 @@ def _batch(labels: np.ndarray, predictions: np.ndarray, mask: np.ndarray | None)
     dp = (predictions - shift_p) * w
     mean_y, mean_p = dy.sum(axis=0) / safe, dp.sum(axis=0) / safe
     err = (labels - predictions) * w
-    return {"count": n.astype(np.int64), "shift_label": shift_y, "shift_prediction": shift_p,
-            "mean_label": mean_y, "mean_prediction": mean_p,
-            "m2_label": np.maximum((dy * dy).sum(axis=0) - n * mean_y * mean_y, 0.0),
-            "m2_prediction": np.maximum((dp * dp).sum(axis=0) - n * mean_p * mean_p, 0.0),
-            "comoment": (dy * dp).sum(axis=0) - n * mean_y * mean_p,
-            "sum_abs_error": np.abs(err).sum(axis=0), "sum_squared_error": (err * err).sum(axis=0)}
+    return {
+        "count": n.astype(np.int64),
+        "shift_label": shift_y,
+        "shift_prediction": shift_p,
+        "mean_label": mean_y,
+        "mean_prediction": mean_p,
+        "m2_label": np.maximum((dy * dy).sum(axis=0) - n * mean_y * mean_y, 0.0),
+        "m2_prediction": np.maximum((dp * dp).sum(axis=0) - n * mean_p * mean_p, 0.0),
+        "comoment": (dy * dp).sum(axis=0) - n * mean_y * mean_p,
+        "sum_abs_error": np.abs(err).sum(axis=0),
+        "sum_squared_error": (err * err).sum(axis=0),
+    }
 
 
 def _combine(a: Moments, b: Moments) -> Moments:
@@ -70,14 +86,18 @@ def _combine(a: Moments, b: Moments) -> Moments:
     shift_p = np.where(first, a["shift_prediction"], b["shift_prediction"])
     dy = (b["shift_label"] - shift_y) + b["mean_label"] - a["mean_label"]
     dp = (b["shift_prediction"] - shift_p) + b["mean_prediction"] - a["mean_prediction"]
-    return {"count": n, "shift_label": shift_y, "shift_prediction": shift_p,
-            "mean_label": a["mean_label"] + dy * share,
-            "mean_prediction": a["mean_prediction"] + dp * share,
-            "m2_label": a["m2_label"] + b["m2_label"] + dy * dy * cross,
-            "m2_prediction": a["m2_prediction"] + b["m2_prediction"] + dp * dp * cross,
-            "comoment": a["comoment"] + b["comoment"] + dy * dp * cross,
-            "sum_abs_error": a["sum_abs_error"] + b["sum_abs_error"],
-            "sum_squared_error": a["sum_squared_error"] + b["sum_squared_error"]}
+    return {
+        "count": n,
+        "shift_label": shift_y,
+        "shift_prediction": shift_p,
+        "mean_label": a["mean_label"] + dy * share,
+        "mean_prediction": a["mean_prediction"] + dp * share,
+        "m2_label": a["m2_label"] + b["m2_label"] + dy * dy * cross,
+        "m2_prediction": a["m2_prediction"] + b["m2_prediction"] + dp * dp * cross,
+        "comoment": a["comoment"] + b["comoment"] + dy * dp * cross,
+        "sum_abs_error": a["sum_abs_error"] + b["sum_abs_error"],
+        "sum_squared_error": a["sum_squared_error"] + b["sum_squared_error"],
+    }
 
 
 def _spread(m2: np.ndarray, n: np.ndarray, mean: np.ndarray) -> np.ndarray:
@@ -118,16 +138,20 @@ class RegressionEvaluation(BaseEvaluation):
             y = y[..., None]  # one output column: [N] labels for [N, 1] predictions
         r = self.rows(y, p, mask)
         if r.indexed:
-            raise EvaluationError(f"RegressionEvaluation: labels of shape {y.shape} for predictions of shape "
-                                  f"{p.shape}; regression labels need one value per output, the shape of the "
-                                  "predictions (class indices are for classification evaluations)")
+            raise EvaluationError(
+                f"RegressionEvaluation: labels of shape {y.shape} for predictions of shape "
+                f"{p.shape}; regression labels need one value per output, the shape of the "
+                "predictions (class indices are for classification evaluations)"
+            )
         c = r.predictions.shape[1]
         if self._moments["count"].size == 0:
             self._moments = _empty(c)
         elif c != self.num_columns():
             named = f" ({len(self.columns)} columns named)" if self.columns is not None else ""
-            raise EvaluationError(f"RegressionEvaluation: predictions with {c} columns, but this evaluation "
-                                  f"has {self.num_columns()}{named}")
+            raise EvaluationError(
+                f"RegressionEvaluation: predictions with {c} columns, but this evaluation "
+                f"has {self.num_columns()}{named}"
+            )
         self._moments = _combine(self._moments, _batch(r.labels, r.predictions, r.mask))
 
     def _settings(self) -> dict[str, Any]:
@@ -141,8 +165,9 @@ class RegressionEvaluation(BaseEvaluation):
         sizes = {v.shape for v in moments.values()}
         expected = {(len(self.columns),)} if self.columns is not None else sizes
         if len(sizes) != 1 or sizes != expected or moments["count"].ndim != 1:
-            raise IncompatibleEvaluationError(f"RegressionEvaluation state with statistics of shapes {sorted(sizes)} "
-                                              f"for columns {self.columns!r}")
+            raise IncompatibleEvaluationError(
+                f"RegressionEvaluation state with statistics of shapes {sorted(sizes)} for columns {self.columns!r}"
+            )
         self._moments = moments
 
     def _merge(self, other: BaseEvaluation) -> None:
@@ -153,8 +178,10 @@ class RegressionEvaluation(BaseEvaluation):
             self._moments = {k: v.copy() for k, v in theirs.items()}
             return
         if theirs["count"].size != self.num_columns():
-            raise IncompatibleEvaluationError(f"cannot merge a RegressionEvaluation of {theirs['count'].size} columns "
-                                              f"into one of {self.num_columns()}")
+            raise IncompatibleEvaluationError(
+                f"cannot merge a RegressionEvaluation of {theirs['count'].size} columns "
+                f"into one of {self.num_columns()}"
+            )
         self._moments = _combine(self._moments, theirs)
 
     def reset(self) -> None:
@@ -183,8 +210,14 @@ class RegressionEvaluation(BaseEvaluation):
         m2_prediction = _spread(m["m2_prediction"], m["count"], m["shift_prediction"] + m["mean_prediction"])
         mse = m["sum_squared_error"] / n
         rse = m["sum_squared_error"] / m2_label
-        return {"mse": mse, "mae": m["sum_abs_error"] / n, "rmse": np.sqrt(mse), "rse": rse,
-                "pearson": m["comoment"] / np.sqrt(m2_label * m2_prediction), "r2": 1.0 - rse}
+        return {
+            "mse": mse,
+            "mae": m["sum_abs_error"] / n,
+            "rmse": np.sqrt(mse),
+            "rse": rse,
+            "pearson": m["comoment"] / np.sqrt(m2_label * m2_prediction),
+            "r2": 1.0 - rse,
+        }
 
     def _metric(self, name: str, column: int | str) -> float:
         return float(self._per_column()[name][self._index(column)])
@@ -254,9 +287,12 @@ class RegressionEvaluation(BaseEvaluation):
         metrics = self._per_column()
         keys = ("mse", "mae", "rmse", "rse", "pearson", "r2")
         header = f"{'column':<{width}} {'count':>10} " + " ".join(
-            f"{h:>12}" for h in ("MSE", "MAE", "RMSE", "RSE", "Pearson", "R^2"))
+            f"{h:>12}" for h in ("MSE", "MAE", "RMSE", "RSE", "Pearson", "R^2")
+        )
         lines = [f"RegressionEvaluation, {self.num_columns()} columns", header]
-        lines += [f"{name:<{width}} {self.example_count(j):>10} "
-                  + " ".join(f"{metrics[k][j]:>12.6g}" for k in keys) for j, name in enumerate(names)]
+        lines += [
+            f"{name:<{width}} {self.example_count(j):>10} " + " ".join(f"{metrics[k][j]:>12.6g}" for k in keys)
+            for j, name in enumerate(names)
+        ]
         lines.append(f"{'average':<{width}} {'':>10} " + " ".join(f"{self._average(k):>12.6g}" for k in keys))
         return "\n".join(lines)

@@ -39,8 +39,7 @@ Curve = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def _check_steps(threshold_steps: int) -> int:
-    if isinstance(threshold_steps, bool) or not isinstance(threshold_steps, (int, np.integer)) \
-            or threshold_steps < 0:
+    if isinstance(threshold_steps, bool) or not isinstance(threshold_steps, (int, np.integer)) or threshold_steps < 0:
         raise ValueError(f"threshold_steps must be an int >= 0 (0: exact), not {threshold_steps!r}")
     return int(threshold_steps)
 
@@ -117,7 +116,8 @@ class _BinaryCurve:
             if positives.shape != self._positives.shape or negatives.shape != self._negatives.shape:
                 raise IncompatibleEvaluationError(
                     f"histogram of {positives.size} and {negatives.size} counts; "
-                    f"threshold_steps={self.threshold_steps} needs {self._positives.size}")
+                    f"threshold_steps={self.threshold_steps} needs {self._positives.size}"
+                )
             self._positives, self._negatives = positives, negatives
         else:
             scores = np.asarray(state["scores"], np.float64)
@@ -209,8 +209,10 @@ class ROC(BaseEvaluation):
         r = self.rows(labels, predictions, mask)
         c = r.predictions.shape[1]
         if c > 2:
-            raise EvaluationError(f"ROC: predictions with {c} columns; ROC is binary ([N], [N, 1] or [N, 2]): "
-                                  "use ROCMultiClass for several classes or ROCBinary for several outputs")
+            raise EvaluationError(
+                f"ROC: predictions with {c} columns; ROC is binary ([N], [N, 1] or [N, 2]): "
+                "use ROCMultiClass for several classes or ROCBinary for several outputs"
+            )
         self._curve.add(r.predictions[:, c - 1], class_indices(r, c, "ROC") == 1)
 
     def calculate_auc(self) -> float:
@@ -254,12 +256,14 @@ class ROC(BaseEvaluation):
 
     def stats(self) -> str:
         positives, negatives = self.count_actual_positive(), self.count_actual_negative()
-        return "\n".join([
-            f"ROC ({_mode(self.threshold_steps)})",
-            f"Examples:  {positives + negatives} ({positives} positive, {negatives} negative)",
-            f"AUC:       {self.calculate_auc():.4f}",
-            f"AUPRC:     {self.calculate_auprc():.4f}  (average precision)",
-        ])
+        return "\n".join(
+            [
+                f"ROC ({_mode(self.threshold_steps)})",
+                f"Examples:  {positives + negatives} ({positives} positive, {negatives} negative)",
+                f"AUC:       {self.calculate_auc():.4f}",
+                f"AUPRC:     {self.calculate_auprc():.4f}  (average precision)",
+            ]
+        )
 
 
 class _PerOutputROC(BaseEvaluation):
@@ -277,8 +281,9 @@ class _PerOutputROC(BaseEvaluation):
         if not self._curves:
             self._curves = [_BinaryCurve(self.threshold_steps) for _ in range(c)]
         elif c != len(self._curves):
-            raise EvaluationError(f"{type(self).__name__}: predictions with {c} {self._noun}s; earlier batches "
-                                  f"had {len(self._curves)}")
+            raise EvaluationError(
+                f"{type(self).__name__}: predictions with {c} {self._noun}s; earlier batches had {len(self._curves)}"
+            )
         for j, curve in enumerate(self._curves):
             keep = slice(None) if mask is None else mask[:, j]
             curve.add(scores[keep, j], positive[keep, j])
@@ -342,8 +347,9 @@ class _PerOutputROC(BaseEvaluation):
         if not self._curves:
             self._curves = [_BinaryCurve(self.threshold_steps) for _ in theirs]
         elif len(theirs) != len(self._curves):
-            raise IncompatibleEvaluationError(f"cannot merge a {type(self).__name__} of {len(theirs)} "
-                                              f"{self._noun}s into one of {len(self._curves)}")
+            raise IncompatibleEvaluationError(
+                f"cannot merge a {type(self).__name__} of {len(theirs)} {self._noun}s into one of {len(self._curves)}"
+            )
         for mine, their in zip(self._curves, theirs):
             mine.merge(their)
 
@@ -351,10 +357,14 @@ class _PerOutputROC(BaseEvaluation):
         self._curves = []
 
     def stats(self) -> str:
-        lines = [f"{type(self).__name__} ({_mode(self.threshold_steps)}), {len(self._curves)} {self._noun}s",
-                 f"{self._noun:>8} {'AUC':>8} {'AUPRC':>8} {'positive':>10} {'negative':>10}"]
-        lines += [f"{j:>8} {c.auc():>8.4f} {c.auprc():>8.4f} {c.positives():>10} {c.negatives():>10}"
-                  for j, c in enumerate(self._curves)]
+        lines = [
+            f"{type(self).__name__} ({_mode(self.threshold_steps)}), {len(self._curves)} {self._noun}s",
+            f"{self._noun:>8} {'AUC':>8} {'AUPRC':>8} {'positive':>10} {'negative':>10}",
+        ]
+        lines += [
+            f"{j:>8} {c.auc():>8.4f} {c.auprc():>8.4f} {c.positives():>10} {c.negatives():>10}"
+            for j, c in enumerate(self._curves)
+        ]
         lines.append(f"{'average':>8} {self.calculate_average_auc():>8.4f} {self.calculate_average_auprc():>8.4f}")
         return "\n".join(lines)
 
@@ -372,8 +382,10 @@ class ROCBinary(_PerOutputROC):
         r = self.rows(labels, predictions, mask)
         if r.indexed:
             if r.predictions.shape[1] != 1:
-                raise EvaluationError(f"ROCBinary: labels of shape {r.labels.shape} for "
-                                      f"{r.predictions.shape[1]} outputs; give one 0/1 column per output")
+                raise EvaluationError(
+                    f"ROCBinary: labels of shape {r.labels.shape} for "
+                    f"{r.predictions.shape[1]} outputs; give one 0/1 column per output"
+                )
             positive = class_indices(r, 1, "ROCBinary")[:, None] == 1
         else:
             positive = r.labels >= 0.5

@@ -45,8 +45,9 @@ def model_factory(fn: Callable[..., torch.nn.Module]) -> Callable[..., torch.nn.
     return fn
 
 
-def build(factory: Callable[..., torch.nn.Module], kwargs: dict[str, Any], loss: str | losses.LossFn,
-          optimizer: Any = None) -> Network:
+def build(
+    factory: Callable[..., torch.nn.Module], kwargs: dict[str, Any], loss: str | losses.LossFn, optimizer: Any = None
+) -> Network:
     """A Network whose module is ``factory(**kwargs)``, remembered so that its archive can rebuild it."""
     name = getattr(factory, "factory_name", None)
     if name is None or _FACTORIES.get(name) is not factory:
@@ -69,8 +70,11 @@ def _optimizer_spec(factory: Any) -> dict | None:
     if not isinstance(factory, functools.partial) or factory.args:
         return None
     cls = factory.func
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
-            and getattr(torch.optim, cls.__name__, None) is cls):
+    if not (
+        isinstance(cls, type)
+        and issubclass(cls, torch.optim.Optimizer)
+        and getattr(torch.optim, cls.__name__, None) is cls
+    ):
         return None
     kwargs = {k: list(v) if isinstance(v, tuple) else v for k, v in factory.keywords.items()}
     try:
@@ -90,8 +94,9 @@ class _Tensors:
 
     def add(self, t: torch.Tensor) -> dict:
         data = raw_bytes(t, "a tensor of the network").tobytes()
-        self.entries.append({"dtype": _NAMES[t.dtype], "shape": list(t.shape), "offset": self.offset,
-                             "nbytes": len(data)})
+        self.entries.append(
+            {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "offset": self.offset, "nbytes": len(data)}
+        )
         self.parts.append(data)
         self.offset += len(data)
         return {"tensor": len(self.entries) - 1}
@@ -129,13 +134,19 @@ def save(network: Network, url: str, save_updater: bool = True, storage_options:
     blob = b"".join(tensors.parts)
     factory = network.factory
     header = {
-        "format": FORMAT, "version": VERSION, "dlscale": __version__,
+        "format": FORMAT,
+        "version": VERSION,
+        "dlscale": __version__,
         "loss": network.loss if isinstance(network.loss, str) else None,
         "optimizer": _optimizer_spec(network.optimizer_factory),
         "factory": {"name": factory[0], "kwargs": factory[1]} if factory else None,
         "module": type(network.module).__name__,
-        "num_params": network.num_params(), "iteration": network.iteration, "epoch": network.epoch,
-        "optimizer_state": state, "tensors": tensors.entries, "crc32c": crc32c.crc32c(blob),
+        "num_params": network.num_params(),
+        "iteration": network.iteration,
+        "epoch": network.epoch,
+        "optimizer_state": state,
+        "tensors": tensors.entries,
+        "crc32c": crc32c.crc32c(blob),
         "metadata": network.metadata,
     }
     out = io.BytesIO()
@@ -167,8 +178,9 @@ def _read(url: str, storage_options: dict[str, Any] | None) -> tuple[dict, bytes
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise CorruptDataError(f"{url}: not a dlscale network archive")
     if header.get("version", 0) > VERSION:
-        raise CorruptDataError(f"{url}: written in archive version {header['version']}; this dlscale reads "
-                               f"up to version {VERSION}")
+        raise CorruptDataError(
+            f"{url}: written in archive version {header['version']}; this dlscale reads up to version {VERSION}"
+        )
     if crc32c.crc32c(blob) != header.get("crc32c"):
         raise CorruptDataError(f"{url}: tensor data checksum mismatch (the archive is corrupt)")
     return header, blob
@@ -182,8 +194,14 @@ def _tensors(header: dict, blob: bytes, url: str) -> list[torch.Tensor]:
         raise CorruptDataError(f"{url}: inconsistent tensor entry: {e}") from e
 
 
-def load(url: str, module: torch.nn.Module | None = None, storage_options: dict[str, Any] | None = None, *,
-         loss: str | losses.LossFn | None = None, optimizer: Any = None) -> Network:
+def load(
+    url: str,
+    module: torch.nn.Module | None = None,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    loss: str | losses.LossFn | None = None,
+    optimizer: Any = None,
+) -> Network:
     """Read a network written by :func:`save`.
 
     The module is ``module`` if given, else rebuilt by the registered factory the archive names.
@@ -197,9 +215,11 @@ def load(url: str, module: torch.nn.Module | None = None, storage_options: dict[
             raise ValueError(f"{url} records no factory for its {header.get('module')} module: pass module=")
         factory = _FACTORIES.get(spec["name"])
         if factory is None:
-            raise ValueError(f"{url} names factory {spec['name']!r}, which is not registered in this process: "
-                             "import the module that defines it (decorated with @dlscale.nn.model_factory) "
-                             "or pass module=")
+            raise ValueError(
+                f"{url} names factory {spec['name']!r}, which is not registered in this process: "
+                "import the module that defines it (decorated with @dlscale.nn.model_factory) "
+                "or pass module="
+            )
         module = factory(**spec["kwargs"])
     loss = loss if loss is not None else header.get("loss")
     if loss is None:

@@ -49,9 +49,18 @@ class PerformanceListener(TrainingListener):
         self._batches += 1
         if self._batches >= self.frequency:
             seconds = now - self._since
-            entry = {"iteration": iteration, "examples/s": self._examples / seconds,
-                     "batches/s": self._batches / seconds, "score": score}
+            entry = {
+                "iteration": iteration,
+                "examples/s": self._examples / seconds,
+                "batches/s": self._batches / seconds,
+                "score": score,
+            }
             self.history.append(entry)
-            log.info("iteration %d: %.1f examples/s, %.2f batches/s, score %.6g", iteration,
-                     entry["examples/s"], entry["batches/s"], score)
+            log.info(
+                "iteration %d: %.1f examples/s, %.2f batches/s, score %.6g",
+                iteration,
+                entry["examples/s"],
+                entry["batches/s"],
+                score,
+            )
             self._since, self._examples, self._batches = now, 0, 0

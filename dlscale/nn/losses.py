@@ -56,8 +56,10 @@ def _unreduced(name: str, output: torch.Tensor, labels: torch.Tensor) -> torch.T
 
 def _check_mask(mask: torch.Tensor, per: torch.Tensor) -> None:
     if per.dim() < 2 or per.shape[:2] != mask.shape:
-        raise DataShapeError(f"labels_mask of shape {tuple(mask.shape)} does not fit a per-step loss of shape "
-                             f"{tuple(per.shape)}; a mask is [examples, time]")
+        raise DataShapeError(
+            f"labels_mask of shape {tuple(mask.shape)} does not fit a per-step loss of shape "
+            f"{tuple(per.shape)}; a mask is [examples, time]"
+        )
 
 
 def named_loss(name: str, output: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -82,8 +84,13 @@ def resolve(loss: str | LossFn) -> str | LossFn:
     raise TypeError(f"loss must be a name or a callable, not {type(loss).__name__}")
 
 
-def compute(loss: str | LossFn, outputs: list[torch.Tensor], labels: list[torch.Tensor],
-            masks: list[torch.Tensor | None], single: bool) -> torch.Tensor:
+def compute(
+    loss: str | LossFn,
+    outputs: list[torch.Tensor],
+    labels: list[torch.Tensor],
+    masks: list[torch.Tensor | None],
+    single: bool,
+) -> torch.Tensor:
     """The training objective: a named loss summed over output/label pairs, or the user's callable."""
     if not isinstance(loss, str):
         return loss(outputs[0], labels[0]) if single else loss(outputs, labels)
@@ -95,7 +102,9 @@ def compute(loss: str | LossFn, outputs: list[torch.Tensor], labels: list[torch.
     return total
 
 
-def _per_example_named(name: str, output: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def _per_example_named(
+    name: str, output: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
     per = _unreduced(name, output, labels)
     if mask is None:
         return per.reshape(per.shape[0], -1).mean(dim=1)
@@ -105,16 +114,29 @@ def _per_example_named(name: str, output: torch.Tensor, labels: torch.Tensor, ma
     return (per * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1)
 
 
-def per_example(loss: str | LossFn, outputs: list[torch.Tensor], labels: list[torch.Tensor],
-                masks: list[torch.Tensor | None], single: bool) -> torch.Tensor:
+def per_example(
+    loss: str | LossFn,
+    outputs: list[torch.Tensor],
+    labels: list[torch.Tensor],
+    masks: list[torch.Tensor | None],
+    single: bool,
+) -> torch.Tensor:
     """The loss of each example: for a named loss, its mean over the example's outputs and unmasked
     time steps, summed over output/label pairs (their mean over examples is :func:`compute` when
     nothing is masked); a callable loss is applied to one example at a time."""
     n = outputs[0].shape[0]
     if not isinstance(loss, str):
-        pick = (lambda ts, i: ts[0][i:i + 1]) if single else (lambda ts, i: [t[i:i + 1] for t in ts])
-        return torch.stack([torch.as_tensor(loss(pick(outputs, i), pick(labels, i)), dtype=torch.float32).reshape(())
-                            for i in range(n)]) if n else torch.zeros(0)
+        pick = (lambda ts, i: ts[0][i : i + 1]) if single else (lambda ts, i: [t[i : i + 1] for t in ts])
+        return (
+            torch.stack(
+                [
+                    torch.as_tensor(loss(pick(outputs, i), pick(labels, i)), dtype=torch.float32).reshape(())
+                    for i in range(n)
+                ]
+            )
+            if n
+            else torch.zeros(0)
+        )
     if len(outputs) != len(labels):
         raise DataShapeError(f"the network gives {len(outputs)} outputs for {len(labels)} label arrays")
     total = torch.zeros(n, dtype=outputs[0].dtype, device=outputs[0].device)

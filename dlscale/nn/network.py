@@ -45,8 +45,14 @@ class Network:
     ``loss(outputs, labels)``) and an optimizer factory such as
     ``functools.partial(torch.optim.SGD, lr=0.1)`` (``None`` for a network that only infers)."""
 
-    def __init__(self, module: torch.nn.Module, loss: str | losses.LossFn,
-                 optimizer: OptimizerFactory | None = None, *, listeners: Sequence[TrainingListener] = ()) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        loss: str | losses.LossFn,
+        optimizer: OptimizerFactory | None = None,
+        *,
+        listeners: Sequence[TrainingListener] = (),
+    ) -> None:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, not {type(module).__name__}")
         self.module = module
@@ -170,8 +176,9 @@ class Network:
             self.epoch += 1
         return score
 
-    def output(self, *features: torch.Tensor, mask: torch.Tensor | list[torch.Tensor | None] | None = None
-               ) -> torch.Tensor | list[torch.Tensor]:
+    def output(
+        self, *features: torch.Tensor, mask: torch.Tensor | list[torch.Tensor | None] | None = None
+    ) -> torch.Tensor | list[torch.Tensor]:
         """The network's output for ``features`` (one tensor per input), in evaluation mode; ``mask``
         is passed on to the module (see :meth:`_call`)."""
         masks = mask if isinstance(mask, list) else [mask] * (1 if mask is not None else len(features))
@@ -223,8 +230,15 @@ class Network:
         archive.save(self, url, save_updater, storage_options)
 
     @classmethod
-    def load(cls, url: str, module: torch.nn.Module | None = None, storage_options: dict[str, Any] | None = None,
-             *, loss: str | losses.LossFn | None = None, optimizer: OptimizerFactory | None = None) -> Network:
+    def load(
+        cls,
+        url: str,
+        module: torch.nn.Module | None = None,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        loss: str | losses.LossFn | None = None,
+        optimizer: OptimizerFactory | None = None,
+    ) -> Network:
         """Read a network saved with :meth:`save`; see :func:`dlscale.nn.archive.load`."""
         from dlscale.nn import archive
 

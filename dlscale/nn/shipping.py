@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING
 import cloudpickle
 
 from dlscale import config
-from dlscale._replicas import EVERY_WORKER, set_replication
-from dlscale.devices import device_for
 from dlscale.errors import NetworkSerializationError
+from dlscale.runtime.devices import device_for
+from dlscale.runtime.replicas import EVERY_WORKER, set_replication
 
 if TYPE_CHECKING:
     from distributed import Client, Future
@@ -44,7 +44,8 @@ def serialise(network: Network, with_optimizer: bool = True) -> bytes:
         return cloudpickle.dumps(network, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as e:
         raise NetworkSerializationError(
-            f"the network cannot be serialised to send it to the workers: {_culprit(network)}: {e}") from e
+            f"the network cannot be serialised to send it to the workers: {_culprit(network)}: {e}"
+        ) from e
     finally:
         network.listeners, network.optimizer, network.optimizer_factory = saved
 

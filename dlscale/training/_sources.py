@@ -22,8 +22,8 @@ from dlscale.data.format import load, to_bytes
 from dlscale.training._worker import decode
 
 if TYPE_CHECKING:
-    from dlscale.persist import StorageLevel
-    from dlscale.rdd import RDD
+    from dlscale.facade.persist import StorageLevel
+    from dlscale.facade.rdd import RDD
 
 
 @dataclass
@@ -55,8 +55,10 @@ def _checked_plan(rdd: RDD, batch_size: int, make_sink: Callable[[type, int, set
             raise
         raise ValueError("the RDD has no examples: there is nothing to train on") from None
     if plan.total < batch_size:
-        raise ValueError(f"batch_size_per_worker={batch_size} is larger than the whole data set "
-                         f"({plan.total} examples); use at most {plan.total}")
+        raise ValueError(
+            f"batch_size_per_worker={batch_size} is larger than the whole data set "
+            f"({plan.total} examples); use at most {plan.total}"
+        )
     return plan
 
 
@@ -99,11 +101,14 @@ def in_memory(rdd: RDD, batch_size: int, level: StorageLevel) -> Minibatches:
     plan = _checked_plan(rdd, batch_size, lambda *_: _MemorySink(not level.deserialized))
     tag = uuid.uuid4().hex[:8]
     done = client.compute([*plan.parts, *plan.joins.values()])
-    parts, joins = done[: len(plan.parts)], dict(zip(plan.joins, done[len(plan.parts):]))
+    parts, joins = done[: len(plan.parts)], dict(zip(plan.joins, done[len(plan.parts) :]))
     refs = []
     for k in range(len(plan.owner) + len(plan.joins)):
-        refs.append(joins[k] if k in joins else
-                    client.submit(_pick, parts[plan.owner[k]], k, key=f"dlscale-minibatch-{tag}-{k}"))
+        refs.append(
+            joins[k]
+            if k in joins
+            else client.submit(_pick, parts[plan.owner[k]], k, key=f"dlscale-minibatch-{tag}-{k}")
+        )
     wait(refs)
     for f in refs:
         if f.status == "error":
@@ -121,8 +126,9 @@ class ExportCache:
     def __init__(self) -> None:
         self._exports: dict[tuple, tuple[Minibatches, str, Any]] = {}
 
-    def get(self, rdd: RDD, batch_size: int, directory: str | None,
-            storage_options: dict[str, Any] | None) -> Minibatches:
+    def get(
+        self, rdd: RDD, batch_size: int, directory: str | None, storage_options: dict[str, Any] | None
+    ) -> Minibatches:
         """``rdd``'s minibatch files under ``directory`` (default ``_training/`` under the storage root)."""
         key = (id(rdd.ctx), rdd.id(), batch_size)
         if key in self._exports:

@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
-from dlscale._tasks import match_threads, worker_address
 from dlscale.data.dataset import DataSet, MultiDataSet
 from dlscale.data.format import from_bytes
 from dlscale.data.loaders import prefetch
-from dlscale.devices import device_for
 from dlscale.nn.network import Network, cpu_copy
+from dlscale.runtime.devices import device_for
+from dlscale.runtime.tasks import match_threads, worker_address
 from dlscale.training._heap import training_heap
 
 _REPLICAS: dict[str, tuple[Network, threading.Lock]] = {}
@@ -75,8 +75,16 @@ def decode(ref: Any) -> DataSet | MultiDataSet:
     return from_bytes(ref, "a minibatch held in memory") if isinstance(ref, (bytes, bytearray, memoryview)) else ref
 
 
-def fit_share(key: str, blob: bytes, states: Sequence[dict[str, Any]], refs: Sequence[Any], names: Sequence[str],
-              loader: Callable[[Any], DataSet | MultiDataSet], depth: int, with_optimizer: bool) -> dict[str, Any]:
+def fit_share(
+    key: str,
+    blob: bytes,
+    states: Sequence[dict[str, Any]],
+    refs: Sequence[Any],
+    names: Sequence[str],
+    loader: Callable[[Any], DataSet | MultiDataSet],
+    depth: int,
+    with_optimizer: bool,
+) -> dict[str, Any]:
     """Start from the average of ``states`` (the last level of the previous round's tree, averaged
     here so the result needs no trip of its own), fit the minibatches ``refs`` (loaded by ``loader``,
     ``depth`` ahead) in order, and return the resulting state."""
@@ -99,8 +107,16 @@ def fit_share(key: str, blob: bytes, states: Sequence[dict[str, Any]], refs: Seq
         finally:
             batches.close()
         out = state_of(network, with_optimizer)
-    share = {"worker": worker_address(), "batches": list(names), "examples": examples, "score": score,
-             "fit_seconds": time.perf_counter() - t0, "wait_seconds": wait, "start": start, "end": time.time()}
+    share = {
+        "worker": worker_address(),
+        "batches": list(names),
+        "examples": examples,
+        "score": score,
+        "fit_seconds": time.perf_counter() - t0,
+        "wait_seconds": wait,
+        "start": start,
+        "end": time.time(),
+    }
     return {**out, "examples": examples, "batches": len(refs), "score": score, "shares": [share]}
 
 
@@ -130,7 +146,9 @@ def average(*states: dict[str, Any]) -> dict[str, Any]:
     return {
         "params": _weighted_mean([s["params"] for s in states], weights),
         "buffers": _weighted_mean([s["buffers"] for s in states], weights),
-        "optimizer": None if states[0]["optimizer"] is None else _weighted_mean([s["optimizer"] for s in states], weights),
+        "optimizer": None
+        if states[0]["optimizer"] is None
+        else _weighted_mean([s["optimizer"] for s in states], weights),
         **combine(states),
     }
 
@@ -143,9 +161,12 @@ def summary(state: dict[str, Any]) -> dict[str, Any]:
 def combine(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The summary of the average of states, from their summaries."""
     examples = sum(s["examples"] for s in summaries)
-    return {"examples": examples, "batches": max(s["batches"] for s in summaries),
-            "score": sum(s["score"] * s["examples"] for s in summaries) / examples,
-            "shares": [share for s in summaries for share in s["shares"]]}
+    return {
+        "examples": examples,
+        "batches": max(s["batches"] for s in summaries),
+        "score": sum(s["score"] * s["examples"] for s in summaries) / examples,
+        "shares": [share for s in summaries for share in s["shares"]],
+    }
 
 
 def probe(key: str, blob: bytes, ref: Any, loader: Callable[[Any], DataSet | MultiDataSet]) -> int:

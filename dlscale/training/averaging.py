@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from distributed import Future
 
-from dlscale import panel
-from dlscale._tasks import check_count
-from dlscale.persist import StorageLevel
-from dlscale.progress import Progress
-from dlscale.stats import RoundStats, TrainingStats, WorkerRound
+from dlscale.facade.persist import StorageLevel
+from dlscale.monitor import panel
+from dlscale.monitor.progress import Progress
+from dlscale.monitor.stats import RoundStats, TrainingStats, WorkerRound
+from dlscale.runtime.tasks import check_count
 from dlscale.training import _sources, _worker
 from dlscale.training.master import (
     TrainingMaster,
@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from dlscale.training.sparknet import SparkNet
 
 REPARTITION = ("always", "never", "num_partitions_workers_differs")
-
 
 
 @dataclasses.dataclass
@@ -74,10 +73,20 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
             raise ValueError(f"repartition must be one of {REPARTITION}, got {self.repartition!r}")
         check_source(self.rdd_training_approach, self.storage_level)
 
-    def _train(self, net: SparkNet, blob: bytes, batches: _sources.Minibatches, epochs: int, *,
-               partitions: int | None = None, probe: bool = False) -> None:
-        local = partitions is not None and (self.repartition == "never" or (
-            self.repartition == "num_partitions_workers_differs" and partitions == len(_workers(net))))
+    def _train(
+        self,
+        net: SparkNet,
+        blob: bytes,
+        batches: _sources.Minibatches,
+        epochs: int,
+        *,
+        partitions: int | None = None,
+        probe: bool = False,
+    ) -> None:
+        local = partitions is not None and (
+            self.repartition == "never"
+            or (self.repartition == "num_partitions_workers_differs" and partitions == len(_workers(net)))
+        )
         _Run(self, net, blob, batches, local).train(epochs, probe=probe)
 
 
@@ -91,8 +100,14 @@ def _workers(net: SparkNet) -> list[str]:
 class _Run:
     """One ``fit``: the network sent once, then the rounds of every epoch."""
 
-    def __init__(self, master: ParameterAveragingTrainingMaster, net: SparkNet, blob: bytes,
-                 batches: _sources.Minibatches, local: bool) -> None:
+    def __init__(
+        self,
+        master: ParameterAveragingTrainingMaster,
+        net: SparkNet,
+        blob: bytes,
+        batches: _sources.Minibatches,
+        local: bool,
+    ) -> None:
         self.master, self.net, self.batches, self.local = master, net, batches, local
         self.client = net.sc.client
         self.workers = _workers(net)
@@ -102,20 +117,29 @@ class _Run:
         self.seed = seed
         self.tag = uuid.uuid4().hex[:8]
         self.fit_id: str | None = None  # in the live panel
-        self.stats = TrainingStats("parameter averaging", len(self.workers), batches.seconds) \
-            if master.collect_training_stats else None
+        self.stats = (
+            TrainingStats("parameter averaging", len(self.workers), batches.seconds)
+            if master.collect_training_stats
+            else None
+        )
 
     def train(self, epochs: int, probe: bool = False) -> None:
         network = self.net.network
         counters = network.iteration, network.epoch
         try:
             if probe:
-                self.client.submit(_worker.probe, self.key, self.blob, self.batches.refs[0], self.batches.loader,
-                                   pure=False).result()
+                self.client.submit(
+                    _worker.probe, self.key, self.blob, self.batches.refs[0], self.batches.loader, pure=False
+                ).result()
             states = self.client.scatter([_worker.state_of(network, self.master.save_updater)], hash=False)
             self.fit_id = panel.open_fit(self.client, "parameter averaging", epochs * len(self.batches.refs))
-            self.progress = Progress("parameter averaging", len(self.batches.refs), epochs, network.epoch,
-                                     panel_url=panel.url(self.client, self.fit_id))
+            self.progress = Progress(
+                "parameter averaging",
+                len(self.batches.refs),
+                epochs,
+                network.epoch,
+                panel_url=panel.url(self.client, self.fit_id),
+            )
             for _ in range(epochs):
                 states = self._epoch(states, network.epoch)
                 network.epoch += 1
@@ -164,13 +188,15 @@ class _Run:
             for idx in own.values():
                 rng.shuffle(idx)
             count = max(math.ceil(len(idx) / per) for idx in own.values())
-            return [[(w, idx[r * per:(r + 1) * per]) for w, idx in own.items() if idx[r * per:(r + 1) * per]]
-                    for r in range(count)]
+            return [
+                [(w, idx[r * per : (r + 1) * per]) for w, idx in own.items() if idx[r * per : (r + 1) * per]]
+                for r in range(count)
+            ]
         order = rng.permutation(n).tolist()
         step = per * len(self.workers)
         rounds = []
         for start in range(0, n, step):
-            chunk = order[start:start + step]
+            chunk = order[start : start + step]
             shares = np.array_split(np.array(chunk), min(len(self.workers), len(chunk)))
             rounds.append([(self.workers[j], s.tolist()) for j, s in enumerate(shares)])
         return rounds
@@ -178,28 +204,57 @@ class _Run:
     def _fit(self, states: list[Future], worker: str, idx: list[int], epoch: int, r: int, j: int) -> Future:
         b = self.batches
         return self.client.submit(
-            _worker.fit_share, self.key, self.blob, states, [b.refs[i] for i in idx], [b.names[i] for i in idx],
-            b.loader, self.master.worker_prefetch_num_batches, self.master.save_updater,
-            workers=[worker], allow_other_workers=True, pure=False, key=f"dlscale-fit-{self.tag}-e{epoch}-r{r}-{j}")
+            _worker.fit_share,
+            self.key,
+            self.blob,
+            states,
+            [b.refs[i] for i in idx],
+            [b.names[i] for i in idx],
+            b.loader,
+            self.master.worker_prefetch_num_batches,
+            self.master.save_updater,
+            workers=[worker],
+            allow_other_workers=True,
+            pure=False,
+            key=f"dlscale-fit-{self.tag}-e{epoch}-r{r}-{j}",
+        )
 
     def _reduce(self, parts: list[Future]) -> list[Future]:
         """Average ``parts`` in a tree of depth ``aggregation_depth``, all but its last level: the next
         round's tasks (or the driver, after the last) average that level themselves."""
         fan_in = max(2, math.ceil(len(parts) ** (1 / self.master.aggregation_depth)))
         while len(parts) > fan_in:
-            parts = [self.client.submit(_worker.average, *parts[i:i + fan_in], pure=False)
-                     if len(parts[i:i + fan_in]) > 1 else parts[i] for i in range(0, len(parts), fan_in)]
+            parts = [
+                self.client.submit(_worker.average, *parts[i : i + fan_in], pure=False)
+                if len(parts[i : i + fan_in]) > 1
+                else parts[i]
+                for i in range(0, len(parts), fan_in)
+            ]
         return parts
 
     def _done(self, epoch: int, r: int, info: dict[str, Any], seconds: float) -> None:
         network = self.net.network
         network.iteration += info["batches"]
         self.progress.advance(sum(len(s["batches"]) for s in info["shares"]), info["examples"], info["score"])
-        panel.record(self.client, self.fit_id, [
-            {"row": s["worker"], "worker": s["worker"], "minibatches": len(s["batches"]), "examples": s["examples"],
-             "loss": s["score"]} for s in info["shares"]])
+        panel.record(
+            self.client,
+            self.fit_id,
+            [
+                {
+                    "row": s["worker"],
+                    "worker": s["worker"],
+                    "minibatches": len(s["batches"]),
+                    "examples": s["examples"],
+                    "loss": s["score"],
+                }
+                for s in info["shares"]
+            ],
+        )
         for listener in self.net.listeners:
             listener.iteration_done(network, network.iteration, epoch, info["score"], info["examples"])
         if self.stats is not None:
-            self.stats.rounds.append(RoundStats(epoch, r, seconds, info["examples"], info["score"],
-                                                [WorkerRound(**s) for s in info["shares"]]))
+            self.stats.rounds.append(
+                RoundStats(
+                    epoch, r, seconds, info["examples"], info["score"], [WorkerRound(**s) for s in info["shares"]]
+                )
+            )

@@ -7,13 +7,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dlscale.data.dataset import DataSet, MultiDataSet
+from dlscale.facade.persist import StorageLevel
 from dlscale.nn import shipping
-from dlscale.persist import StorageLevel
 from dlscale.training import _sources
 
 if TYPE_CHECKING:
+    from dlscale.facade.rdd import RDD
     from dlscale.nn.network import Network
-    from dlscale.rdd import RDD
     from dlscale.training.sparknet import SparkNet
 
 
@@ -56,8 +56,16 @@ class TrainingMaster(abc.ABC):
         self._exports.delete()
 
     @abc.abstractmethod
-    def _train(self, net: SparkNet, blob: bytes, batches: _sources.Minibatches, epochs: int, *,
-               partitions: int | None = None, probe: bool = False) -> None:
+    def _train(
+        self,
+        net: SparkNet,
+        blob: bytes,
+        batches: _sources.Minibatches,
+        epochs: int,
+        *,
+        partitions: int | None = None,
+        probe: bool = False,
+    ) -> None:
         """Train on ``batches`` for ``epochs`` epochs with the network pickled in ``blob``.
         ``partitions`` is the RDD's partition count when the minibatches are held in memory
         ("direct"); ``probe`` asks to check one minibatch on a worker first (files from a loader)."""
@@ -83,8 +91,9 @@ def check_epochs(epochs: int) -> None:
 def serialise(network: Network) -> bytes:
     """``network`` pickled for the workers to train (see :func:`dlscale.nn.shipping.serialise`)."""
     if network.optimizer is None:
-        raise ValueError("the network has no optimizer: pass one (e.g. functools.partial(torch.optim.SGD, lr=0.1)) "
-                         "to train it")
+        raise ValueError(
+            "the network has no optimizer: pass one (e.g. functools.partial(torch.optim.SGD, lr=0.1)) to train it"
+        )
     return shipping.serialise(network)
 
 
@@ -96,8 +105,10 @@ def probe_rdd(network: Network, rdd: RDD, batch_size: int) -> None:
         raise ValueError("the RDD is empty: there is nothing to train on")
     element = first[0]
     if not isinstance(element, (DataSet, MultiDataSet)):
-        raise TypeError(f"the RDD holds {type(element).__name__} elements; fit trains on an RDD of DataSet or "
-                        "MultiDataSet (use fit_paths for an RDD of paths)")
+        raise TypeError(
+            f"the RDD holds {type(element).__name__} elements; fit trains on an RDD of DataSet or "
+            "MultiDataSet (use fit_paths for an RDD of paths)"
+        )
     if element.num_examples() == 0:
         return
     sample = element.split(min(batch_size, element.num_examples()))[0]

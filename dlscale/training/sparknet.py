@@ -16,15 +16,15 @@ from dlscale.evaluation import (
     do_evaluation,
 )
 from dlscale.evaluation.distributed import Loader
+from dlscale.monitor.stats import TrainingStats
 from dlscale.nn.listeners import TrainingListener
 from dlscale.nn.network import Network
-from dlscale.stats import TrainingStats
 from dlscale.training.averaging import ParameterAveragingTrainingMaster
 from dlscale.training.master import TrainingMaster
 
 if TYPE_CHECKING:
-    from dlscale.context import SparkContext
-    from dlscale.rdd import RDD
+    from dlscale.facade.context import SparkContext
+    from dlscale.facade.rdd import RDD
 
 DEFAULT_BATCH_SIZE_PER_WORKER = 32
 
@@ -59,35 +59,56 @@ class SparkNet:
         return self.network
 
     # -- evaluation (DL4J's evaluate, evaluateROC, evaluateRegression, doEvaluation) ------------
-    def evaluate(self, data: RDD, batch_size: int | None = None, top_n: int = 1, labels: list[str] | None = None,
-                 loader: Loader | None = None) -> Evaluation:
+    def evaluate(
+        self,
+        data: RDD,
+        batch_size: int | None = None,
+        top_n: int = 1,
+        labels: list[str] | None = None,
+        loader: Loader | None = None,
+    ) -> Evaluation:
         """Classification metrics (accuracy, precision, recall, F1, top-N accuracy, ...) of the network on
         ``data``; see :meth:`do_evaluation` for ``data``, ``batch_size`` and ``loader``."""
-        return self.do_evaluation(data, Evaluation(labels=labels, top_n=top_n), batch_size=batch_size,
-                                  loader=loader)[0]
+        return self.do_evaluation(data, Evaluation(labels=labels, top_n=top_n), batch_size=batch_size, loader=loader)[0]
 
-    def evaluate_roc(self, data: RDD, threshold_steps: int = 0, batch_size: int | None = None,
-                     loader: Loader | None = None) -> ROC:
+    def evaluate_roc(
+        self, data: RDD, threshold_steps: int = 0, batch_size: int | None = None, loader: Loader | None = None
+    ) -> ROC:
         """The ROC curve, AUC and AUPRC of a binary classifier (exact when ``threshold_steps`` is 0)."""
         return self.do_evaluation(data, ROC(threshold_steps), batch_size=batch_size, loader=loader)[0]
 
-    def evaluate_roc_multiclass(self, data: RDD, threshold_steps: int = 0, batch_size: int | None = None,
-                                loader: Loader | None = None) -> ROCMultiClass:
+    def evaluate_roc_multiclass(
+        self, data: RDD, threshold_steps: int = 0, batch_size: int | None = None, loader: Loader | None = None
+    ) -> ROCMultiClass:
         """One-vs-all ROC curves and AUCs of a multi-class classifier."""
         return self.do_evaluation(data, ROCMultiClass(threshold_steps), batch_size=batch_size, loader=loader)[0]
 
-    def evaluate_regression(self, data: RDD, batch_size: int | None = None,
-                            loader: Loader | None = None) -> RegressionEvaluation:
+    def evaluate_regression(
+        self, data: RDD, batch_size: int | None = None, loader: Loader | None = None
+    ) -> RegressionEvaluation:
         """Per-column MSE, MAE, RMSE, RSE, Pearson correlation and R² of a regression network."""
         return self.do_evaluation(data, RegressionEvaluation(), batch_size=batch_size, loader=loader)[0]
 
-    def do_evaluation(self, data: RDD, *evaluations: BaseEvaluation, batch_size: int | None = None,
-                      num_workers: int | None = None, loader: Loader | None = None,
-                      output: int = 0) -> list[BaseEvaluation]:
+    def do_evaluation(
+        self,
+        data: RDD,
+        *evaluations: BaseEvaluation,
+        batch_size: int | None = None,
+        num_workers: int | None = None,
+        loader: Loader | None = None,
+        output: int = 0,
+    ) -> list[BaseEvaluation]:
         """Several evaluations in one pass over ``data`` (an RDD of DataSet/MultiDataSet, or of paths read
         by ``loader``); see :func:`dlscale.evaluation.do_evaluation`."""
-        return do_evaluation(self.network, data, *evaluations, batch_size=batch_size, num_workers=num_workers,
-                             loader=loader, output=output)
+        return do_evaluation(
+            self.network,
+            data,
+            *evaluations,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            loader=loader,
+            output=output,
+        )
 
     # -- inference (DL4J's feedForwardWithKey, scoreExamples, calculateScore) -------------------
     def feed_forward_with_key(self, pair_rdd: RDD, batch_size: int | None = None) -> RDD:

@@ -21,7 +21,7 @@ def neighbours(nodes: Sequence[str], me: str, mode: str, fanout: int) -> list[st
     order = sorted(nodes)
     i = order.index(me)
     near = [order[(i - 1) // fanout]] if i else []
-    return near + order[i * fanout + 1:i * fanout + fanout + 1]
+    return near + order[i * fanout + 1 : i * fanout + fanout + 1]
 
 
 def targets(nodes: Sequence[str], me: str, mode: str, fanout: int, came_from: str | None) -> list[str]:

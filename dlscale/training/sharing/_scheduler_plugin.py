@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from dlscale import panel
+from dlscale.monitor import panel
 
 if TYPE_CHECKING:
     from distributed.scheduler import Scheduler, WorkerState
@@ -50,8 +50,13 @@ class _Session:
         return "end"
 
     def view(self) -> dict[str, Any]:
-        return {"state": self.state(), "version": self.version, "nodes": self.nodes(), "alive": sorted(self.alive),
-                "finished": {t: n for t, n in self.finished.items() if t in self.alive}}
+        return {
+            "state": self.state(),
+            "version": self.version,
+            "nodes": self.nodes(),
+            "alive": sorted(self.alive),
+            "finished": {t: n for t, n in self.finished.items() if t in self.alive},
+        }
 
 
 class SharingSchedulerPlugin(SchedulerPlugin):
@@ -65,28 +70,36 @@ class SharingSchedulerPlugin(SchedulerPlugin):
 
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
-        scheduler.handlers.update({
-            "dlscale_sharing_open": self.open_session,
-            "dlscale_sharing_close": self.close_session,
-            "dlscale_sharing_join": self.join,
-            "dlscale_sharing_next": self.next,
-            "dlscale_sharing_finish": self.finish,
-            "dlscale_sharing_status": self.status,
-            "dlscale_sharing_fail": self.fail,
-            "dlscale_sharing_progress": self.progress,
-        })
+        scheduler.handlers.update(
+            {
+                "dlscale_sharing_open": self.open_session,
+                "dlscale_sharing_close": self.close_session,
+                "dlscale_sharing_join": self.join,
+                "dlscale_sharing_next": self.next,
+                "dlscale_sharing_finish": self.finish,
+                "dlscale_sharing_status": self.status,
+                "dlscale_sharing_fail": self.fail,
+                "dlscale_sharing_progress": self.progress,
+            }
+        )
 
     # -- the driver's calls --------------------------------------------------------------
     def open_session(self, session: str, worker_of: dict[str, str], order: list[int]) -> None:
         """Start a session: its trainers (by the worker each is placed on) and its work items in order."""
         alive = {t for t, w in worker_of.items() if w in self._workers}
-        self.sessions[session] = _Session(dict(worker_of), collections.deque(order), alive,
-                                          {t: set() for t in worker_of})
+        self.sessions[session] = _Session(
+            dict(worker_of), collections.deque(order), alive, {t: set() for t in worker_of}
+        )
         self.sessions[session].lost.extend(sorted(set(worker_of) - alive))
         live = panel.in_scheduler(self.scheduler)
         if live is not None:  # every trainer gets its row before its first report
-            live.record(session, [{"row": t, "worker": w, "minibatches": 0, "examples": 0, "loss": float("nan")}
-                                  for t, w in sorted(worker_of.items())])
+            live.record(
+                session,
+                [
+                    {"row": t, "worker": w, "minibatches": 0, "examples": 0, "loss": float("nan")}
+                    for t, w in sorted(worker_of.items())
+                ],
+            )
 
     def close_session(self, session: str) -> None:
         self.sessions.pop(session, None)
@@ -133,9 +146,21 @@ class SharingSchedulerPlugin(SchedulerPlugin):
             return
         examples = sum(a[1] for a in acks)
         loss = sum(a[1] * a[2] for a in acks) / examples if examples else float("nan")
-        live.record(session, [{"row": trainer, "worker": worker, "minibatches": len(acks), "examples": examples,
-                               "loss": loss, "threshold": acks[-1][3], "sparsity": acks[-1][4],
-                               "bytes_sent": sum(a[5] for a in acks)}])
+        live.record(
+            session,
+            [
+                {
+                    "row": trainer,
+                    "worker": worker,
+                    "minibatches": len(acks),
+                    "examples": examples,
+                    "loss": loss,
+                    "threshold": acks[-1][3],
+                    "sparsity": acks[-1][4],
+                    "bytes_sent": sum(a[5] for a in acks),
+                }
+            ],
+        )
 
     def finish(self, session: str, trainer: str, sent: int) -> dict[str, Any]:
         """A trainer done with its minibatches, having sent ``sent`` updates."""
@@ -173,8 +198,13 @@ class SharingSchedulerPlugin(SchedulerPlugin):
                 s.pending.extendleft(sorted(s.assigned.pop(t, set()), reverse=True))
                 s.lost.append(t)
             s.version += 1
-            logger.warning("gradient sharing session %s lost worker %s (trainers %s); %d trainers go on",
-                           sid, worker, ", ".join(gone), len(s.alive))
+            logger.warning(
+                "gradient sharing session %s lost worker %s (trainers %s); %d trainers go on",
+                sid,
+                worker,
+                ", ".join(gone),
+                len(s.alive),
+            )
 
     def valid_workers_downscaling(self, scheduler: Scheduler, workers: list[WorkerState]) -> list[WorkerState]:
         """Keep adaptive scaling from retiring a worker whose trainers are still training."""

@@ -44,9 +44,11 @@ from dlscale.training.sharing._worker_plugin import plugin
 logger = logging.getLogger("dlscale.training.sharing")
 
 DEBUG_TOPIC = "dlscale-encoding"
-DEBUG_FORMAT = ("trainer %(trainer)s step %(step)d: threshold %(threshold).3g, sparsity %(sparsity).3g, %(form)s "
-                "message of %(message_bytes)d bytes, residual L2 %(residual_l2).4g, max |r| %(residual_max_abs).3g, "
-                "%(residual_above_threshold)d elements still above threshold")
+DEBUG_FORMAT = (
+    "trainer %(trainer)s step %(step)d: threshold %(threshold).3g, sparsity %(sparsity).3g, %(form)s "
+    "message of %(message_bytes)d bytes, residual L2 %(residual_l2).4g, max |r| %(residual_max_abs).3g, "
+    "%(residual_above_threshold)d elements still above threshold"
+)
 
 
 @dataclass(frozen=True)
@@ -100,8 +102,16 @@ class _Control:
         return sync(self.worker.loop, method, session=self.session, trainer=self.trainer, **kwargs)
 
 
-def run(session: str, trainer: str, local: int, key: str, blob: bytes, refs: list[Any],
-        loader: Callable[[Any], Any], spec: TrainerSpec) -> dict[str, Any]:
+def run(
+    session: str,
+    trainer: str,
+    local: int,
+    key: str,
+    blob: bytes,
+    refs: list[Any],
+    loader: Callable[[Any], Any],
+    spec: TrainerSpec,
+) -> dict[str, Any]:
     """The task of one trainer; returns its final state, or ``{"lost": True}`` for a trainer whose
     worker was lost (this task then runs again elsewhere and stops at once)."""
     worker = get_worker()
@@ -125,8 +135,18 @@ def run(session: str, trainer: str, local: int, key: str, blob: bytes, refs: lis
 
 
 class _Trainer:
-    def __init__(self, worker: Any, control: _Control, local: int, key: str, blob: bytes, refs: list[Any],
-                 loader: Callable[[Any], Any], spec: TrainerSpec, joined: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        worker: Any,
+        control: _Control,
+        local: int,
+        key: str,
+        blob: bytes,
+        refs: list[Any],
+        loader: Callable[[Any], Any],
+        spec: TrainerSpec,
+        joined: dict[str, Any],
+    ) -> None:
         self.worker, self.control, self.local, self.spec = worker, control, local, spec
         self.name = control.trainer
         self.node = plugin(worker).nodes[control.session]
@@ -147,9 +167,18 @@ class _Trainer:
         self.acks_lock = threading.Lock()
         self.handed: collections.deque[int] = collections.deque()
         self.stopping = threading.Event()
-        self.stats = {"trainer": self.name, "worker": worker.address, "minibatches": 0, "examples": 0,
-                      "messages_sent": 0, "bytes_sent": 0, "messages_received": 0, "bytes_received": 0,
-                      "phases": [], "steps": []}
+        self.stats = {
+            "trainer": self.name,
+            "worker": worker.address,
+            "minibatches": 0,
+            "examples": 0,
+            "messages_sent": 0,
+            "bytes_sent": 0,
+            "messages_received": 0,
+            "bytes_received": 0,
+            "phases": [],
+            "steps": [],
+        }
         self._wall0, self._perf0 = time.time(), time.perf_counter()
 
     # -- bookkeeping ------------------------------------------------------------------------
@@ -272,8 +301,16 @@ class _Trainer:
             batches.close()
         self._finish(seq)
         state = state_of(net, with_optimizer=True)
-        return {**state, "trainer": self.name, "residual": residual, "examples": self.stats["examples"],
-                "batches": self.stats["minibatches"], "score": float("nan"), "shares": [], "stats": self.stats}
+        return {
+            **state,
+            "trainer": self.name,
+            "residual": residual,
+            "examples": self.stats["examples"],
+            "batches": self.stats["minibatches"],
+            "score": float("nan"),
+            "shares": [],
+            "stats": self.stats,
+        }
 
     def _finish(self, sent: int) -> None:
         """Report the end of this trainer's work (every minibatch of the session is fitted by now) and
@@ -289,8 +326,9 @@ class _Trainer:
             self.node.set_nodes(reply["version"], reply["nodes"])
             alive = [o for o in reply["alive"] if o != self.name]
             if all(o in reply["finished"] for o in alive):
-                missing = {o: reply["finished"][o] - self.applied[o] for o in alive
-                           if self.applied[o] < reply["finished"][o]}
+                missing = {
+                    o: reply["finished"][o] - self.applied[o] for o in alive if self.applied[o] < reply["finished"][o]
+                }
                 if not missing:
                     break
                 now, total = time.monotonic(), sum(self.applied.values())
@@ -298,12 +336,17 @@ class _Trainer:
                     stalled_since, count = now, total
                 # after a loss, updates relayed by the lost node may never come
                 if reply["version"] != self.start_version and now - stalled_since > 1.0:
-                    logger.warning("trainer %s ends without %d updates lost with a peer", self.name,
-                                   sum(missing.values()))
+                    logger.warning(
+                        "trainer %s ends without %d updates lost with a peer", self.name, sum(missing.values())
+                    )
                     break
                 if now > deadline:
-                    logger.warning("trainer %s gave up waiting for %d updates from %s", self.name,
-                                   sum(missing.values()), ", ".join(sorted(missing)))
+                    logger.warning(
+                        "trainer %s gave up waiting for %d updates from %s",
+                        self.name,
+                        sum(missing.values()),
+                        ", ".join(sorted(missing)),
+                    )
                     break
             time.sleep(self.poll / 4)
             reply = self.control("status")

@@ -49,8 +49,18 @@ class Node:
     ``inboxes[i]`` receives, for local trainer ``i``, every update of every other trainer.
     """
 
-    def __init__(self, session: str, address: str, rpc: ConnectionPool, loop: Any, trainers: int, mode: str,
-                 fanout: int | None = None, buffer_bytes: int | None = None, coalesce_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        session: str,
+        address: str,
+        rpc: ConnectionPool,
+        loop: Any,
+        trainers: int,
+        mode: str,
+        fanout: int | None = None,
+        buffer_bytes: int | None = None,
+        coalesce_bytes: int | None = None,
+    ) -> None:
         self.session, self.address, self.rpc, self.loop = session, address, rpc, loop
         self.mode = mode
         self.fanout = fanout or dask.config.get("dlscale.sharing.mesh-fanout")
@@ -127,12 +137,17 @@ class Node:
                     batch.append(link.queue.popleft())
                     size += len(batch[-1][2])
                 try:
-                    await self.rpc(link.peer).dlscale_update(session=self.session, sender=self.address,
-                                                             messages=batch)
+                    await self.rpc(link.peer).dlscale_update(session=self.session, sender=self.address, messages=batch)
                 except Exception as e:  # noqa: BLE001 - any failure to reach a peer drops it
                     if not self.closed:
-                        logger.warning("gradient sharing session %s: %s cannot reach peer %s (%s: %s); "
-                                       "it is dropped", self.session, self.address, link.peer, type(e).__name__, e)
+                        logger.warning(
+                            "gradient sharing session %s: %s cannot reach peer %s (%s: %s); it is dropped",
+                            self.session,
+                            self.address,
+                            link.peer,
+                            type(e).__name__,
+                            e,
+                        )
                     self._drop(link)
                 finally:
                     self._release(size)
@@ -190,8 +205,9 @@ class SharingWorkerPlugin(WorkerPlugin):
             node.receive(sender, messages)
 
     def open(self, session: str, trainers: int, mode: str) -> Node:
-        node = self.nodes[session] = Node(session, self.worker.address, self.worker.rpc, self.worker.loop, trainers,
-                                          mode)
+        node = self.nodes[session] = Node(
+            session, self.worker.address, self.worker.rpc, self.worker.loop, trainers, mode
+        )
         return node
 
     def close(self, session: str) -> None:

@@ -25,8 +25,6 @@ import torch
 from dask.utils import parse_timedelta
 from distributed import Future, wait
 
-from dlscale import panel
-from dlscale._tasks import check_count
 from dlscale.encoding import (
     AdaptiveThresholdAlgorithm,
     ResidualClippingPostProcessor,
@@ -36,9 +34,11 @@ from dlscale.encoding import (
     threshold_algorithm,
 )
 from dlscale.errors import TrainerLostWarning
-from dlscale.persist import StorageLevel
-from dlscale.progress import Progress
-from dlscale.stats import TrainerStats, TrainingStats
+from dlscale.facade.persist import StorageLevel
+from dlscale.monitor import panel
+from dlscale.monitor.progress import Progress
+from dlscale.monitor.stats import TrainerStats, TrainingStats
+from dlscale.runtime.tasks import check_count
 from dlscale.training import _sources, _worker
 from dlscale.training.master import (
     TrainingMaster,
@@ -52,8 +52,6 @@ if TYPE_CHECKING:
     from dlscale.training.sparknet import SparkNet
 
 logger = logging.getLogger("dlscale.training.sharing")
-
-
 
 
 @dataclasses.dataclass
@@ -74,7 +72,8 @@ class SharedTrainingMaster(TrainingMaster):
     batch_size_per_worker: int
     threshold_algorithm: ThresholdAlgorithm | str = dataclasses.field(default_factory=AdaptiveThresholdAlgorithm)
     residual_post_processor: ResidualPostProcessor | str = dataclasses.field(
-        default_factory=ResidualClippingPostProcessor)
+        default_factory=ResidualClippingPostProcessor
+    )
     workers_per_node: int = 1
     mesh_build_mode: str = "plain"
     encoding_debug_mode: bool = False
@@ -101,8 +100,16 @@ class SharedTrainingMaster(TrainingMaster):
             raise ValueError(f"mesh_build_mode must be one of {_mesh.MODES}, got {self.mesh_build_mode!r}")
         check_source(self.rdd_training_approach, self.storage_level)
 
-    def _train(self, net: SparkNet, blob: bytes, batches: _sources.Minibatches, epochs: int, *,
-               partitions: int | None = None, probe: bool = False) -> None:
+    def _train(
+        self,
+        net: SparkNet,
+        blob: bytes,
+        batches: _sources.Minibatches,
+        epochs: int,
+        *,
+        partitions: int | None = None,
+        probe: bool = False,
+    ) -> None:
         if partitions is None:
             _Run(self, net, blob, batches).train(epochs, probe=probe)
             return
@@ -112,9 +119,12 @@ class SharedTrainingMaster(TrainingMaster):
 
 def _ensure_plugins(client: Any) -> None:
     """Install the sharing plugins on the scheduler and the workers, once per cluster."""
+
     def installed(dask_scheduler: Any) -> tuple[bool, bool]:
-        return (SharingSchedulerPlugin.name in dask_scheduler.plugins,
-                SharingWorkerPlugin.name in dask_scheduler.worker_plugins)
+        return (
+            SharingSchedulerPlugin.name in dask_scheduler.plugins,
+            SharingWorkerPlugin.name in dask_scheduler.worker_plugins,
+        )
 
     on_scheduler, on_workers = client.run_on_scheduler(installed)
     if not on_scheduler:
@@ -136,8 +146,7 @@ def _close_node(session: str, keys: list[str], dask_worker: Any = None) -> None:
 class _Run:
     """One ``fit`` with gradient sharing."""
 
-    def __init__(self, master: SharedTrainingMaster, net: SparkNet, blob: bytes,
-                 batches: _sources.Minibatches) -> None:
+    def __init__(self, master: SharedTrainingMaster, net: SparkNet, blob: bytes, batches: _sources.Minibatches) -> None:
         self.master, self.net, self.batches = master, net, batches
         self.client = net.sc.client
         self.workers = sorted(self.client.scheduler_info(n_workers=-1)["workers"])
@@ -151,8 +160,7 @@ class _Run:
         self.poll = parse_timedelta(dask.config.get("dlscale.sharing.poll-interval"))
 
     def _call(self, op: str, **kwargs: Any) -> Any:
-        return self.client.sync(getattr(self.client.scheduler, f"dlscale_sharing_{op}"), session=self.session,
-                                **kwargs)
+        return self.client.sync(getattr(self.client.scheduler, f"dlscale_sharing_{op}"), session=self.session, **kwargs)
 
     def _order(self, epochs: int) -> list[int]:
         """Work items, epoch after epoch: item ``e * n + i`` is minibatch ``i`` in epoch ``e``."""
@@ -165,12 +173,19 @@ class _Run:
         blob = client.scatter([self.blob], hash=False, broadcast=False)[0]
         keys = [f"{blob.key}/{i}" for i in range(master.workers_per_node)]
         if probe:
-            client.submit(_worker.probe, f"{blob.key}/0", blob, self.batches.refs[0], self.batches.loader,
-                          pure=False).result()
+            client.submit(
+                _worker.probe, f"{blob.key}/0", blob, self.batches.refs[0], self.batches.loader, pure=False
+            ).result()
         spec = _trainer.TrainerSpec(
-            master.threshold_algorithm, master.residual_post_processor, master.workers_per_node, master.prefetch,
-            master.encoding_debug_mode, master.collect_training_stats,
-            master.worker_gc_frequency_ms / 1000 if master.worker_periodic_gc else None, master.momentum_masking)
+            master.threshold_algorithm,
+            master.residual_post_processor,
+            master.workers_per_node,
+            master.prefetch,
+            master.encoding_debug_mode,
+            master.collect_training_stats,
+            master.worker_gc_frequency_ms / 1000 if master.worker_periodic_gc else None,
+            master.momentum_masking,
+        )
         n = len(self.batches.refs)
         t0 = time.perf_counter()
         if master.encoding_debug_mode:
@@ -178,12 +193,25 @@ class _Run:
         fit = panel.open_fit(client, "gradient sharing", epochs * n, fit=self.session)
         self._call("open", worker_of={t: w for t, (w, _) in self.trainers.items()}, order=self._order(epochs))
         try:
-            client.run(_open_node, self.session, master.workers_per_node, master.mesh_build_mode,
-                       workers=self.workers)
-            futures = {t: client.submit(_trainer.run, self.session, t, i, blob.key, blob, self.batches.refs,
-                                        self.batches.loader, spec, workers=[w], allow_other_workers=True,
-                                        pure=False, key=f"{self.session}-trainer-{k}")
-                       for k, (t, (w, i)) in enumerate(self.trainers.items())}
+            client.run(_open_node, self.session, master.workers_per_node, master.mesh_build_mode, workers=self.workers)
+            futures = {
+                t: client.submit(
+                    _trainer.run,
+                    self.session,
+                    t,
+                    i,
+                    blob.key,
+                    blob,
+                    self.batches.refs,
+                    self.batches.loader,
+                    spec,
+                    workers=[w],
+                    allow_other_workers=True,
+                    pure=False,
+                    key=f"{self.session}-trainer-{k}",
+                )
+                for k, (t, (w, i)) in enumerate(self.trainers.items())
+            }
             bar = Progress("gradient sharing", n, epochs, self.net.network.epoch, panel_url=panel.url(client, fit))
             results, progress = self._follow(futures, n, bar)
         finally:
@@ -192,13 +220,13 @@ class _Run:
             self._call("close")
             panel.close_fit(client, fit)
             alive = set(client.scheduler_info(n_workers=-1)["workers"])  # a lost worker would take a timeout
-            client.run(_close_node, self.session, keys, workers=[w for w in self.workers if w in alive],
-                       on_error="ignore")
+            client.run(
+                _close_node, self.session, keys, workers=[w for w in self.workers if w in alive], on_error="ignore"
+            )
             blob.release()
         self._conclude(results, progress, epochs, n, time.perf_counter() - t0)
 
-    def _follow(self, futures: dict[str, Future], n: int, bar: Progress
-                ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def _follow(self, futures: dict[str, Future], n: int, bar: Progress) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """Wait for the trainers, calling listeners and advancing the progress bar as minibatches
         are acknowledged; returns the results of the trainers that finished and the session's last
         progress report."""
@@ -236,17 +264,21 @@ class _Run:
             wait(list(futures.values()), timeout=parse_timedelta(dask.config.get("dlscale.sharing.end-timeout")))
         self.client.cancel([f for f in futures.values() if not f.done()])
 
-    def _conclude(self, results: list[dict[str, Any]], progress: dict[str, Any], epochs: int, n: int,
-                  seconds: float) -> None:
+    def _conclude(
+        self, results: list[dict[str, Any]], progress: dict[str, Any], epochs: int, n: int, seconds: float
+    ) -> None:
         network = self.net.network
         states = [r for r in results if not r.get("lost") and not r.get("aborted")]
         lost = progress["lost"]
         if not states:
-            raise RuntimeError(f"every gradient-sharing trainer was lost ({', '.join(lost)}); the network is "
-                               "unchanged")
+            raise RuntimeError(f"every gradient-sharing trainer was lost ({', '.join(lost)}); the network is unchanged")
         if lost:
-            warnings.warn(f"gradient sharing lost trainer(s) {', '.join(lost)} with their workers; their "
-                          f"minibatches were trained by the {len(states)} others", TrainerLostWarning, stacklevel=4)
+            warnings.warn(
+                f"gradient sharing lost trainer(s) {', '.join(lost)} with their workers; their "
+                f"minibatches were trained by the {len(states)} others",
+                TrainerLostWarning,
+                stacklevel=4,
+            )
         fitted = [s for s in states if s["examples"]] or states[:1]  # an idle trainer's optimizer has no state
         state = _worker.average(*fitted)
         state = dict(state, params=state["params"] + torch.stack([s["residual"] for s in states]).sum(0))

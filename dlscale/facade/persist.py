@@ -30,16 +30,17 @@ from distributed.client import futures_of
 from distributed.protocol import deserialize_bytes, serialize_bytes
 from distributed.utils import sync
 
-from dlscale import _graph, config
-from dlscale._replicas import set_replication
+from dlscale import config
 from dlscale.errors import CorruptDataError, StorageError
+from dlscale.facade import _graph
+from dlscale.runtime.replicas import set_replication
 from dlscale.storage import atomic_write
 
 if TYPE_CHECKING:
     from dask.bag import Bag
 
-    from dlscale.context import SparkContext
-    from dlscale.rdd import RDD
+    from dlscale.facade.context import SparkContext
+    from dlscale.facade.rdd import RDD
 
 
 class StorageLevel:
@@ -351,7 +352,5 @@ def storage_info(ctx: SparkContext, rdds: list[RDD]) -> list[RDDInfo]:
             # a blob is the partition's exact size, in memory or on disk
             mem = sum(v[2] for v in found.values() if v[0])
             disk = sum(v[2] for v in found.values() if v[1])
-        infos.append(
-            RDDInfo(rdd.id(), rdd.name(), stored.level, rdd.getNumPartitions(), len(found), mem, disk)
-        )
+        infos.append(RDDInfo(rdd.id(), rdd.name(), stored.level, rdd.getNumPartitions(), len(found), mem, disk))
     return infos

@@ -13,18 +13,18 @@ from typing import TYPE_CHECKING, Any
 import fsspec
 from fsspec.utils import infer_compression, read_block
 
-from dlscale import _graph, _safe_pickle
 from dlscale.errors import (
     CorruptDataError,
     OutputExistsError,
     StorageError,
     UnsafePickleError,
 )
+from dlscale.facade import _graph, _safe_pickle
 from dlscale.storage import atomic_write, open_fs
 
 if TYPE_CHECKING:
-    from dlscale.context import SparkContext
-    from dlscale.rdd import RDD
+    from dlscale.facade.context import SparkContext
+    from dlscale.facade.rdd import RDD
 
 _MAX_SPLIT = 64 * 2**20
 _PICKLE_MAGIC = b"DLSPKL1\n"
@@ -67,17 +67,17 @@ def list_files(url: str, storage_options: dict[str, Any] | None) -> tuple[fsspec
 
 
 # -- text ----------------------------------------------------------------------------------
-def _read_lines(fs: fsspec.AbstractFileSystem, path: str, offset: int, length: int | None,
-                use_unicode: bool) -> list:
+def _read_lines(fs: fsspec.AbstractFileSystem, path: str, offset: int, length: int | None, use_unicode: bool) -> list:
     with fs.open(path, "rb", compression=infer_compression(path) if length is None else None) as f:
         data = f.read() if length is None else read_block(f, offset, length, delimiter=b"\n")
     lines = data.splitlines()
     return [line.decode("utf-8") for line in lines] if use_unicode else lines
 
 
-def text_file(ctx: SparkContext, name: str, min_partitions: int | None, use_unicode: bool,
-              storage_options: dict[str, Any] | None) -> RDD:
-    from dlscale.rdd import RDD
+def text_file(
+    ctx: SparkContext, name: str, min_partitions: int | None, use_unicode: bool, storage_options: dict[str, Any] | None
+) -> RDD:
+    from dlscale.facade.rdd import RDD
 
     fs, files = list_files(name, storage_options)
     min_partitions = ctx.defaultMinPartitions if min_partitions is None else min_partitions
@@ -101,9 +101,15 @@ def _read_whole(fs: fsspec.AbstractFileSystem, paths: list[str], text: bool, use
         yield fs.unstrip_protocol(p), (data.decode("utf-8") if text and use_unicode else data)
 
 
-def whole_files(ctx: SparkContext, path: str, min_partitions: int | None, storage_options: dict[str, Any] | None,
-                text: bool, use_unicode: bool = True) -> RDD:
-    from dlscale.rdd import RDD
+def whole_files(
+    ctx: SparkContext,
+    path: str,
+    min_partitions: int | None,
+    storage_options: dict[str, Any] | None,
+    text: bool,
+    use_unicode: bool = True,
+) -> RDD:
+    from dlscale.facade.rdd import RDD
 
     fs, files = list_files(path, storage_options)
     n = max(1, min(len(files), ctx.defaultMinPartitions if min_partitions is None else min_partitions))
@@ -120,8 +126,9 @@ def _prepare_output(path: str, storage_options: dict[str, Any] | None) -> tuple[
     return fs, root.rstrip("/")
 
 
-def _write_text_part(fs: fsspec.AbstractFileSystem, root: str, ext: str, compression: str | None,
-                     i: int, items: Any) -> list[str]:
+def _write_text_part(
+    fs: fsspec.AbstractFileSystem, root: str, ext: str, compression: str | None, i: int, items: Any
+) -> list[str]:
     path = f"{root}/part-{i:05d}{ext}"
 
     def write(raw: Any) -> None:
@@ -198,9 +205,14 @@ def _read_pickle_part(fs: fsspec.AbstractFileSystem, path: str, allowed: tuple[s
         yield from batch
 
 
-def pickle_file(ctx: SparkContext, name: str, min_partitions: int | None, allowed: tuple[str, ...],
-                storage_options: dict[str, Any] | None) -> RDD:
-    from dlscale.rdd import RDD
+def pickle_file(
+    ctx: SparkContext,
+    name: str,
+    min_partitions: int | None,
+    allowed: tuple[str, ...],
+    storage_options: dict[str, Any] | None,
+) -> RDD:
+    from dlscale.facade.rdd import RDD
 
     fs, files = list_files(name, storage_options)
     calls = [(_read_pickle_part, (fs, p, allowed)) for p in files]

@@ -100,8 +100,7 @@ class TrainingStats:
     def summary(self) -> str:
         """A few lines: rounds, throughput, and the shares of time spent fitting and waiting for data."""
         parts = f"{len(self.rounds)} rounds" if self.rounds or not self.trainers else f"{len(self.trainers)} trainers"
-        head = (f"{self.approach}: {self.workers} workers, {parts}, "
-                f"{self.prepare_seconds:.2f} s preparing minibatches")
+        head = f"{self.approach}: {self.workers} workers, {parts}, {self.prepare_seconds:.2f} s preparing minibatches"
         lines = [head]
         seconds = sum(r.seconds for r in self.rounds)
         examples = sum(r.examples for r in self.rounds)
@@ -110,29 +109,33 @@ class TrainingStats:
             fit = sum(w.fit_seconds for w in shares)
             wait = sum(w.wait_seconds for w in shares)
             lines.append(f"{examples} examples in {seconds:.2f} s: {examples / seconds:.1f} examples/s")
-            lines.append(f"mean round {seconds / len(self.rounds):.3f} s; workers busy fitting "
-                         f"{fit / (seconds * self.workers):.0%} of it, of which {wait / max(fit, 1e-12):.0%} "
-                         "waiting for data")
+            lines.append(
+                f"mean round {seconds / len(self.rounds):.3f} s; workers busy fitting "
+                f"{fit / (seconds * self.workers):.0%} of it, of which {wait / max(fit, 1e-12):.0%} "
+                "waiting for data"
+            )
             lines.append(f"last score {self.rounds[-1].score:.6g}")
         for t in self.trainers:
             busy = sum(s for _, _, s in t.phases) or 1e-12
             shares = ", ".join(f"{p} {t.seconds(p) / busy:.0%}" for p in PHASES)
-            lines.append(f"trainer {t.trainer}: {t.minibatches} minibatches, {t.messages_sent} updates sent "
-                         f"({t.bytes_sent / max(t.messages_sent, 1):.0f} bytes each), {t.messages_received} "
-                         f"received; {shares}")
+            lines.append(
+                f"trainer {t.trainer}: {t.minibatches} minibatches, {t.messages_sent} updates sent "
+                f"({t.bytes_sent / max(t.messages_sent, 1):.0f} bytes each), {t.messages_received} "
+                f"received; {shares}"
+            )
         return "\n".join(lines)
 
     def save_html(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         """Write a self-contained HTML report (tables, timeline, per-step charts) to ``url`` (any fsspec URL,
-        atomically); see :func:`dlscale.timeline.to_html`."""
-        from dlscale import timeline  # imports this module
+        atomically); see :func:`dlscale.monitor.timeline.to_html`."""
+        from dlscale.monitor import timeline  # imports this module
 
         storage.write_string_to_file(url, timeline.to_html(self), storage_options)
 
     def save_png(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         """Write the timeline and per-step charts as a PNG to ``url`` (any fsspec URL, atomically); needs
-        matplotlib (``pip install "dlscale[plot]"``). See :func:`dlscale.timeline.to_png`."""
-        from dlscale import timeline  # imports this module
+        matplotlib (``pip install "dlscale[plot]"``). See :func:`dlscale.monitor.timeline.to_png`."""
+        from dlscale.monitor import timeline  # imports this module
 
         image = io.BytesIO()
         timeline.to_png(self, image)  # drawn before anything is opened: a failure leaves no file

@@ -6,11 +6,11 @@ from typing import TYPE_CHECKING, Any
 
 from distributed import Future, get_client, get_worker
 
-from dlscale._replicas import EVERY_WORKER, set_replication
 from dlscale.errors import BroadcastDestroyedError
+from dlscale.runtime.replicas import EVERY_WORKER, set_replication
 
 if TYPE_CHECKING:
-    from dlscale.context import SparkContext
+    from dlscale.facade.context import SparkContext
 
 
 def _dataset_name(key: Any) -> str:

@@ -32,8 +32,15 @@ class Progress:
     """Progress of one fit: ``per_epoch`` minibatches in each of ``epochs`` epochs, counted as
     :meth:`advance` reports them (in any order across epochs, as gradient sharing acknowledges them)."""
 
-    def __init__(self, label: str, per_epoch: int, epochs: int, first_epoch: int = 0,
-                 stream: TextIO | None = None, panel_url: str | None = None) -> None:
+    def __init__(
+        self,
+        label: str,
+        per_epoch: int,
+        epochs: int,
+        first_epoch: int = 0,
+        stream: TextIO | None = None,
+        panel_url: str | None = None,
+    ) -> None:
         self.label, self.per_epoch, self.epochs, self.first_epoch = label, per_epoch, epochs, first_epoch
         self.stream = stream or sys.stderr
         self.show = enabled(self.stream)
@@ -66,9 +73,11 @@ class Progress:
     def _epoch_line(self, finished: int) -> None:
         loss = self.loss / self.epoch_examples if self.epoch_examples else float("nan")
         start, pad = ("\r", " " * 10) if self.live else ("", "")
-        self.stream.write(f"{start}{self.label}: epoch {self.first_epoch + finished}/"
-                          f"{self.first_epoch + self.epochs} done, loss {loss:.4f}, "
-                          f"{self._rate(self.epoch_examples, self.epoch_start):,.0f} examples/s{pad}\n")
+        self.stream.write(
+            f"{start}{self.label}: epoch {self.first_epoch + finished}/"
+            f"{self.first_epoch + self.epochs} done, loss {loss:.4f}, "
+            f"{self._rate(self.epoch_examples, self.epoch_start):,.0f} examples/s{pad}\n"
+        )
         self.stream.flush()
         self.loss, self.epoch_examples, self.epoch_start = 0.0, 0, time.perf_counter()
 
@@ -76,8 +85,10 @@ class Progress:
         within = self.done % self.per_epoch
         filled = WIDTH * within // self.per_epoch
         epoch = self.first_epoch + min(self.done // self.per_epoch + 1, self.epochs)
-        self.stream.write(f"\r{self.label}: epoch {epoch}/{self.first_epoch + self.epochs} "
-                          f"[{'#' * filled}{'.' * (WIDTH - filled)}] {within}/{self.per_epoch} minibatches, "
-                          f"{self._rate(self.examples, self.start):,.0f} examples/s")
+        self.stream.write(
+            f"\r{self.label}: epoch {epoch}/{self.first_epoch + self.epochs} "
+            f"[{'#' * filled}{'.' * (WIDTH - filled)}] {within}/{self.per_epoch} minibatches, "
+            f"{self._rate(self.examples, self.start):,.0f} examples/s"
+        )
         self.stream.flush()
         self.drawn = time.perf_counter()

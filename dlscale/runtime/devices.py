@@ -65,8 +65,10 @@ def device_for(local: int = 0, per_worker: int = 1) -> torch.device:
         return torch.device("cpu")
     if not torch.cuda.is_available():
         build = "built without CUDA" if torch.version.cuda is None else f"CUDA {torch.version.cuda}, no GPU visible"
-        raise DeviceError(f"DLSCALE_DEVICE={value} but {_where()} has no usable GPU (torch {torch.__version__}, "
-                          f"{build}); set DLSCALE_DEVICE=auto or cpu to train on its CPU")
+        raise DeviceError(
+            f"DLSCALE_DEVICE={value} but {_where()} has no usable GPU (torch {torch.__version__}, "
+            f"{build}); set DLSCALE_DEVICE=auto or cpu to train on its CPU"
+        )
     count = torch.cuda.device_count()
     if value.startswith("cuda:"):
         index = int(value[5:])

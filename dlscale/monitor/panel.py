@@ -24,7 +24,7 @@ import tornado.web
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dlscale import config
-from dlscale.timeline import _CSS, _SERIES_COLOURS, _chart_svg, _e, _legend
+from dlscale.monitor.timeline import _CSS, _SERIES_COLOURS, _chart_svg, _e, _legend
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -72,12 +72,28 @@ class _Fit:
     def view(self) -> dict[str, Any]:
         done = sum(r.minibatches for r in self.rows.values())
         elapsed = (self.ended or time.time()) - self.started
-        return {"approach": self.approach, "started": self.started, "ended": self.ended, "minibatches": self.minibatches,
-                "done": done, "examples": sum(r.examples for r in self.rows.values()), "seconds": elapsed,
-                "rows": {name: {"worker": r.worker, "minibatches": r.minibatches, "examples": r.examples,
-                                "examples_per_second": _finite(r.rate()), "loss": _finite(r.loss),
-                                "threshold": r.threshold, "sparsity": r.sparsity, "bytes_sent": r.bytes_sent}
-                         for name, r in self.rows.items()}}
+        return {
+            "approach": self.approach,
+            "started": self.started,
+            "ended": self.ended,
+            "minibatches": self.minibatches,
+            "done": done,
+            "examples": sum(r.examples for r in self.rows.values()),
+            "seconds": elapsed,
+            "rows": {
+                name: {
+                    "worker": r.worker,
+                    "minibatches": r.minibatches,
+                    "examples": r.examples,
+                    "examples_per_second": _finite(r.rate()),
+                    "loss": _finite(r.loss),
+                    "threshold": r.threshold,
+                    "sparsity": r.sparsity,
+                    "bytes_sent": r.bytes_sent,
+                }
+                for name, r in self.rows.items()
+            },
+        }
 
 
 def _finite(x: float) -> float | None:
@@ -94,8 +110,14 @@ class TrainingPanel(SchedulerPlugin):
         self.fits: OrderedDict[str, _Fit] = OrderedDict()
 
     async def start(self, scheduler: Scheduler) -> None:
-        scheduler.handlers.update({"dlscale_panel_begin": self.begin, "dlscale_panel_record": self.record,
-                                   "dlscale_panel_end": self.end, "dlscale_panel_view": self.view})
+        scheduler.handlers.update(
+            {
+                "dlscale_panel_begin": self.begin,
+                "dlscale_panel_record": self.record,
+                "dlscale_panel_end": self.end,
+                "dlscale_panel_view": self.view,
+            }
+        )
         app = getattr(scheduler, "http_application", None)
         if app is not None:
             app.add_handlers(r".*", [(PATH, _Page, {"panel": self}), (PATH + r"\.json", _Json, {"panel": self})])
@@ -137,10 +159,18 @@ class TrainingPanel(SchedulerPlugin):
 
     def page(self) -> str:
         running = any(f.ended is None for f in self.fits.values())
-        out = ["<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
-               *([f'<meta http-equiv="refresh" content="{REFRESH_SECONDS}">'] if running else []),
-               "<title>dlscale training</title>", f"<style>{_CSS}</style>", "</head>", "<body>",
-               "<h1>dlscale training</h1>"]
+        out = [
+            "<!DOCTYPE html>",
+            '<html lang="en">',
+            "<head>",
+            '<meta charset="utf-8">',
+            *([f'<meta http-equiv="refresh" content="{REFRESH_SECONDS}">'] if running else []),
+            "<title>dlscale training</title>",
+            f"<style>{_CSS}</style>",
+            "</head>",
+            "<body>",
+            "<h1>dlscale training</h1>",
+        ]
         if not self.fits:
             out.append("<p>No fit has started on this cluster yet.</p>")
         for fit, f in reversed(self.fits.items()):
@@ -153,10 +183,14 @@ def _fit_html(fit: str, f: _Fit) -> list[str]:
     v = f.view()
     state = "running" if f.ended is None else "finished"
     share = v["done"] / f.minibatches if f.minibatches else 0.0
-    out = [f"<h2>{_e(f.approach)}: {state}</h2>",
-           (f'<p data-fit="{_e(fit)}">{v["done"]:,} of {f.minibatches:,} minibatches ({share:.0%}), '
-           f"{v['examples']:,} examples in {v['seconds']:.1f} s "
-           f"({v['examples'] / max(v['seconds'], 1e-9):,.0f} examples/s).</p>")]
+    out = [
+        f"<h2>{_e(f.approach)}: {state}</h2>",
+        (
+            f'<p data-fit="{_e(fit)}">{v["done"]:,} of {f.minibatches:,} minibatches ({share:.0%}), '
+            f"{v['examples']:,} examples in {v['seconds']:.1f} s "
+            f"({v['examples'] / max(v['seconds'], 1e-9):,.0f} examples/s).</p>"
+        ),
+    ]
     sharing = any(r.threshold is not None for r in f.rows.values())
     head = ["", "worker", "minibatches", "examples", "examples/s", "loss"]
     head += ["threshold", "sparsity", "bytes sent"] if sharing else []
@@ -164,10 +198,20 @@ def _fit_html(fit: str, f: _Fit) -> list[str]:
     for name, r in sorted(f.rows.items()):
         cells = [_e(name), _e(r.worker), f"{r.minibatches:,}", f"{r.examples:,}", f"{r.rate():,.0f}", f"{r.loss:.4f}"]
         if sharing:
-            cells += [f"{r.threshold:.3g}" if r.threshold is not None else "",
-                      f"{r.sparsity:.3g}" if r.sparsity is not None else "", f"{r.bytes_sent:,}"]
-        out.append(f'<tr data-row="{_e(name)}"><td>' + cells[0] + "</td><td>" + cells[1] + "</td>"
-                   + "".join(f'<td class="num">{c}</td>' for c in cells[2:]) + "</tr>")
+            cells += [
+                f"{r.threshold:.3g}" if r.threshold is not None else "",
+                f"{r.sparsity:.3g}" if r.sparsity is not None else "",
+                f"{r.bytes_sent:,}",
+            ]
+        out.append(
+            f'<tr data-row="{_e(name)}"><td>'
+            + cells[0]
+            + "</td><td>"
+            + cells[1]
+            + "</td>"
+            + "".join(f'<td class="num">{c}</td>' for c in cells[2:])
+            + "</tr>"
+        )
     out.append("</table>")
     span = max((r.points[-1][0] for r in f.rows.values() if r.points), default=f.started) - f.started
     if span <= 0:

@@ -15,11 +15,11 @@ from collections.abc import Callable, Iterable, Iterator
 from functools import reduce
 from typing import TYPE_CHECKING, Any
 
-from dlscale._graph import Partition
-from dlscale.statcounter import StatCounter
+from dlscale.facade._graph import Partition
+from dlscale.facade.statcounter import StatCounter
 
 if TYPE_CHECKING:
-    from dlscale.rdd import Partitioner
+    from dlscale.facade.rdd import Partitioner
 
 
 class ResultIterable(Iterable):

@@ -92,8 +92,7 @@ def from_calls(prefix: str, calls: Sequence[tuple[Callable[..., Iterable[Any]], 
     return _bag(name, dsk, [], len(calls))
 
 
-def partitionwise(prefix: str, func: Callable[..., Iterable[Any]], *parents: Bag, shared: TaskRef | None = None
-                  ) -> Bag:
+def partitionwise(prefix: str, func: Callable[..., Iterable[Any]], *parents: Bag, shared: TaskRef | None = None) -> Bag:
     """Partition ``i`` of the result is ``list(func(i, part_i_of_each_parent...))``; with ``shared``, a
     future (e.g. of a network held on every worker), ``list(func(i, shared_value, part_i...))``."""
     n = parents[0].npartitions
@@ -173,4 +172,3 @@ def product(prefix: str, left: Bag, right: Bag, func: Callable[[list, list], Ite
             key = (name, i * right.npartitions + j)
             dsk[key] = Task(key, partition_of, fn, TaskRef((left.name, i)), TaskRef((right.name, j)))
     return _bag(name, dsk, [left, right], left.npartitions * right.npartitions)
-

@@ -14,13 +14,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self
 import dask.config
 import distributed
 
-from dlscale import _graph, config
-from dlscale.conf import SparkConf, spark_size_to_bytes
+from dlscale import config
 from dlscale.errors import ClusterConnectionError, DlscaleError, MasterURLError
+from dlscale.facade import _graph
+from dlscale.facade.conf import SparkConf, spark_size_to_bytes
 
 if TYPE_CHECKING:
-    from dlscale.broadcast import Broadcast
-    from dlscale.rdd import RDD
+    from dlscale.facade.broadcast import Broadcast
+    from dlscale.facade.rdd import RDD
 
 _LOCAL = re.compile(r"^local(?:\[(\d+|\*)\])?$")
 _ADDRESS = re.compile(r"^(tcp|tls|ws|wss|inproc)://.+")
@@ -113,12 +114,12 @@ class SparkContext:
                     raise
                 raise ClusterConnectionError(
                     f"{master} needs TLS credentials: pass security=distributed.Security(...) or set "
-                    f"distributed.comm.tls.ca-file and distributed.comm.tls.client.cert/key in Dask's configuration ({e})"
+                    "distributed.comm.tls.ca-file and distributed.comm.tls.client.cert/key in Dask's "
+                    f"configuration ({e})"
                 ) from e
             except (OSError, TimeoutError) as e:
                 raise ClusterConnectionError(
-                    f"could not reach the Dask scheduler at {master} within {timeout} "
-                    f"(dlscale.connect-timeout): {e}"
+                    f"could not reach the Dask scheduler at {master} within {timeout} (dlscale.connect-timeout): {e}"
                 ) from e
         hint = ""
         if master.startswith(_SPARK_MANAGERS):
@@ -139,8 +140,11 @@ class SparkContext:
             memory = spark_size_to_bytes(conf.get("spark.executor.memory"), "spark.executor.memory")
         workers = int(conf.get("spark.executor.instances") or n)
         resources = {m.group(1): float(v) for k, v in conf.getAll() if (m := _RESOURCE.match(k))}
-        memory_settings = {name: value for name in ("target", "spill", "pause")
-                           if (value := config.get(f"local.memory-{name}")) is not None}
+        memory_settings = {
+            name: value
+            for name in ("target", "spill", "pause")
+            if (value := config.get(f"local.memory-{name}")) is not None
+        }
         # the workers' Dask configuration, with these thresholds (a nanny merges it over the global one)
         worker_config = dask.config.merge(dask.config.config, {"distributed": {"worker": {"memory": memory_settings}}})
         return {
@@ -226,7 +230,7 @@ class SparkContext:
     # -- creating RDDs -------------------------------------------------------------------
     def parallelize(self, c: Iterable[Any], numSlices: int | None = None) -> RDD:
         """Distribute a local collection, sliced by position exactly as PySpark slices it."""
-        from dlscale.rdd import RDD
+        from dlscale.facade.rdd import RDD
 
         n = self._check_slices(numSlices)
         if isinstance(c, range):
@@ -244,7 +248,7 @@ class SparkContext:
 
     def range(self, start: int, end: int | None = None, step: int = 1, numSlices: int | None = None) -> RDD:
         """Integers from ``start`` to ``end`` (exclusive); each partition is generated on its worker."""
-        from dlscale.rdd import RDD
+        from dlscale.facade.rdd import RDD
 
         if end is None:
             start, end = 0, start
@@ -256,13 +260,13 @@ class SparkContext:
 
     def emptyRDD(self) -> RDD:
         """An RDD with no partitions."""
-        from dlscale.rdd import RDD
+        from dlscale.facade.rdd import RDD
 
         return RDD(_graph.from_partitions("empty", []), self)
 
     def union(self, rdds: Sequence[RDD]) -> RDD:
         """The concatenation of the partitions of ``rdds``."""
-        from dlscale.rdd import RDD
+        from dlscale.facade.rdd import RDD
 
         rdds = list(rdds)
         if not rdds:
@@ -272,7 +276,7 @@ class SparkContext:
 
     def broadcast(self, value: Any) -> Broadcast:
         """Send ``value`` to every worker once; tasks read it through ``.value``."""
-        from dlscale.broadcast import Broadcast
+        from dlscale.facade.broadcast import Broadcast
 
         return Broadcast(self, value)
 
@@ -302,47 +306,63 @@ class SparkContext:
             self.client.upload_file(local)
 
     def textFile(
-        self, name: str, minPartitions: int | None = None, use_unicode: bool = True, *,
+        self,
+        name: str,
+        minPartitions: int | None = None,
+        use_unicode: bool = True,
+        *,
         storage_options: dict[str, Any] | None = None,
     ) -> RDD:
         """Lines of text files (a file, a directory, a glob, or comma-separated paths)."""
-        from dlscale import _io
+        from dlscale.facade import _io
 
         return _io.text_file(self, name, minPartitions, use_unicode, storage_options)
 
     def wholeTextFiles(
-        self, path: str, minPartitions: int | None = None, use_unicode: bool = True, *,
+        self,
+        path: str,
+        minPartitions: int | None = None,
+        use_unicode: bool = True,
+        *,
         storage_options: dict[str, Any] | None = None,
     ) -> RDD:
         """``(url, content)`` for every file under ``path``."""
-        from dlscale import _io
+        from dlscale.facade import _io
 
         return _io.whole_files(self, path, minPartitions, storage_options, text=True, use_unicode=use_unicode)
 
     def binaryFiles(
-        self, path: str, minPartitions: int | None = None, *, storage_options: dict[str, Any] | None = None,
+        self,
+        path: str,
+        minPartitions: int | None = None,
+        *,
+        storage_options: dict[str, Any] | None = None,
     ) -> RDD:
         """``(url, bytes)`` for every file under ``path``."""
-        from dlscale import _io
+        from dlscale.facade import _io
 
         return _io.whole_files(self, path, minPartitions, storage_options, text=False)
 
     def pickleFile(
-        self, name: str, minPartitions: int | None = None, *,
-        allowed: Iterable[str] = (), storage_options: dict[str, Any] | None = None,
+        self,
+        name: str,
+        minPartitions: int | None = None,
+        *,
+        allowed: Iterable[str] = (),
+        storage_options: dict[str, Any] | None = None,
     ) -> RDD:
         """Objects written by :meth:`RDD.saveAsPickleFile`.
 
         Only plain data (built-in types, numpy arrays, torch tensors) is loaded; name further
         classes as ``"module:QualName"`` in ``allowed``. Anything else is refused without running.
         """
-        from dlscale import _io
+        from dlscale.facade import _io
 
         return _io.pickle_file(self, name, minPartitions, tuple(allowed), storage_options)
 
     def getRDDStorageInfo(self) -> list[Any]:
         """What each persisted RDD holds in worker memory and on disk."""
-        from dlscale import persist
+        from dlscale.facade import persist
 
         return persist.storage_info(self, list(self._persisted.values()))
 
@@ -369,4 +389,3 @@ class SparkContext:
 
     def __repr__(self) -> str:
         return f"<SparkContext master={self.master} appName={self.appName}>"
-

@@ -19,18 +19,28 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from dlscale.stats import PHASES, TrainerStats, TrainingStats
+from dlscale.monitor.stats import PHASES, TrainerStats, TrainingStats
 
 PHASE_COLOURS = {"fit": "#4e79a7", "encode": "#f28e2b", "send": "#e15759", "apply": "#59a14f", "wait": "#bab0ac"}
-"""One colour per phase of :data:`dlscale.stats.PHASES`, shared by the HTML and the PNG."""
+"""One colour per phase of :data:`dlscale.monitor.stats.PHASES`, shared by the HTML and the PNG."""
 
-_SERIES_COLOURS = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7",
-                   "#9c755f", "#79706e")
+_SERIES_COLOURS = (
+    "#4e79a7",
+    "#f28e2b",
+    "#e15759",
+    "#76b7b2",
+    "#59a14f",
+    "#edc948",
+    "#b07aa1",
+    "#ff9da7",
+    "#9c755f",
+    "#79706e",
+)
 _PHASE_INDEX = {p: i for i, p in enumerate(PHASES)}
 
 # Geometry of the SVG figures, in pixels.
 _WIDTH = 1000
-_LEFT = 170          # room for the row labels of the timeline and the y axis of the charts
+_LEFT = 170  # room for the row labels of the timeline and the y axis of the charts
 _RIGHT = 20
 _PLOT = _WIDTH - _LEFT - _RIGHT
 _ROW = 18
@@ -88,8 +98,7 @@ _Bar = tuple[int, float, float, float, float]
 top as fractions of the row's height."""
 
 
-def _bars(codes: np.ndarray, starts: np.ndarray, seconds: np.ndarray, t0: float, span: float,
-          cols: int) -> list[_Bar]:
+def _bars(codes: np.ndarray, starts: np.ndarray, seconds: np.ndarray, t0: float, span: float, cols: int) -> list[_Bar]:
     """The rectangles that draw one row of ``(phase, start, seconds)`` spans, ``cols`` columns wide.
 
     A span of a column or more is drawn as it is, full height (one less than a column from the previous
@@ -106,8 +115,12 @@ def _bars(codes: np.ndarray, starts: np.ndarray, seconds: np.ndarray, t0: float,
     long = seconds >= col
     merged: list[list[Any]] = []
     order = np.argsort(begin[long], kind="stable")
-    for code, b, e in zip(codes[long][order].tolist(), begin[long][order].tolist(),
-                          (begin[long] + seconds[long])[order].tolist(), strict=True):
+    for code, b, e in zip(
+        codes[long][order].tolist(),
+        begin[long][order].tolist(),
+        (begin[long] + seconds[long])[order].tolist(),
+        strict=True,
+    ):
         if merged and merged[-1][0] == code and b - merged[-1][2] < col:
             merged[-1][2] = max(merged[-1][2], e)
         else:
@@ -127,8 +140,11 @@ def _pooled(codes: np.ndarray, begin: np.ndarray, seconds: np.ndarray, col: floa
     first = np.clip(np.floor(begin / col).astype(np.int64), 0, cols - 1)
     second = np.minimum(first + 1, cols - 1)
     in_first = np.clip((first + 1) * col - begin, 0.0, seconds)
-    time = np.bincount(np.concatenate([first, second]) * len(PHASES) + np.concatenate([codes, codes]),
-                       weights=np.concatenate([in_first, seconds - in_first]), minlength=cols * len(PHASES))
+    time = np.bincount(
+        np.concatenate([first, second]) * len(PHASES) + np.concatenate([codes, codes]),
+        weights=np.concatenate([in_first, seconds - in_first]),
+        minlength=cols * len(PHASES),
+    )
     cumulative = np.minimum(np.cumsum(time.reshape(cols, len(PHASES)), axis=1) / col, 1.0)
     top = np.rint(cumulative * _ROW).astype(np.int64)
     top = np.where(cumulative > 0, np.maximum(top, 1), top)  # a column where anything ran shows at least a pixel
@@ -146,8 +162,9 @@ def _pooled(codes: np.ndarray, begin: np.ndarray, seconds: np.ndarray, col: floa
     return bars
 
 
-def _series(times: np.ndarray, values: np.ndarray, t0: float, span: float, cols: int,
-            log: bool) -> tuple[np.ndarray, np.ndarray]:
+def _series(
+    times: np.ndarray, values: np.ndarray, t0: float, span: float, cols: int, log: bool
+) -> tuple[np.ndarray, np.ndarray]:
     """Points of a line at most ``cols`` long: the mean time and value of the points in each column
     (the geometric mean on a log scale, where values that are not positive are left out)."""
     keep = np.isfinite(times) & np.isfinite(values)
@@ -162,7 +179,7 @@ def _series(times: np.ndarray, values: np.ndarray, t0: float, span: float, cols:
     used = n > 0
     xs = np.bincount(where, weights=t, minlength=cols)[used] / n[used]
     ys = np.bincount(where, weights=v, minlength=cols)[used] / n[used]
-    return xs, (10.0 ** ys if log else ys)
+    return xs, (10.0**ys if log else ys)
 
 
 def _extent(stats: TrainingStats, trainers: list[_Trainer]) -> tuple[float, float]:
@@ -190,8 +207,9 @@ def _worker_rows(stats: TrainingStats) -> dict[str, list[tuple[float, float, flo
     return rows
 
 
-def _row_bars(stats: TrainingStats, trainers: list[_Trainer], t0: float,
-              span: float) -> list[tuple[str, str, list[_Bar]]]:
+def _row_bars(
+    stats: TrainingStats, trainers: list[_Trainer], t0: float, span: float
+) -> list[tuple[str, str, list[_Bar]]]:
     """Per timeline row: label, tooltip and rectangles, about ``_TIMELINE_BARS`` of them in all.
 
     Rows start a pixel a column; while they need more rectangles than that, the columns are halved.
@@ -200,8 +218,9 @@ def _row_bars(stats: TrainingStats, trainers: list[_Trainer], t0: float,
     sources: list[tuple[str, str, list[tuple[np.ndarray, np.ndarray, np.ndarray, float]]]] = []
     for t in trainers:
         totals = ", ".join(f"{p} {s:.3f} s" for p, s in zip(PHASES, t.totals, strict=True))
-        sources.append((t.stats.trainer, f"{t.stats.trainer} on {t.stats.worker}: {totals}",
-                        [(t.codes, t.starts, t.seconds, 1.0)]))
+        sources.append(
+            (t.stats.trainer, f"{t.stats.trainer} on {t.stats.worker}: {totals}", [(t.codes, t.starts, t.seconds, 1.0)])
+        )
     fit, wait = _PHASE_INDEX["fit"], _PHASE_INDEX["wait"]
     for worker, tasks in _worker_rows(stats).items():
         s = np.asarray([a for a, _, _ in tasks], float)
@@ -211,9 +230,18 @@ def _row_bars(stats: TrainingStats, trainers: list[_Trainer], t0: float,
         sources.append((worker, tip, [(np.full(len(s), fit), s, d, 1.0), (np.full(len(s), wait), s, w, 0.5)]))
     cols = _PLOT
     while True:
-        rows = [(label, tip, [(c, b, e, lo * h, hi * h) for codes, starts, seconds, h in parts
-                              for c, b, e, lo, hi in _bars(codes, starts, seconds, t0, span, cols)])
-                for label, tip, parts in sources]
+        rows = [
+            (
+                label,
+                tip,
+                [
+                    (c, b, e, lo * h, hi * h)
+                    for codes, starts, seconds, h in parts
+                    for c, b, e, lo, hi in _bars(codes, starts, seconds, t0, span, cols)
+                ],
+            )
+            for label, tip, parts in sources
+        ]
         if cols <= _MIN_COLUMNS or sum(len(bars) for _, _, bars in rows) <= _TIMELINE_BARS:
             return rows
         cols = max(_MIN_COLUMNS, cols // 2)
@@ -225,7 +253,7 @@ def _e(value: object) -> str:
 
 
 def _short(label: str) -> str:
-    return label if len(label) <= _LABEL_CHARS else label[:_LABEL_CHARS - 1] + "\u2026"
+    return label if len(label) <= _LABEL_CHARS else label[: _LABEL_CHARS - 1] + "\u2026"
 
 
 def _ticks(lo: float, hi: float, n: int = 6) -> tuple[list[float], float]:
@@ -260,8 +288,12 @@ def _timeline_svg(stats: TrainingStats, trainers: list[_Trainer], t0: float, spa
     rows = _row_bars(stats, trainers, t0, span)
     top = 8
     bottom = top + len(rows) * (_ROW + _GAP)
-    out = [(f'<svg class="timeline" xmlns="http://www.w3.org/2000/svg" width="{_WIDTH}" height="{bottom + 34}" '
-            f'viewBox="0 0 {_WIDTH} {bottom + 34}" role="img" aria-label="timeline">')]
+    out = [
+        (
+            f'<svg class="timeline" xmlns="http://www.w3.org/2000/svg" width="{_WIDTH}" height="{bottom + 34}" '
+            f'viewBox="0 0 {_WIDTH} {bottom + 34}" role="img" aria-label="timeline">'
+        )
+    ]
     out += _x_axis(span, top, bottom)
     for i, (label, tip, bars) in enumerate(rows):
         y = top + i * (_ROW + _GAP) + _GAP / 2
@@ -270,8 +302,10 @@ def _timeline_svg(stats: TrainingStats, trainers: list[_Trainer], t0: float, spa
         out.append(f'<rect class="lane" x="{_LEFT}" y="{y}" width="{_PLOT}" height="{_ROW}"/>')
         for code, b, e, lo, hi in bars:
             x, w = _LEFT + b / span * _PLOT, max((e - b) / span * _PLOT, 0.3)
-            out.append(f'<rect class="p-{PHASES[code]}" x="{x:.1f}" y="{y + (1 - hi) * _ROW:.1f}" width="{w:.1f}" '
-                       f'height="{(hi - lo) * _ROW:.1f}"/>')
+            out.append(
+                f'<rect class="p-{PHASES[code]}" x="{x:.1f}" y="{y + (1 - hi) * _ROW:.1f}" width="{w:.1f}" '
+                f'height="{(hi - lo) * _ROW:.1f}"/>'
+            )
         out.append("</g>")
     out.append("</svg>")
     return "\n".join(out)
@@ -305,11 +339,15 @@ def _chart_svg(name: str, lines: list[tuple[str, str, np.ndarray, np.ndarray]], 
         v = np.log10(v) if log else v
         return bottom - (v - lo) / (hi - lo) * (bottom - top)
 
-    out = [(f'<svg class="chart" data-chart="{_e(name)}" xmlns="http://www.w3.org/2000/svg" width="{_WIDTH}" '
-            f'height="{_CHART_HEIGHT}" viewBox="0 0 {_WIDTH} {_CHART_HEIGHT}" role="img" aria-label="{_e(name)}">')]
+    out = [
+        (
+            f'<svg class="chart" data-chart="{_e(name)}" xmlns="http://www.w3.org/2000/svg" width="{_WIDTH}" '
+            f'height="{_CHART_HEIGHT}" viewBox="0 0 {_WIDTH} {_CHART_HEIGHT}" role="img" aria-label="{_e(name)}">'
+        )
+    ]
     out += _x_axis(span, top, bottom)
     for v, label in zip(ticks, labels, strict=True):
-        y = float(y_of(np.asarray(10.0 ** v if log else v)))
+        y = float(y_of(np.asarray(10.0**v if log else v)))
         out.append(f'<line class="grid" x1="{_LEFT}" y1="{y:.1f}" x2="{_LEFT + _PLOT}" y2="{y:.1f}"/>')
         out.append(f'<text x="{_LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{_e(label)}</text>')
     out.append(f'<line class="axis" x1="{_LEFT}" y1="{top}" x2="{_LEFT}" y2="{bottom}"/>')
@@ -318,17 +356,22 @@ def _chart_svg(name: str, lines: list[tuple[str, str, np.ndarray, np.ndarray]], 
             continue
         px, py = (_LEFT + xs / span * _PLOT).tolist(), y_of(ys).tolist()
         if len(px) == 1:  # a single column of steps: a dot, as a line needs two points
-            out.append(f'<circle cx="{px[0]:.1f}" cy="{py[0]:.1f}" r="2.5" fill="{colour}"><title>{_e(label)}</title></circle>')
+            out.append(
+                f'<circle cx="{px[0]:.1f}" cy="{py[0]:.1f}" r="2.5" fill="{colour}"><title>{_e(label)}</title></circle>'
+            )
             continue
         points = " ".join(f"{x:.1f},{y:.1f}" for x, y in zip(px, py, strict=True))
-        out.append(f'<polyline class="series" stroke="{colour}" points="{points}"><title>{_e(label)}</title></polyline>')
+        out.append(
+            f'<polyline class="series" stroke="{colour}" points="{points}"><title>{_e(label)}</title></polyline>'
+        )
     out.append("</svg>")
     return "\n".join(out)
 
 
 def _legend(items: Sequence[tuple[str, str]]) -> str:
-    keys = "".join(f'<span class="key"><span class="swatch" style="background:{c}"></span>{_e(label)}</span>'
-                   for label, c in items)
+    keys = "".join(
+        f'<span class="key"><span class="swatch" style="background:{c}"></span>{_e(label)}</span>' for label, c in items
+    )
     return f'<p class="legend">{keys}</p>'
 
 
@@ -342,22 +385,41 @@ def _phase_cell(seconds: float, total: float) -> str:
 
 
 def _trainer_table(trainers: list[_Trainer]) -> str:
-    head = ["trainer", "worker", "steps", "minibatches", "examples", "messages sent", "bytes sent",
-            "messages received", "bytes received", *(f"{p} s (share)" for p in PHASES)]
+    head = [
+        "trainer",
+        "worker",
+        "steps",
+        "minibatches",
+        "examples",
+        "messages sent",
+        "bytes sent",
+        "messages received",
+        "bytes received",
+        *(f"{p} s (share)" for p in PHASES),
+    ]
     out = ['<table class="trainers"><thead><tr>' + "".join(f"<th>{_e(h)}</th>" for h in head) + "</tr></thead><tbody>"]
 
     def row(cls: str, name: str, worker: str, counts: list[int], seconds: list[float]) -> str:
         total = sum(seconds)
         cells = "".join(f'<td class="num">{_num(c)}</td>' for c in counts)
         phases = "".join(_phase_cell(s, total) for s in seconds)
-        return f'<tr class="{cls}" data-trainer="{_e(name)}"><td>{_e(name)}</td><td>{_e(worker)}</td>{cells}{phases}</tr>'
+        return (
+            f'<tr class="{cls}" data-trainer="{_e(name)}"><td>{_e(name)}</td><td>{_e(worker)}</td>{cells}{phases}</tr>'
+        )
 
     sums = [0] * 7
     times = [0.0] * len(PHASES)
     for trainer in trainers:
         t = trainer.stats
-        counts = [len(t.steps), t.minibatches, t.examples, t.messages_sent, t.bytes_sent, t.messages_received,
-                  t.bytes_received]
+        counts = [
+            len(t.steps),
+            t.minibatches,
+            t.examples,
+            t.messages_sent,
+            t.bytes_sent,
+            t.messages_received,
+            t.bytes_received,
+        ]
         sums = [a + b for a, b in zip(sums, counts, strict=True)]
         times = [a + b for a, b in zip(times, trainer.totals, strict=True)]
         out.append(row("trainer", t.trainer, t.worker, counts, trainer.totals))
@@ -378,20 +440,26 @@ def _worker_table(stats: TrainingStats) -> str:
                 acc[i] += v
     for worker, (tasks, batches, examples, fit, wait) in per.items():
         share = wait / fit if fit > 0 else 0.0
-        out.append(f'<tr data-worker="{_e(worker)}"><td>{_e(worker)}</td><td class="num">{_num(tasks)}</td>'
-                   f'<td class="num">{_num(batches)}</td><td class="num">{_num(examples)}</td>'
-                   f'<td class="num" data-seconds="{fit!r}">{fit:.3f}</td>'
-                   f'<td class="num" data-seconds="{wait!r}">{wait:.3f}</td><td class="num">{share:.1%}</td></tr>')
+        out.append(
+            f'<tr data-worker="{_e(worker)}"><td>{_e(worker)}</td><td class="num">{_num(tasks)}</td>'
+            f'<td class="num">{_num(batches)}</td><td class="num">{_num(examples)}</td>'
+            f'<td class="num" data-seconds="{fit!r}">{fit:.3f}</td>'
+            f'<td class="num" data-seconds="{wait!r}">{wait:.3f}</td><td class="num">{share:.1%}</td></tr>'
+        )
     out.append("</tbody></table>")
     return "\n".join(out)
 
 
-def _step_lines(trainers: list[_Trainer], t0: float,
-                span: float) -> dict[str, list[tuple[str, str, np.ndarray, np.ndarray]]]:
+def _step_lines(
+    trainers: list[_Trainer], t0: float, span: float
+) -> dict[str, list[tuple[str, str, np.ndarray, np.ndarray]]]:
     """Per step chart (sparsity, threshold, bytes per step): one downsampled line per trainer."""
     cols = _PLOT
-    charts: dict[str, list[tuple[str, str, np.ndarray, np.ndarray]]] = {"sparsity": [], "threshold": [],
-                                                                       "bytes per step": []}
+    charts: dict[str, list[tuple[str, str, np.ndarray, np.ndarray]]] = {
+        "sparsity": [],
+        "threshold": [],
+        "bytes per step": [],
+    }
     for i, t in enumerate(trainers):
         colour = _SERIES_COLOURS[i % len(_SERIES_COLOURS)]
         for name, column in (("threshold", 1), ("sparsity", 2), ("bytes per step", 3)):
@@ -422,12 +490,23 @@ def to_html(stats: TrainingStats) -> str:
     t0, t1 = _extent(stats, trainers)
     span = t1 - t0
     recorded = bool(stats.trainers or stats.rounds)
-    when = (f"started {datetime.fromtimestamp(t0, UTC).isoformat(timespec='seconds')}, "
-            f"{span:.3f} s recorded" if recorded else "nothing recorded")
-    out = ["<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
-           f"<title>Training statistics: {_e(stats.approach)}</title>", f"<style>{_CSS}</style>", "</head>", "<body>",
-           f"<h1>Training statistics: {_e(stats.approach)}</h1>",
-           f"<p>{_e(stats.workers)} workers; {_e(when)}; {stats.prepare_seconds:.3f} s preparing minibatches.</p>"]
+    when = (
+        f"started {datetime.fromtimestamp(t0, UTC).isoformat(timespec='seconds')}, {span:.3f} s recorded"
+        if recorded
+        else "nothing recorded"
+    )
+    out = [
+        "<!DOCTYPE html>",
+        '<html lang="en">',
+        "<head>",
+        '<meta charset="utf-8">',
+        f"<title>Training statistics: {_e(stats.approach)}</title>",
+        f"<style>{_CSS}</style>",
+        "</head>",
+        "<body>",
+        f"<h1>Training statistics: {_e(stats.approach)}</h1>",
+        f"<p>{_e(stats.workers)} workers; {_e(when)}; {stats.prepare_seconds:.3f} s preparing minibatches.</p>",
+    ]
     if stats.rounds:
         out.append(f"<pre>{_e(stats.summary())}</pre>")
     if stats.trainers:
@@ -435,19 +514,30 @@ def to_html(stats: TrainingStats) -> str:
     if stats.rounds:
         out += ["<h2>Workers</h2>", _worker_table(stats)]
     if recorded:
-        out += ["<h2>Timeline</h2>", _legend([(p, PHASE_COLOURS[p]) for p in PHASES] if stats.trainers else
-                                             [("fit (task)", PHASE_COLOURS["fit"]),
-                                              ("wait (share of the task waiting for data, drawn from its start)",
-                                               PHASE_COLOURS["wait"])]),
-                _timeline_svg(stats, trainers, t0, span)]
+        out += [
+            "<h2>Timeline</h2>",
+            _legend(
+                [(p, PHASE_COLOURS[p]) for p in PHASES]
+                if stats.trainers
+                else [
+                    ("fit (task)", PHASE_COLOURS["fit"]),
+                    ("wait (share of the task waiting for data, drawn from its start)", PHASE_COLOURS["wait"]),
+                ]
+            ),
+            _timeline_svg(stats, trainers, t0, span),
+        ]
     if stats.trainers:
         for name, lines in _step_lines(trainers, t0, span).items():
             out += [f"<h2>{_e(name.capitalize())}</h2>", _chart_svg(name, lines, span, log=True)]
-        out.append(_legend([(t.trainer, _SERIES_COLOURS[i % len(_SERIES_COLOURS)])
-                            for i, t in enumerate(stats.trainers)]))
+        out.append(
+            _legend([(t.trainer, _SERIES_COLOURS[i % len(_SERIES_COLOURS)]) for i, t in enumerate(stats.trainers)])
+        )
     if stats.rounds:
         xs, ys = _round_scores(stats, t0)
-        out += ["<h2>Score per round</h2>", _chart_svg("score", [("score", _SERIES_COLOURS[0], xs, ys)], span, log=False)]
+        out += [
+            "<h2>Score per round</h2>",
+            _chart_svg("score", [("score", _SERIES_COLOURS[0], xs, ys)], span, log=False),
+        ]
     out += ["</body>", "</html>", ""]
     return "\n".join(out)
 
@@ -485,21 +575,40 @@ def to_png(stats: TrainingStats, path_or_file: str | os.PathLike[str] | BinaryIO
         for code, phase in enumerate(PHASES):
             mine = np.asarray([bar[1:] for bar in bars if bar[0] == code], float).reshape(-1, 4)
             if len(mine):
-                timeline.bar(mine[:, 0], (mine[:, 3] - mine[:, 2]) * 0.8, mine[:, 1] - mine[:, 0],
-                             y - 0.4 + mine[:, 2] * 0.8, align="edge", color=PHASE_COLOURS[phase], linewidth=0)
+                timeline.bar(
+                    mine[:, 0],
+                    (mine[:, 3] - mine[:, 2]) * 0.8,
+                    mine[:, 1] - mine[:, 0],
+                    y - 0.4 + mine[:, 2] * 0.8,
+                    align="edge",
+                    color=PHASE_COLOURS[phase],
+                    linewidth=0,
+                )
     timeline.set_yticks(range(nrows), [_short(label) for label, *_ in reversed(rows)])
     timeline.set_ylim(-0.6, max(nrows, 1) - 0.4)
     timeline.set_title("timeline", fontsize=10, loc="left")
     shown = PHASES if stats.trainers else ("fit", "wait")
-    timeline.legend(handles=[Patch(color=PHASE_COLOURS[p], label=p) for p in shown], loc="upper left",
-                    bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    timeline.legend(
+        handles=[Patch(color=PHASE_COLOURS[p], label=p) for p in shown],
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize=8,
+        frameon=False,
+    )
     if not nrows:
         timeline.text(0.5, 0.5, "no statistics recorded", ha="center", va="center", transform=timeline.transAxes)
     for ax, (name, lines) in zip(axes[1:], charts, strict=True):
         for label, colour, xs, ys in lines:
             if len(ys):
-                ax.plot(xs, ys, color=colour, linewidth=1, label=_short(label), marker="o" if len(ys) == 1 else None,
-                        markersize=3)
+                ax.plot(
+                    xs,
+                    ys,
+                    color=colour,
+                    linewidth=1,
+                    label=_short(label),
+                    marker="o" if len(ys) == 1 else None,
+                    markersize=3,
+                )
         if name != "score" and any(len(ys) for *_, ys in lines):
             ax.set_yscale("log")
         ax.set_title(name, fontsize=10, loc="left")

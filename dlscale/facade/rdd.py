@@ -19,16 +19,16 @@ from collections.abc import Callable, Iterable, Iterator
 from functools import partial, reduce
 from typing import TYPE_CHECKING, Any
 
-from dlscale import _graph, _ops
-from dlscale._hash import portable_hash
-from dlscale._sampling import RangeSampler, Sampler, fraction_for_sample_size
-from dlscale.statcounter import StatCounter
+from dlscale.facade import _graph, _ops
+from dlscale.facade._hash import portable_hash
+from dlscale.facade._sampling import RangeSampler, Sampler, fraction_for_sample_size
+from dlscale.facade.statcounter import StatCounter
 
 if TYPE_CHECKING:
     from dask.bag import Bag
 
-    from dlscale.context import SparkContext
-    from dlscale.persist import StorageLevel
+    from dlscale.facade.context import SparkContext
+    from dlscale.facade.persist import StorageLevel
 
 __all__ = ["RDD", "Partitioner", "ResultIterable", "portable_hash"]
 
@@ -130,7 +130,9 @@ class RDD:
         self, f: Callable[[int, Iterator[Any]], Iterable[Any]], preservesPartitioning: bool = False
     ) -> RDD:
         _ops.check_callable(f, "f")
-        return self._partitionwise("mapPartitionsWithIndex", partial(_ops.map_partitions_with_index, f), preservesPartitioning)
+        return self._partitionwise(
+            "mapPartitionsWithIndex", partial(_ops.map_partitions_with_index, f), preservesPartitioning
+        )
 
     def glom(self) -> RDD:
         """Each partition as one list."""
@@ -249,7 +251,11 @@ class RDD:
         partitionFunc: Callable[[Any], int] = portable_hash,
     ) -> RDD:
         """Per-key combination: combined within each partition first, then across partitions."""
-        for f, name in ((createCombiner, "createCombiner"), (mergeValue, "mergeValue"), (mergeCombiners, "mergeCombiners")):
+        for f, name in (
+            (createCombiner, "createCombiner"),
+            (mergeValue, "mergeValue"),
+            (mergeCombiners, "mergeCombiners"),
+        ):
             _ops.check_callable(f, name)
         n = self._reduce_partitions(numPartitions)
         local = self._partitionwise("combineLocally", partial(_ops.combine_values, createCombiner, mergeValue), True)
@@ -257,21 +263,30 @@ class RDD:
         return shuffled._partitionwise("mergeCombiners", partial(_ops.combine_combiners, mergeCombiners), True)
 
     def reduceByKey(
-        self, func: Callable[[Any, Any], Any], numPartitions: int | None = None,
+        self,
+        func: Callable[[Any, Any], Any],
+        numPartitions: int | None = None,
         partitionFunc: Callable[[Any], int] = portable_hash,
     ) -> RDD:
         return self.combineByKey(lambda x: x, func, func, numPartitions, partitionFunc)
 
     def aggregateByKey(
-        self, zeroValue: Any, seqFunc: Callable[[Any, Any], Any], combFunc: Callable[[Any, Any], Any],
-        numPartitions: int | None = None, partitionFunc: Callable[[Any], int] = portable_hash,
+        self,
+        zeroValue: Any,
+        seqFunc: Callable[[Any, Any], Any],
+        combFunc: Callable[[Any, Any], Any],
+        numPartitions: int | None = None,
+        partitionFunc: Callable[[Any], int] = portable_hash,
     ) -> RDD:
         return self.combineByKey(
             lambda v: seqFunc(copy.deepcopy(zeroValue), v), seqFunc, combFunc, numPartitions, partitionFunc
         )
 
     def foldByKey(
-        self, zeroValue: Any, func: Callable[[Any, Any], Any], numPartitions: int | None = None,
+        self,
+        zeroValue: Any,
+        func: Callable[[Any, Any], Any],
+        numPartitions: int | None = None,
         partitionFunc: Callable[[Any], int] = portable_hash,
     ) -> RDD:
         return self.combineByKey(lambda v: func(copy.deepcopy(zeroValue), v), func, func, numPartitions, partitionFunc)
@@ -282,7 +297,9 @@ class RDD:
         return grouped.mapValues(ResultIterable)
 
     def groupBy(
-        self, f: Callable[[Any], Any], numPartitions: int | None = None,
+        self,
+        f: Callable[[Any], Any],
+        numPartitions: int | None = None,
         partitionFunc: Callable[[Any], int] = portable_hash,
     ) -> RDD:
         _ops.check_callable(f, "f")
@@ -344,7 +361,9 @@ class RDD:
         return self._derive(_graph.product("cartesian", self._bag, other._bag, _ops.cartesian))
 
     def sortByKey(
-        self, ascending: bool = True, numPartitions: int | None = None,
+        self,
+        ascending: bool = True,
+        numPartitions: int | None = None,
         keyfunc: Callable[[Any], Any] = lambda x: x,
     ) -> RDD:
         """Sorted by key, range-partitioned with bounds from a sample (as PySpark)."""
@@ -411,7 +430,11 @@ class RDD:
     def reduce(self, f: Callable[[Any, Any], Any]) -> Any:
         """Combine all elements with the associative, commutative ``f``."""
         _ops.check_callable(f, "f")
-        vals = self._reduce(partial(_ops.reduce_partition, f), partial(_ops.reduce_results, f)) if self.getNumPartitions() else []
+        vals = (
+            self._reduce(partial(_ops.reduce_partition, f), partial(_ops.reduce_results, f))
+            if self.getNumPartitions()
+            else []
+        )
         if vals:
             return vals[0]
         raise ValueError("Can not reduce() empty RDD")
@@ -625,13 +648,15 @@ class RDD:
         self, path: str, compressionCodecClass: str | None = None, *, storage_options: dict[str, Any] | None = None
     ) -> None:
         """One ``part-NNNNN`` text file per partition under the directory ``path``, then ``_SUCCESS``."""
-        from dlscale import _io
+        from dlscale.facade import _io
 
         _io.save_as_text_file(self, path, compressionCodecClass, storage_options)
 
-    def saveAsPickleFile(self, path: str, batchSize: int = 10, *, storage_options: dict[str, Any] | None = None) -> None:
+    def saveAsPickleFile(
+        self, path: str, batchSize: int = 10, *, storage_options: dict[str, Any] | None = None
+    ) -> None:
         """Elements pickled in batches, one part file per partition, read back by ``pickleFile``."""
-        from dlscale import _io
+        from dlscale.facade import _io
 
         _io.save_as_pickle_file(self, path, batchSize, storage_options)
 
@@ -642,24 +667,23 @@ class RDD:
 
     def cache(self) -> RDD:
         """Persist at ``MEMORY_ONLY``."""
-        from dlscale.persist import StorageLevel
+        from dlscale.facade.persist import StorageLevel
 
         return self.persist(StorageLevel.MEMORY_ONLY)
 
     def persist(self, storageLevel: StorageLevel | None = None) -> RDD:
         """Keep the computed partitions on the workers at ``storageLevel`` (default MEMORY_ONLY)."""
-        from dlscale import persist
+        from dlscale.facade import persist
 
         return persist.persist(self, storageLevel)
 
     def unpersist(self, blocking: bool = False) -> RDD:
         """Drop the persisted partitions (memory and disk); later actions recompute them."""
-        from dlscale import persist
+        from dlscale.facade import persist
 
         return persist.unpersist(self, blocking)
 
     def getStorageLevel(self) -> StorageLevel:
-        from dlscale.persist import StorageLevel
+        from dlscale.facade.persist import StorageLevel
 
         return self._stored.level if self._stored is not None else StorageLevel.NONE
-

@@ -19,15 +19,40 @@ from dlscale.errors import UnsafePickleError
 
 _ALLOWED = {
     ("builtins", n)
-    for n in ("set", "frozenset", "complex", "bytearray", "slice", "range", "list", "dict",
-              "tuple", "int", "float", "str", "bytes", "bool", "object")
+    for n in (
+        "set",
+        "frozenset",
+        "complex",
+        "bytearray",
+        "slice",
+        "range",
+        "list",
+        "dict",
+        "tuple",
+        "int",
+        "float",
+        "str",
+        "bytes",
+        "bool",
+        "object",
+    )
 } | {
-    ("collections", "OrderedDict"), ("collections", "defaultdict"), ("collections", "deque"),
-    ("collections", "Counter"), ("datetime", "date"), ("datetime", "datetime"), ("datetime", "time"),
-    ("datetime", "timedelta"), ("datetime", "timezone"), ("decimal", "Decimal"),
-    ("fractions", "Fraction"), ("uuid", "UUID"), ("copyreg", "_reconstructor"),
-    ("dlscale._safe_pickle", "_rebuild_tensor"), ("dlscale._safe_pickle", "_rebuild_ndarray"),
-    ("dlscale._safe_pickle", "_rebuild_numpy_scalar"),
+    ("collections", "OrderedDict"),
+    ("collections", "defaultdict"),
+    ("collections", "deque"),
+    ("collections", "Counter"),
+    ("datetime", "date"),
+    ("datetime", "datetime"),
+    ("datetime", "time"),
+    ("datetime", "timedelta"),
+    ("datetime", "timezone"),
+    ("decimal", "Decimal"),
+    ("fractions", "Fraction"),
+    ("uuid", "UUID"),
+    ("copyreg", "_reconstructor"),
+    ("dlscale.facade._safe_pickle", "_rebuild_tensor"),
+    ("dlscale.facade._safe_pickle", "_rebuild_ndarray"),
+    ("dlscale.facade._safe_pickle", "_rebuild_numpy_scalar"),
 }
 
 

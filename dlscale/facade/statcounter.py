@@ -107,4 +107,6 @@ class StatCounter:
         }
 
     def __repr__(self) -> str:
-        return f"(count: {self.count()}, mean: {self.mean()}, stdev: {self.stdev()}, max: {self.max()}, min: {self.min()})"
+        return (
+            f"(count: {self.count()}, mean: {self.mean()}, stdev: {self.stdev()}, max: {self.max()}, min: {self.min()})"
+        )
