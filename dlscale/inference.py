@@ -20,9 +20,9 @@ from distributed import get_client
 
 from dlscale import config, storage
 from dlscale.data.dataset import DataSet, DataShapeError, MultiDataSet, rebatch
-from dlscale.evaluation.distributed import minibatches, worker_copies
 from dlscale.facade import _graph
 from dlscale.nn import shipping
+from dlscale.nn.partitions import minibatches, worker_copies
 from dlscale.runtime.tasks import check_count, match_threads, worker_address
 
 if TYPE_CHECKING:
