@@ -192,7 +192,7 @@ def plan_export(rdd: RDD, batch_size: int, make_sink: Callable[[type, int, set],
 
 def write_plan(sc: SparkContext, plan: ExportPlan) -> list[Any]:
     """Run ``plan``; returns what the sink's ``write`` returned for every batch, in order."""
-    done = sc._compute([*plan.parts, *plan.joins.values()])
+    done = sc.client.compute([*plan.parts, *plan.joins.values()], sync=True)
     paths = dict(zip(plan.joins, done[len(plan.parts) :]))
     for written, _ in done[: len(plan.parts)]:
         paths.update(written)

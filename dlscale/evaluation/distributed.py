@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 from dlscale import config
 from dlscale.data.dataset import DataSet, MultiDataSet, rebatch
 from dlscale.evaluation._base import BaseEvaluation
-from dlscale.facade import _graph
 from dlscale.nn import shipping
 from dlscale.nn.partitions import minibatches, worker_copies
 from dlscale.runtime.tasks import check_count, match_threads, worker_address
@@ -66,9 +65,7 @@ def do_evaluation(
     else:
         shipped = shipping.ship(data.ctx.client, network)
         task = partial(_evaluate_partition, shipped.key, templates, batch_size, num_workers, loader, output)
-        merged = data._derive(_graph.partitionwise("evaluate", task, data.to_bag(), shared=shipped)).treeReduce(
-            _merge_lists
-        )
+        merged = data.map_partitions_with_future(task, shipped).treeReduce(_merge_lists)
         shipped.release()
     return [copy.deepcopy(e).merge(m) for e, m in zip(evaluations, merged)]
 

@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import dask.config
 import distributed
+from dask.bag import Bag
 
 from dlscale import config
 from dlscale.errors import ClusterConnectionError, DlscaleError, MasterURLError
-from dlscale.facade import _graph
+from dlscale.facade import _graph, _ops
 from dlscale.facade.conf import SparkConf, spark_size_to_bytes
 
 if TYPE_CHECKING:
@@ -263,6 +264,16 @@ class SparkContext:
         from dlscale.facade.rdd import RDD
 
         return RDD(_graph.from_partitions("empty", []), self)
+
+    def from_bag(self, bag: Bag) -> RDD:
+        """An RDD of the elements of ``bag``, partition for partition (dlscale's extension; the way
+        back from :meth:`RDD.to_bag`). Each partition is made a list as it is computed, so a bag whose
+        partitions are iterators can be read more than once."""
+        if not isinstance(bag, Bag):
+            raise TypeError(f"bag must be a dask.bag.Bag, not {type(bag).__name__}")
+        from dlscale.facade.rdd import RDD
+
+        return RDD(_graph.partitionwise("fromBag", _ops.elements, bag), self)
 
     def union(self, rdds: Sequence[RDD]) -> RDD:
         """The concatenation of the partitions of ``rdds``."""

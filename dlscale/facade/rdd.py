@@ -19,6 +19,9 @@ from collections.abc import Callable, Iterable, Iterator
 from functools import partial, reduce
 from typing import TYPE_CHECKING, Any
 
+from dask.utils import funcname
+from distributed import Future
+
 from dlscale.facade import _graph, _ops
 from dlscale.facade._hash import portable_hash
 from dlscale.facade._sampling import RangeSampler, Sampler, fraction_for_sample_size
@@ -84,7 +87,8 @@ class RDD:
         return self._bag.npartitions
 
     def to_bag(self) -> Bag:
-        """The underlying :class:`dask.bag.Bag` (reads the persisted copy when persisted)."""
+        """The :class:`dask.bag.Bag` that computes this RDD's partitions, one list each (dlscale's
+        extension; it reads the persisted copy when persisted). :meth:`SparkContext.from_bag` goes back."""
         return self._bag
 
     def __repr__(self) -> str:
@@ -132,6 +136,23 @@ class RDD:
         _ops.check_callable(f, "f")
         return self._partitionwise(
             "mapPartitionsWithIndex", partial(_ops.map_partitions_with_index, f), preservesPartitioning
+        )
+
+    def map_partitions_with_future(self, f: Callable[[int, Any, Iterator[Any]], Iterable[Any]], future: Future) -> RDD:
+        """``f(index, value, iterator)`` for every partition, where ``value`` is the result of
+        ``future`` (dlscale's extension, for a large value held on every worker).
+
+        ``mapPartitionsWithIndex`` with a value that the tasks refer to by key instead of carrying it:
+        scattered to every worker, it is read where it is held and fetched where it is not. The RDD holds
+        the future, so the value lives as long as this RDD or one derived from it, and a lost partition
+        is recomputed like any other. Tasks are named after ``f``.
+        """
+        _ops.check_callable(f, "f")
+        if not isinstance(future, Future):
+            raise TypeError(f"future must be a distributed.Future (from Client.scatter), not {type(future).__name__}")
+        name = funcname(f).lstrip("_") or "map_partitions_with_future"
+        return self._derive(
+            _graph.partitionwise(name, partial(_ops.map_partitions_with_value, f), self._bag, shared=future)
         )
 
     def glom(self) -> RDD:
