@@ -213,7 +213,7 @@ def export_minibatches(
     iterable of them (written here). Files are named ``dataset_00000000.dlb``, ... (``multidataset_``
     for MultiDataSets) so that listing order is write order. Returns the files' URLs in order.
     """
-    from dlscale.facade.rdd import RDD
+    from dlscale.facade.rdd import RDD  # imported here: the facade loads distributed, importing dlscale.data does not
 
     check_batch_size(batch_size)
     url, storage_options = storage.resolve(url, storage_options)

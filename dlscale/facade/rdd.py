@@ -19,19 +19,20 @@ from collections.abc import Callable, Iterable, Iterator
 from functools import partial, reduce
 from typing import TYPE_CHECKING, Any
 
+import dask
 from dask.utils import funcname
 from distributed import Future
 
-from dlscale.facade import _graph, _ops
+from dlscale.facade import _graph, _io, _ops, persist
 from dlscale.facade._hash import portable_hash
 from dlscale.facade._sampling import RangeSampler, Sampler, fraction_for_sample_size
+from dlscale.facade.persist import StorageLevel
 from dlscale.facade.statcounter import StatCounter
 
 if TYPE_CHECKING:
     from dask.bag import Bag
 
     from dlscale.facade.context import SparkContext
-    from dlscale.facade.persist import StorageLevel
 
 __all__ = ["RDD", "Partitioner", "ResultIterable", "portable_hash"]
 
@@ -107,8 +108,6 @@ class RDD:
 
     def _run_partitions(self, func: Callable, partitions: Iterable[int]) -> list:
         """``func(partition)`` for the given partitions only (``SparkContext.runJob``)."""
-        import dask
-
         parts = self._bag.to_delayed()
         tasks = [dask.delayed(_graph.partition_of)(func, parts[i]) for i in partitions]
         return list(self.ctx._compute(tasks)) if tasks else []
@@ -669,16 +668,12 @@ class RDD:
         self, path: str, compressionCodecClass: str | None = None, *, storage_options: dict[str, Any] | None = None
     ) -> None:
         """One ``part-NNNNN`` text file per partition under the directory ``path``, then ``_SUCCESS``."""
-        from dlscale.facade import _io
-
         _io.save_as_text_file(self, path, compressionCodecClass, storage_options)
 
     def saveAsPickleFile(
         self, path: str, batchSize: int = 10, *, storage_options: dict[str, Any] | None = None
     ) -> None:
         """Elements pickled in batches, one part file per partition, read back by ``pickleFile``."""
-        from dlscale.facade import _io
-
         _io.save_as_pickle_file(self, path, batchSize, storage_options)
 
     # -- persistence ---------------------------------------------------------------------
@@ -688,23 +683,15 @@ class RDD:
 
     def cache(self) -> RDD:
         """Persist at ``MEMORY_ONLY``."""
-        from dlscale.facade.persist import StorageLevel
-
         return self.persist(StorageLevel.MEMORY_ONLY)
 
     def persist(self, storageLevel: StorageLevel | None = None) -> RDD:
         """Keep the computed partitions on the workers at ``storageLevel`` (default MEMORY_ONLY)."""
-        from dlscale.facade import persist
-
         return persist.persist(self, storageLevel)
 
     def unpersist(self, blocking: bool = False) -> RDD:
         """Drop the persisted partitions (memory and disk); later actions recompute them."""
-        from dlscale.facade import persist
-
         return persist.unpersist(self, blocking)
 
     def getStorageLevel(self) -> StorageLevel:
-        from dlscale.facade.persist import StorageLevel
-
         return self._stored.level if self._stored is not None else StorageLevel.NONE
