@@ -20,9 +20,8 @@ from distributed import get_client
 
 from dlscale import config, storage
 from dlscale.data.dataset import DataSet, DataShapeError, MultiDataSet, rebatch
-from dlscale.evaluation.distributed import minibatches, worker_copies
-from dlscale.facade import _graph
 from dlscale.nn import shipping
+from dlscale.nn.partitions import minibatches, worker_copies
 from dlscale.runtime.tasks import check_count, match_threads, worker_address
 
 if TYPE_CHECKING:
@@ -36,10 +35,9 @@ def _batch_size(batch_size: int | None) -> int:
     return size
 
 
-def _shipped(network: Network, prefix: str, task: Any, rdd: RDD, batch_size: int, with_optimizer: bool = False) -> RDD:
+def _shipped(network: Network, task: Any, rdd: RDD, batch_size: int, with_optimizer: bool = False) -> RDD:
     shipped = shipping.ship(rdd.ctx.client, network, with_optimizer)
-    bag = _graph.partitionwise(prefix, partial(task, shipped.key, batch_size), rdd.to_bag(), shared=shipped)
-    return rdd._derive(bag)
+    return rdd.map_partitions_with_future(partial(task, shipped.key, batch_size), shipped)
 
 
 # -- keyed forward passes ---------------------------------------------------------------------
@@ -50,9 +48,7 @@ def feed_forward_with_key(network: Network, pair_rdd: RDD, batch_size: int | Non
     network with several inputs); ``output`` likewise (a list for several outputs). Outputs equal
     a forward pass of the example alone.
     """
-    return _shipped(
-        network, "feedForwardWithKey", partial(_forward_partition, False), pair_rdd, _batch_size(batch_size)
-    )
+    return _shipped(network, partial(_forward_partition, False), pair_rdd, _batch_size(batch_size))
 
 
 def feed_forward_with_mask_and_key(network: Network, pair_rdd: RDD, batch_size: int | None = None) -> RDD:
@@ -61,9 +57,7 @@ def feed_forward_with_mask_and_key(network: Network, pair_rdd: RDD, batch_size: 
     Sequences of different lengths are padded to a common length within a batch and their masks
     passed to the module as ``mask=``; an output that runs over the padded steps is cut back to the
     example's own length, so results do not depend on which examples share a batch."""
-    return _shipped(
-        network, "feedForwardWithMaskAndKey", partial(_forward_partition, True), pair_rdd, _batch_size(batch_size)
-    )
+    return _shipped(network, partial(_forward_partition, True), pair_rdd, _batch_size(batch_size))
 
 
 def _chunks(elements: Iterable[Any], size: int, index: int) -> Iterator[list[tuple[Any, Any]]]:
@@ -197,7 +191,6 @@ def score_examples(
     # the optimizer's weight decay is the regularization term
     return _shipped(
         network,
-        "scoreExamples",
         partial(_score_partition, include_regularization),
         rdd,
         _batch_size(batch_size),
@@ -266,7 +259,7 @@ def predict_files(
     fs, path = storage.check_empty(url, options)
     fs.makedirs(path, exist_ok=True)
     task = partial(_predict_files_partition, url, options, loader)
-    return _shipped(network, "predictFiles", task, paths, _batch_size(batch_size)).collect()
+    return _shipped(network, task, paths, _batch_size(batch_size)).collect()
 
 
 def _predict_files_partition(

@@ -192,7 +192,7 @@ def plan_export(rdd: RDD, batch_size: int, make_sink: Callable[[type, int, set],
 
 def write_plan(sc: SparkContext, plan: ExportPlan) -> list[Any]:
     """Run ``plan``; returns what the sink's ``write`` returned for every batch, in order."""
-    done = sc._compute([*plan.parts, *plan.joins.values()])
+    done = sc.client.compute([*plan.parts, *plan.joins.values()], sync=True)
     paths = dict(zip(plan.joins, done[len(plan.parts) :]))
     for written, _ in done[: len(plan.parts)]:
         paths.update(written)
@@ -213,7 +213,7 @@ def export_minibatches(
     iterable of them (written here). Files are named ``dataset_00000000.dlb``, ... (``multidataset_``
     for MultiDataSets) so that listing order is write order. Returns the files' URLs in order.
     """
-    from dlscale.facade.rdd import RDD
+    from dlscale.facade.rdd import RDD  # imported here: the facade loads distributed, importing dlscale.data does not
 
     check_batch_size(batch_size)
     url, storage_options = storage.resolve(url, storage_options)

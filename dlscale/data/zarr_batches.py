@@ -131,7 +131,7 @@ def export_zarr(
 
     Returns the references ``<url>#<k>`` of the minibatches, in order; :class:`ZarrLoader` loads them.
     """
-    from dlscale.facade.rdd import RDD
+    from dlscale.facade.rdd import RDD  # imported here: the facade loads distributed, importing dlscale.data does not
 
     check_batch_size(batch_size)
     url, storage_options = storage.resolve(url, storage_options)

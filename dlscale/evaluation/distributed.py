@@ -9,19 +9,15 @@ workers, and only the merged ones reach the driver.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from distributed import get_worker
-
 from dlscale import config
 from dlscale.data.dataset import DataSet, MultiDataSet, rebatch
-from dlscale.data.format import load
-from dlscale.data.loaders import prefetch
 from dlscale.evaluation._base import BaseEvaluation
-from dlscale.facade import _graph
 from dlscale.nn import shipping
+from dlscale.nn.partitions import minibatches, worker_copies
 from dlscale.runtime.tasks import check_count, match_threads, worker_address
 
 if TYPE_CHECKING:
@@ -69,39 +65,9 @@ def do_evaluation(
     else:
         shipped = shipping.ship(data.ctx.client, network)
         task = partial(_evaluate_partition, shipped.key, templates, batch_size, num_workers, loader, output)
-        merged = data._derive(_graph.partitionwise("evaluate", task, data.to_bag(), shared=shipped)).treeReduce(
-            _merge_lists
-        )
+        merged = data.map_partitions_with_future(task, shipped).treeReduce(_merge_lists)
         shipped.release()
     return [copy.deepcopy(e).merge(m) for e, m in zip(evaluations, merged)]
-
-
-def minibatches(elements: Iterable[Any], loader: Loader | None) -> Iterator[DataSet | MultiDataSet]:
-    """The minibatches of a partition: its elements, or what ``loader`` (or, for strings, the
-    ``.dlb`` loader) reads from them, a few loaded ahead."""
-    elements = list(elements)
-    if loader is None and elements and isinstance(elements[0], str):
-        loader = load
-    if loader is not None:
-        yield from prefetch(elements, loader)
-        return
-    for element in elements:
-        if not isinstance(element, (DataSet, MultiDataSet)):
-            raise TypeError(
-                f"the RDD holds {type(element).__name__} elements; evaluation reads DataSet or "
-                "MultiDataSet, or paths with a loader"
-            )
-        yield element
-
-
-def worker_copies(num_workers: int | None) -> int:
-    """Network copies per worker: ``num_workers``, or one per thread of this worker."""
-    if num_workers is not None:
-        return num_workers
-    try:
-        return get_worker().state.nthreads
-    except ValueError:  # not on a worker
-        return 1
 
 
 def _evaluate_partition(

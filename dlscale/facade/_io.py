@@ -23,6 +23,8 @@ from dlscale.facade import _graph, _safe_pickle
 from dlscale.storage import atomic_write, open_fs
 
 if TYPE_CHECKING:
+    from dask.bag import Bag
+
     from dlscale.facade.context import SparkContext
     from dlscale.facade.rdd import RDD
 
@@ -76,9 +78,8 @@ def _read_lines(fs: fsspec.AbstractFileSystem, path: str, offset: int, length: i
 
 def text_file(
     ctx: SparkContext, name: str, min_partitions: int | None, use_unicode: bool, storage_options: dict[str, Any] | None
-) -> RDD:
-    from dlscale.facade.rdd import RDD
-
+) -> Bag:
+    """The partitions of :meth:`SparkContext.textFile`."""
     fs, files = list_files(name, storage_options)
     min_partitions = ctx.defaultMinPartitions if min_partitions is None else min_partitions
     sizes = [fs.size(p) or 0 for p in files]
@@ -91,7 +92,7 @@ def text_file(
             continue
         for offset in range(0, size, split):
             calls.append((_read_lines, (fs, path, offset, min(split, size - offset), use_unicode)))
-    return RDD(_graph.from_calls("textFile", calls), ctx)
+    return _graph.from_calls("textFile", calls)
 
 
 def _read_whole(fs: fsspec.AbstractFileSystem, paths: list[str], text: bool, use_unicode: bool) -> Iterator:
@@ -108,14 +109,13 @@ def whole_files(
     storage_options: dict[str, Any] | None,
     text: bool,
     use_unicode: bool = True,
-) -> RDD:
-    from dlscale.facade.rdd import RDD
-
+) -> Bag:
+    """The partitions of :meth:`SparkContext.wholeTextFiles` and :meth:`SparkContext.binaryFiles`."""
     fs, files = list_files(path, storage_options)
     n = max(1, min(len(files), ctx.defaultMinPartitions if min_partitions is None else min_partitions))
     groups = [files[i * len(files) // n : (i + 1) * len(files) // n] for i in range(n)]
     calls = [(_read_whole, (fs, g, text, use_unicode)) for g in groups]
-    return RDD(_graph.from_calls("wholeFiles", calls), ctx)
+    return _graph.from_calls("wholeFiles", calls)
 
 
 def _prepare_output(path: str, storage_options: dict[str, Any] | None) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -205,15 +205,8 @@ def _read_pickle_part(fs: fsspec.AbstractFileSystem, path: str, allowed: tuple[s
         yield from batch
 
 
-def pickle_file(
-    ctx: SparkContext,
-    name: str,
-    min_partitions: int | None,
-    allowed: tuple[str, ...],
-    storage_options: dict[str, Any] | None,
-) -> RDD:
-    from dlscale.facade.rdd import RDD
-
+def pickle_file(name: str, allowed: tuple[str, ...], storage_options: dict[str, Any] | None) -> Bag:
+    """The partitions of :meth:`SparkContext.pickleFile`: one per file."""
     fs, files = list_files(name, storage_options)
     calls = [(_read_pickle_part, (fs, p, allowed)) for p in files]
-    return RDD(_graph.from_calls("pickleFile", calls), ctx)
+    return _graph.from_calls("pickleFile", calls)

@@ -65,6 +65,14 @@ def map_partitions_with_index(f: Callable, i: int, it: Iterable) -> Iterable:
     return f(i, iter(it))
 
 
+def elements(_i: int, it: Iterable) -> Iterable:
+    return it
+
+
+def map_partitions_with_value(f: Callable, i: int, value: Any, it: Iterable) -> Iterable:
+    return f(i, value, iter(it))
+
+
 def glom(_i: int, it: Iterable) -> list:
     return [list(it)]
 

@@ -15,7 +15,12 @@ import pickle
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
+
 from dlscale.errors import UnsafePickleError
+
+# torch is imported inside the functions that handle tensors: it takes seconds to import, and the
+# facade needs it only when a pickle file is written or holds tensors.
 
 _ALLOWED = {
     ("builtins", n)
@@ -70,8 +75,6 @@ def _rebuild_tensor(dtype: str, shape: tuple, data: bytes, requires_grad: bool) 
 
 
 def _rebuild_ndarray(dtype: str, shape: tuple, data: bytes) -> Any:
-    import numpy as np
-
     dt = np.dtype(dtype)
     if dt.hasobject:
         raise UnsafePickleError("numpy arrays of Python objects cannot be loaded safely")
@@ -95,8 +98,6 @@ def _reduce_tensor(t: Any) -> tuple:
 def _reduce_ndarray(a: Any) -> tuple:
     if a.dtype.hasobject:
         raise pickle.PicklingError("numpy arrays of Python objects cannot be saved in the safe format")
-    import numpy as np
-
     return _rebuild_ndarray, (a.dtype.str, a.shape, np.ascontiguousarray(a).tobytes())
 
 
@@ -109,22 +110,14 @@ class SafePickler(pickle.Pickler):
 
     def __init__(self, file: io.BufferedIOBase) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        import torch
+
         table = copyreg.dispatch_table.copy()
-        try:
-            import numpy as np
-
-            table[np.ndarray] = _reduce_ndarray
-            for t in set(np.sctypeDict.values()):
-                table[t] = _reduce_numpy_scalar
-        except ImportError:
-            pass
-        try:
-            import torch
-
-            table[torch.Tensor] = _reduce_tensor
-            table[torch.nn.Parameter] = _reduce_tensor
-        except ImportError:
-            pass
+        table[np.ndarray] = _reduce_ndarray
+        for t in set(np.sctypeDict.values()):
+            table[t] = _reduce_numpy_scalar
+        table[torch.Tensor] = _reduce_tensor
+        table[torch.nn.Parameter] = _reduce_tensor
         self.dispatch_table = table
 
 

@@ -4,24 +4,24 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 import threading
 import time
 import uuid
 import weakref
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Self
+from typing import Any, ClassVar, Self
 
 import dask.config
 import distributed
+from dask.bag import Bag
 
-from dlscale import config
+from dlscale import __version__, config, storage
 from dlscale.errors import ClusterConnectionError, DlscaleError, MasterURLError
-from dlscale.facade import _graph
+from dlscale.facade import _graph, _io, _ops, persist
+from dlscale.facade.broadcast import Broadcast
 from dlscale.facade.conf import SparkConf, spark_size_to_bytes
-
-if TYPE_CHECKING:
-    from dlscale.facade.broadcast import Broadcast
-    from dlscale.facade.rdd import RDD
+from dlscale.facade.rdd import RDD
 
 _LOCAL = re.compile(r"^local(?:\[(\d+|\*)\])?$")
 _ADDRESS = re.compile(r"^(tcp|tls|ws|wss|inproc)://.+")
@@ -215,8 +215,6 @@ class SparkContext:
 
     @property
     def version(self) -> str:
-        from dlscale import __version__
-
         return __version__
 
     def _new_rdd_id(self) -> int:
@@ -230,8 +228,6 @@ class SparkContext:
     # -- creating RDDs -------------------------------------------------------------------
     def parallelize(self, c: Iterable[Any], numSlices: int | None = None) -> RDD:
         """Distribute a local collection, sliced by position exactly as PySpark slices it."""
-        from dlscale.facade.rdd import RDD
-
         n = self._check_slices(numSlices)
         if isinstance(c, range):
             return self.range(c.start, c.stop, c.step, n)
@@ -248,8 +244,6 @@ class SparkContext:
 
     def range(self, start: int, end: int | None = None, step: int = 1, numSlices: int | None = None) -> RDD:
         """Integers from ``start`` to ``end`` (exclusive); each partition is generated on its worker."""
-        from dlscale.facade.rdd import RDD
-
         if end is None:
             start, end = 0, start
         n = self._check_slices(numSlices)
@@ -260,14 +254,18 @@ class SparkContext:
 
     def emptyRDD(self) -> RDD:
         """An RDD with no partitions."""
-        from dlscale.facade.rdd import RDD
-
         return RDD(_graph.from_partitions("empty", []), self)
+
+    def from_bag(self, bag: Bag) -> RDD:
+        """An RDD of the elements of ``bag``, partition for partition (dlscale's extension; the way
+        back from :meth:`RDD.to_bag`). Each partition is made a list as it is computed, so a bag whose
+        partitions are iterators can be read more than once."""
+        if not isinstance(bag, Bag):
+            raise TypeError(f"bag must be a dask.bag.Bag, not {type(bag).__name__}")
+        return RDD(_graph.partitionwise("fromBag", _ops.elements, bag), self)
 
     def union(self, rdds: Sequence[RDD]) -> RDD:
         """The concatenation of the partitions of ``rdds``."""
-        from dlscale.facade.rdd import RDD
-
         rdds = list(rdds)
         if not rdds:
             raise ValueError("union needs at least one RDD")
@@ -276,18 +274,12 @@ class SparkContext:
 
     def broadcast(self, value: Any) -> Broadcast:
         """Send ``value`` to every worker once; tasks read it through ``.value``."""
-        from dlscale.facade.broadcast import Broadcast
-
         return Broadcast(self, value)
 
     def addPyFile(self, path: str, *, storage_options: dict[str, Any] | None = None) -> None:
         """Make a ``.py`` module or a ``.zip`` / ``.egg`` of packages importable on every worker,
         those that join later included (Dask's upload plugin). ``path`` is a local file or a URL
         with a protocol (``s3://...``); the driver imports it from its own ``sys.path`` as usual."""
-        import tempfile
-
-        from dlscale import storage
-
         name = os.path.basename(path.rstrip("/"))
         if not name.endswith((".py", ".zip", ".egg")):
             raise ValueError(f"addPyFile takes a .py, .zip or .egg file, got {path!r}")
@@ -314,9 +306,7 @@ class SparkContext:
         storage_options: dict[str, Any] | None = None,
     ) -> RDD:
         """Lines of text files (a file, a directory, a glob, or comma-separated paths)."""
-        from dlscale.facade import _io
-
-        return _io.text_file(self, name, minPartitions, use_unicode, storage_options)
+        return RDD(_io.text_file(self, name, minPartitions, use_unicode, storage_options), self)
 
     def wholeTextFiles(
         self,
@@ -327,9 +317,9 @@ class SparkContext:
         storage_options: dict[str, Any] | None = None,
     ) -> RDD:
         """``(url, content)`` for every file under ``path``."""
-        from dlscale.facade import _io
-
-        return _io.whole_files(self, path, minPartitions, storage_options, text=True, use_unicode=use_unicode)
+        return RDD(
+            _io.whole_files(self, path, minPartitions, storage_options, text=True, use_unicode=use_unicode), self
+        )
 
     def binaryFiles(
         self,
@@ -339,9 +329,7 @@ class SparkContext:
         storage_options: dict[str, Any] | None = None,
     ) -> RDD:
         """``(url, bytes)`` for every file under ``path``."""
-        from dlscale.facade import _io
-
-        return _io.whole_files(self, path, minPartitions, storage_options, text=False)
+        return RDD(_io.whole_files(self, path, minPartitions, storage_options, text=False), self)
 
     def pickleFile(
         self,
@@ -356,14 +344,10 @@ class SparkContext:
         Only plain data (built-in types, numpy arrays, torch tensors) is loaded; name further
         classes as ``"module:QualName"`` in ``allowed``. Anything else is refused without running.
         """
-        from dlscale.facade import _io
-
-        return _io.pickle_file(self, name, minPartitions, tuple(allowed), storage_options)
+        return RDD(_io.pickle_file(name, tuple(allowed), storage_options), self)
 
     def getRDDStorageInfo(self) -> list[Any]:
         """What each persisted RDD holds in worker memory and on disk."""
-        from dlscale.facade import persist
-
         return persist.storage_info(self, list(self._persisted.values()))
 
     def _check_slices(self, numSlices: int | None) -> int:

@@ -25,6 +25,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import fsspec
+from dask.sizeof import sizeof
 from distributed import WorkerPlugin, get_worker
 from distributed.client import futures_of
 from distributed.protocol import deserialize_bytes, serialize_bytes
@@ -309,8 +310,6 @@ def unpersist(rdd: RDD, blocking: bool = False) -> RDD:
 # -- storage report ------------------------------------------------------------------------
 def _key_sizes(keys: list, dask_worker: Any = None) -> dict:
     """``{key: (bytes in memory, bytes on disk)}`` for the keys this worker holds."""
-    from dask.sizeof import sizeof
-
     data = dask_worker.data
     fast = getattr(data, "fast", data)
     weights = getattr(fast, "weights", {})

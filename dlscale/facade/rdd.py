@@ -19,16 +19,20 @@ from collections.abc import Callable, Iterable, Iterator
 from functools import partial, reduce
 from typing import TYPE_CHECKING, Any
 
-from dlscale.facade import _graph, _ops
+import dask
+from dask.utils import funcname
+from distributed import Future
+
+from dlscale.facade import _graph, _io, _ops, persist
 from dlscale.facade._hash import portable_hash
 from dlscale.facade._sampling import RangeSampler, Sampler, fraction_for_sample_size
+from dlscale.facade.persist import StorageLevel
 from dlscale.facade.statcounter import StatCounter
 
 if TYPE_CHECKING:
     from dask.bag import Bag
 
     from dlscale.facade.context import SparkContext
-    from dlscale.facade.persist import StorageLevel
 
 __all__ = ["RDD", "Partitioner", "ResultIterable", "portable_hash"]
 
@@ -84,7 +88,8 @@ class RDD:
         return self._bag.npartitions
 
     def to_bag(self) -> Bag:
-        """The underlying :class:`dask.bag.Bag` (reads the persisted copy when persisted)."""
+        """The :class:`dask.bag.Bag` that computes this RDD's partitions, one list each (dlscale's
+        extension; it reads the persisted copy when persisted). :meth:`SparkContext.from_bag` goes back."""
         return self._bag
 
     def __repr__(self) -> str:
@@ -103,8 +108,6 @@ class RDD:
 
     def _run_partitions(self, func: Callable, partitions: Iterable[int]) -> list:
         """``func(partition)`` for the given partitions only (``SparkContext.runJob``)."""
-        import dask
-
         parts = self._bag.to_delayed()
         tasks = [dask.delayed(_graph.partition_of)(func, parts[i]) for i in partitions]
         return list(self.ctx._compute(tasks)) if tasks else []
@@ -132,6 +135,23 @@ class RDD:
         _ops.check_callable(f, "f")
         return self._partitionwise(
             "mapPartitionsWithIndex", partial(_ops.map_partitions_with_index, f), preservesPartitioning
+        )
+
+    def map_partitions_with_future(self, f: Callable[[int, Any, Iterator[Any]], Iterable[Any]], future: Future) -> RDD:
+        """``f(index, value, iterator)`` for every partition, where ``value`` is the result of
+        ``future`` (dlscale's extension, for a large value held on every worker).
+
+        ``mapPartitionsWithIndex`` with a value that the tasks refer to by key instead of carrying it:
+        scattered to every worker, it is read where it is held and fetched where it is not. The RDD holds
+        the future, so the value lives as long as this RDD or one derived from it, and a lost partition
+        is recomputed like any other. Tasks are named after ``f``.
+        """
+        _ops.check_callable(f, "f")
+        if not isinstance(future, Future):
+            raise TypeError(f"future must be a distributed.Future (from Client.scatter), not {type(future).__name__}")
+        name = funcname(f).lstrip("_") or "map_partitions_with_future"
+        return self._derive(
+            _graph.partitionwise(name, partial(_ops.map_partitions_with_value, f), self._bag, shared=future)
         )
 
     def glom(self) -> RDD:
@@ -648,16 +668,12 @@ class RDD:
         self, path: str, compressionCodecClass: str | None = None, *, storage_options: dict[str, Any] | None = None
     ) -> None:
         """One ``part-NNNNN`` text file per partition under the directory ``path``, then ``_SUCCESS``."""
-        from dlscale.facade import _io
-
         _io.save_as_text_file(self, path, compressionCodecClass, storage_options)
 
     def saveAsPickleFile(
         self, path: str, batchSize: int = 10, *, storage_options: dict[str, Any] | None = None
     ) -> None:
         """Elements pickled in batches, one part file per partition, read back by ``pickleFile``."""
-        from dlscale.facade import _io
-
         _io.save_as_pickle_file(self, path, batchSize, storage_options)
 
     # -- persistence ---------------------------------------------------------------------
@@ -667,23 +683,15 @@ class RDD:
 
     def cache(self) -> RDD:
         """Persist at ``MEMORY_ONLY``."""
-        from dlscale.facade.persist import StorageLevel
-
         return self.persist(StorageLevel.MEMORY_ONLY)
 
     def persist(self, storageLevel: StorageLevel | None = None) -> RDD:
         """Keep the computed partitions on the workers at ``storageLevel`` (default MEMORY_ONLY)."""
-        from dlscale.facade import persist
-
         return persist.persist(self, storageLevel)
 
     def unpersist(self, blocking: bool = False) -> RDD:
         """Drop the persisted partitions (memory and disk); later actions recompute them."""
-        from dlscale.facade import persist
-
         return persist.unpersist(self, blocking)
 
     def getStorageLevel(self) -> StorageLevel:
-        from dlscale.facade.persist import StorageLevel
-
         return self._stored.level if self._stored is not None else StorageLevel.NONE
