@@ -81,7 +81,7 @@ class _Copies:
 
     def __init__(self, blob: bytes, limit: int, first: int = 0, count: int | None = None) -> None:
         self.blob, self.limit, self.first, self.count = blob, limit, first, count or limit
-        self.slots = threading.Semaphore(limit)  # held while a copy is in use
+        self.slots = threading.BoundedSemaphore(limit)  # held while a copy is in use
         self.idle: list[Network] = []
         self.made = 0
         self.lock = threading.Lock()
@@ -155,7 +155,8 @@ class NetworkCache:
     def pin(self, key: str, blob: bytes, local: int = 0, per_worker: int = 1) -> tuple[Network, threading.Semaphore]:
         """The one copy of the network pickled in ``blob`` that this process keeps for a fit until
         :meth:`drop`, on the device of the ``local``-th of its ``per_worker`` trainers, and the lock
-        that keeps two tasks from training it at once."""
+        that keeps two tasks from training it at once (the copy's one slot: a key is pinned by a fit
+        or borrowed from, never both)."""
         entry = self._copies(key, blob, 1, pin=True, first=local, count=per_worker)
         network = entry.take()  # made by the first call; the same copy ever after
         entry.give_back(network)
