@@ -12,7 +12,7 @@ To run it over a rate-limited link, run the command line inside a namespace of `
     python -m benchmarks._ddp --world-size 2 --epochs 1 --train 3840
 
 prints one JSON line (the result without the state dict). Without ``--data`` it trains the MLP of
-``benchmarks.parameter_averaging`` on that benchmark's data.
+``benchmarks._common`` on its data.
 """
 
 from __future__ import annotations
@@ -35,25 +35,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks._common import accuracy, make_data
+
 ModuleFactory = Callable[[], torch.nn.Module]
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-# The workload of benchmarks.parameter_averaging, repeated here so that the worker processes need not
-# import dlscale: mlp(seed) has the same initial weights as parameter_averaging.network(seed).module.
-SGD = functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9)
-
-
-def mlp(seed: int = 0) -> torch.nn.Module:
-    """The MLP 784-2048-2048-10 (5.8M parameters) of benchmarks.parameter_averaging, seeded alike."""
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Linear(784, 2048),
-        torch.nn.ReLU(),
-        torch.nn.Linear(2048, 2048),
-        torch.nn.ReLU(),
-        torch.nn.Linear(2048, 10),
-    )
 
 
 def free_port() -> int:
@@ -71,15 +57,6 @@ def _steps(n: int, world_size: int, batch: int) -> int:
 def _shard(order: torch.Tensor, step: int, rank: int, world_size: int, batch: int) -> torch.Tensor:
     start = (step * world_size + rank) * batch
     return order[start : start + batch]
-
-
-def accuracy(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    """Test accuracy of a plain module, in evaluation mode."""
-    module.eval()
-    with torch.no_grad():
-        accuracy = float((module(x).argmax(1) == y).float().mean())
-    module.train()
-    return accuracy
 
 
 def train_rank(
@@ -174,20 +151,40 @@ def _worker(rank: int, world_size: int, port: int, tmp: str, *args: Any) -> None
 
 
 def train_with(
-    launch: Callable[[str], dict[str, Any]],
+    launch: Callable[[str, tuple[Any, ...]], dict[str, Any]],
     world_size: int,
     make_module: ModuleFactory,
     x: torch.Tensor,
     y: torch.Tensor,
     batch: int,
     epochs: int,
-    threads_per_process: int,
-    test_x: torch.Tensor | None,
-    test_y: torch.Tensor | None,
+    optimizer_factory: OptimizerFactory,
+    threads_per_process: int = 1,
+    *,
+    test_x: torch.Tensor | None = None,
+    test_y: torch.Tensor | None = None,
+    loss_fn: LossFn = torch.nn.functional.cross_entropy,
+    warmup_steps: int = 3,
+    seed: int = 0,
 ) -> dict[str, Any]:
-    """Save the data to a temporary directory ``tmp``, call ``launch(tmp)``, which runs ``train_rank``
-    in ``world_size`` processes, and return rank 0's result with the throughput and what ``launch``
-    returned."""
+    """Train with DDP over gloo in ``world_size`` processes that ``launch(tmp, args)`` starts, each
+    running ``train_rank(rank, world_size, tmp, *args)``; return the throughput of the timed epochs.
+
+    ``make_module``, ``optimizer_factory`` and ``loss_fn`` go to the workers by pickling: module-level
+    functions or ``functools.partial`` of them. The data goes through a temporary file (``torch.save``,
+    loaded with ``weights_only=True``). Each epoch is one random order shared by all processes, cut
+    into global batches of ``world_size * batch``; process ``r`` trains on the ``r``-th ``batch`` of
+    each, and an incomplete last global batch is dropped. Timed: ``epochs`` epochs, after
+    ``warmup_steps`` steps whose effect is undone; evaluation between epochs is not timed.
+
+    Returns samples/s (training examples of the timed epochs per second), seconds, steps,
+    ``grad_bytes_per_step`` (bytes of gradients all-reduced a step), rank 0's final ``state_dict``
+    (CPU tensors), ``final_loss`` (rank 0's last minibatch), ``epoch_seconds`` (training seconds so far
+    at the end of each epoch), ``peak_rss_bytes`` (the largest peak resident set of the processes),
+    ``cpu_seconds`` (user and system CPU time of all processes in the timed epochs), ``epoch_accuracy``
+    (rank 0's test accuracy after each epoch; empty without test data) and ``test_accuracy`` (after the
+    last epoch, when test data is given), with what ``launch`` returned.
+    """
     steps = _steps(len(x), world_size, batch)
     if steps == 0:
         raise ValueError(f"{len(x)} examples make no global batch of {world_size} x {batch}")
@@ -199,7 +196,8 @@ def train_with(
         if test_x is not None and test_y is not None:
             data.update(test_x=test_x.contiguous(), test_y=test_y.contiguous())
         torch.save(data, Path(tmp) / "data.pt")
-        launched = launch(tmp)
+        args = (make_module, optimizer_factory, loss_fn, batch, epochs, threads_per_process, warmup_steps, seed)
+        launched = launch(tmp, args)
         result = torch.load(Path(tmp) / "result.pt", weights_only=True)
     samples = epochs * steps * world_size * batch
     return {
@@ -228,53 +226,18 @@ def ddp_samples_per_s(
     optimizer_factory: OptimizerFactory,
     threads_per_process: int = 1,
     port: int | None = None,
-    *,
-    test_x: torch.Tensor | None = None,
-    test_y: torch.Tensor | None = None,
-    loss_fn: LossFn = torch.nn.functional.cross_entropy,
-    warmup_steps: int = 3,
-    seed: int = 0,
+    **options: Any,
 ) -> dict[str, Any]:
-    """Train with DDP over gloo in ``world_size`` processes; return the throughput of the timed epochs.
+    """:func:`train_with` in processes started by ``torch.multiprocessing`` (spawn), meeting at
+    127.0.0.1:``port`` (a free port by default); ``options`` are :func:`train_with`'s keywords."""
 
-    ``make_module``, ``optimizer_factory`` and ``loss_fn`` go to the workers by pickling: module-level
-    functions or ``functools.partial`` of them. The data goes through a temporary file (``torch.save``,
-    loaded with ``weights_only=True``). Each epoch is one random order shared by all processes, cut
-    into global batches of ``world_size * batch``; process ``r`` trains on the ``r``-th ``batch`` of
-    each, and an incomplete last global batch is dropped. Timed: ``epochs`` epochs, after
-    ``warmup_steps`` steps whose effect is undone; evaluation between epochs is not timed.
-
-    Returns samples/s (training examples of the timed epochs per second), seconds, steps,
-    ``grad_bytes_per_step`` (bytes of gradients all-reduced a step), rank 0's final ``state_dict``
-    (CPU tensors), ``final_loss`` (rank 0's last minibatch), ``epoch_seconds`` (training seconds so far
-    at the end of each epoch), ``peak_rss_bytes`` (the largest peak resident set of the processes),
-    ``cpu_seconds`` (user and system CPU time of all processes in the timed epochs), ``epoch_accuracy``
-    (rank 0's test accuracy after each epoch; empty without test data) and ``test_accuracy`` (after the
-    last epoch, when test data is given).
-    """
-
-    def launch(tmp: str) -> dict[str, Any]:
-        mp.spawn(
-            _worker,
-            nprocs=world_size,
-            join=True,
-            args=(
-                world_size,
-                port or free_port(),
-                tmp,
-                make_module,
-                optimizer_factory,
-                loss_fn,
-                batch,
-                epochs,
-                threads_per_process,
-                warmup_steps,
-                seed,
-            ),
-        )
+    def launch(tmp: str, args: tuple[Any, ...]) -> dict[str, Any]:
+        mp.spawn(_worker, nprocs=world_size, join=True, args=(world_size, port or free_port(), tmp, *args))
         return {}
 
-    return train_with(launch, world_size, make_module, x, y, batch, epochs, threads_per_process, test_x, test_y)
+    return train_with(
+        launch, world_size, make_module, x, y, batch, epochs, optimizer_factory, threads_per_process, **options
+    )
 
 
 def _resolve(spec: str) -> Any:
@@ -294,12 +257,12 @@ def command_line(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--model",
-        default="benchmarks._ddp:mlp",
+        default="benchmarks._common:mlp",
         help="module:callable returning the nn.Module (default: the benchmark MLP)",
     )
     parser.add_argument(
         "--optimizer",
-        default="benchmarks._ddp:SGD",
+        default="benchmarks._common:SGD",
         help="module:callable(params) returning the optimizer (default: SGD lr 0.01 momentum 0.9)",
     )
     parser.add_argument(
@@ -307,7 +270,7 @@ def command_line(description: str) -> argparse.ArgumentParser:
         type=Path,
         default=None,
         help="torch.save'd dict of tensors x, y and optionally test_x, test_y "
-        "(default: benchmarks.parameter_averaging.make_data())",
+        "(default: benchmarks._common.make_data())",
     )
     parser.add_argument("--train", type=int, default=None, help="use only the first TRAIN training examples")
     return parser
@@ -319,8 +282,6 @@ def run_command_line(samples_per_s: Callable[..., dict[str, Any]], args: argpars
     if args.data is not None:
         data = torch.load(args.data, weights_only=True)
     else:
-        from benchmarks.parameter_averaging import make_data
-
         data = dict(zip(("x", "y", "test_x", "test_y"), make_data(), strict=True))
     x, y = data["x"][: args.train], data["y"][: args.train]
     result = samples_per_s(

@@ -70,22 +70,18 @@ def torch_distributor_samples_per_s(
     epochs: int,
     optimizer_factory: _ddp.OptimizerFactory,
     threads_per_process: int = 1,
-    *,
-    test_x: torch.Tensor | None = None,
-    test_y: torch.Tensor | None = None,
-    loss_fn: _ddp.LossFn = torch.nn.functional.cross_entropy,
-    warmup_steps: int = 3,
-    seed: int = 0,
+    **options: Any,
 ) -> dict[str, Any]:
-    """Train as ``benchmarks._ddp.ddp_samples_per_s`` does, launched by TorchDistributor in local mode
-    on a local SparkSession (started and stopped here).
+    """Train as ``benchmarks._ddp.ddp_samples_per_s`` does (``options`` are the keywords of
+    ``benchmarks._ddp.train_with``), launched by TorchDistributor in local mode on a local
+    SparkSession (started and stopped here).
 
     Returns what ``ddp_samples_per_s`` returns, with ``launcher`` (``"TorchDistributor"``) and
     ``launcher_seconds`` (wall time of ``TorchDistributor.run``: torchrun, process start-up, imports,
     warm-up, training and evaluation).
     """
 
-    def launch(tmp: str) -> dict[str, Any]:
+    def launch(tmp: str, args: tuple[Any, ...]) -> dict[str, Any]:
         spark = (
             SparkSession.builder.master("local[1]")
             .appName("dlscale-torch-distributor")
@@ -100,18 +96,7 @@ def torch_distributor_samples_per_s(
             # TorchDistributor copies torchrun's output to stdout; stdout is for the result.
             with contextlib.redirect_stdout(sys.stderr):
                 start = time.perf_counter()
-                distributor.run(
-                    _rank,
-                    tmp,
-                    make_module,
-                    optimizer_factory,
-                    loss_fn,
-                    batch,
-                    epochs,
-                    threads_per_process,
-                    warmup_steps,
-                    seed,
-                )
+                distributor.run(_rank, tmp, *args)
                 seconds = time.perf_counter() - start
         finally:
             spark.stop()
@@ -122,7 +107,7 @@ def torch_distributor_samples_per_s(
     pythonpath = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
     with _environ(PYTHONPATH=pythonpath, SPARK_LOCAL_IP="127.0.0.1"):
         return _ddp.train_with(
-            launch, world_size, make_module, x, y, batch, epochs, threads_per_process, test_x, test_y
+            launch, world_size, make_module, x, y, batch, epochs, optimizer_factory, threads_per_process, **options
         )
 
 

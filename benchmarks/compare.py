@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -45,13 +43,11 @@ import psutil
 import torch
 
 from benchmarks import _ddp, _links
-from benchmarks.parameter_averaging import make_data
+from benchmarks._common import BATCH, SGD, accuracy, export_paths, header, make_data, mlp, train_epoch, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "compare.json"
 IMAGES = ROOT / "docs" / "images"
-BATCH = 64
-SGD = functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9)
 TARGETS = {"loopback": 1.8, "1gbit": 1.8, "vs_ddp_1gbit": 5.0, "accuracy_points": 1.0}
 ACCURACY_SHARE = 0.95  # time to accuracy: to this share of the single process's final test accuracy
 
@@ -74,7 +70,7 @@ def cnn(seed: int = 0) -> torch.nn.Module:
 
 
 WORKLOADS: dict[str, dict[str, Any]] = {
-    "mlp": {"title": "MLP 784-2048-2048-10", "module": _ddp.mlp, "epochs": 2},
+    "mlp": {"title": "MLP 784-2048-2048-10", "module": mlp, "epochs": 2},
     "cnn": {"title": "CNN conv16-conv32-linear", "module": cnn, "epochs": 3},
 }
 RUNNERS = ("single", "ddp", "torch_distributor", "averaging", "sharing")
@@ -154,19 +150,13 @@ def run_single(workload: dict[str, Any], epochs: int, data: tuple[torch.Tensor, 
     module = workload["module"]()
     optimizer = SGD(module.parameters())
     g = torch.Generator().manual_seed(0)
-    elapsed, curve = 0.0, []
+    elapsed, curve, steps = 0.0, [], 0
     with measured(out):
         for _ in range(epochs):
             start = time.perf_counter()
-            order = torch.randperm(len(x), generator=g)
-            for i in range(0, len(x) - BATCH + 1, BATCH):
-                idx = order[i : i + BATCH]
-                optimizer.zero_grad()
-                torch.nn.functional.cross_entropy(module(x[idx]), y[idx]).backward()
-                optimizer.step()
+            steps += train_epoch(module, optimizer, x, y, g)
             elapsed += time.perf_counter() - start
-            curve.append((elapsed, _ddp.accuracy(module, tx, ty)))
-    steps = epochs * (len(x) // BATCH)
+            curve.append((elapsed, accuracy(module, tx, ty)))
     out.update(samples=steps * BATCH, seconds=elapsed, minibatches=steps, curve=curve, bytes_per_minibatch=0)
 
 
@@ -211,7 +201,6 @@ def run_dlscale(
         SparkContext,
         SparkNet,
     )
-    from dlscale.data import DataSet, export_minibatches, list_paths
     from dlscale.nn import Network
 
     x, y, tx, ty = data
@@ -224,12 +213,7 @@ def run_dlscale(
         return SharedTrainingMaster(BATCH, rng_seed=0, collect_training_stats=True)
 
     with tempfile.TemporaryDirectory() as tmp, SparkContext(f"local[{workers}]", f"compare-{master_name}") as sc:
-        export_minibatches(
-            [DataSet(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, len(x) - BATCH + 1, BATCH)],
-            f"{tmp}/train",
-            BATCH,
-        )
-        paths = list_paths(sc, f"{tmp}/train")
+        paths = export_paths(sc, x, y, f"{tmp}/train")
         warm = Network(workload["module"](), "cross_entropy", SGD)
         SparkNet(sc, warm, master()).fit_paths(sc.parallelize(paths.take(4 * workers)))  # imports, connections
         net = Network(workload["module"](), "cross_entropy", SGD)
@@ -240,7 +224,7 @@ def run_dlscale(
                 start = time.perf_counter()
                 spark_net.fit_paths(paths)
                 elapsed += time.perf_counter() - start
-                curve.append((elapsed, _ddp.accuracy(net.module, tx, ty)))
+                curve.append((elapsed, accuracy(net.module, tx, ty)))
     stats = spark_net.training_stats  # of every epoch's fit
     if stats.trainers:
         sent = sum(t.bytes_sent for t in stats.trainers)
@@ -481,16 +465,9 @@ def write_report(
     results = RESULTS if complete else RESULTS.with_name(f"compare-{'-'.join(runners)}.json")
     targets = summarise(runs)
     report = {
-        "benchmark": "compare",
+        **header("compare", namespaces=namespaces),
         "date": date,
         "quick": quick,
-        "machine": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "cpu_count": os.cpu_count(),
-            "platform": platform.platform(),
-            "namespaces": namespaces,
-        },
         "setup": {
             "batch": BATCH,
             "optimizer": "SGD lr 0.01 momentum 0.9",
@@ -519,12 +496,10 @@ def write_report(
         report["plots"].append(str((IMAGES / "scaling.png").relative_to(ROOT)))
     if not complete:
         report["runners"] = list(runners)
-    results.parent.mkdir(parents=True, exist_ok=True)
-    results.write_text(json.dumps(report, indent=1) + "\n")
     print(table(runs))
     for name, t in targets.items():
         print(f"target {name}: {t['measured']:.2f} against {t['target']} ({'met' if t['met'] else 'not met'})")
-    print(f"wrote {results.relative_to(ROOT)}")
+    write_results(results, report, indent=1)
 
 
 def main(argv: list[str] | None = None) -> None:

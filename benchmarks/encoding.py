@@ -19,10 +19,6 @@ Results go to ``benchmarks/results/encoding.json``.
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -32,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dlscale import __version__ as dlscale_version
+from benchmarks._common import header, timed, write_results
 from dlscale.encoding import apply, decode, encode
 
 RESULTS = Path(__file__).resolve().parent / "results" / "encoding.json"
@@ -71,13 +67,9 @@ def run(update: torch.Tensor, limits: dict[float, float]) -> dict[str, Any]:
         times.update({f"encode {s:g}": [], f"apply {s:g}": [], f"encode+apply {s:g}": []})
     for _ in range(REPEATS + 1):  # the first repeat warms up and is dropped
         residual.copy_(update)
-        start = time.perf_counter()
-        residual.clone()
-        times["clone"].append(time.perf_counter() - start)
+        times["clone"].append(timed(residual.clone))
         residual.copy_(update)
-        start = time.perf_counter()
-        into.copy_(residual)
-        times["copy_ into a buffer"].append(time.perf_counter() - start)
+        times["copy_ into a buffer"].append(timed(lambda: into.copy_(residual)))
         for s in SPARSITIES:
             residual.copy_(update)
             start = time.perf_counter()
@@ -103,16 +95,7 @@ def main() -> None:
     update = torch.randn(LENGTH, generator=torch.Generator().manual_seed(0))
     limits = thresholds(update)
     report: dict[str, Any] = {
-        "benchmark": "encoding",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": {
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "cpus": os.cpu_count(),
-            "torch": torch.__version__,
-            "numpy": np.__version__,
-            "dlscale": dlscale_version,
-        },
+        **header("encoding", numpy=np.__version__),
         "data": {"elements": LENGTH, "bytes": 4 * LENGTH, "values": "standard normal, seed 0", "repeats": REPEATS},
         "cases": {f"{s:g}": {"threshold": limits[s], **check(update, limits[s])} for s in SPARSITIES},
         "headline": f"one thread, sparsity {HEADLINE:g}",
@@ -123,8 +106,6 @@ def main() -> None:
     report["default threads"] = run(update, limits)
     headline = report["one thread"]["encode+apply / clone"][f"{HEADLINE:g}"]
     report["target"] = {"encode+apply / clone at 1e-3, one thread": f"<= {TARGET}", "met": headline <= TARGET}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
 
     for setting in ("one thread", "default threads"):
         r = report[setting]
@@ -144,7 +125,7 @@ def main() -> None:
         f"target encode+apply <= {TARGET} x clone at sparsity {HEADLINE:g}, one thread: "
         f"{'met' if report['target']['met'] else 'missed'} ({headline:.2f})"
     )
-    print(f"written to {RESULTS.relative_to(Path.cwd()) if RESULTS.is_relative_to(Path.cwd()) else RESULTS}")
+    write_results(RESULTS, report)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Distributed evaluation and inference on two workers against single-process PyTorch forward passes.
 
 Run from the repository root with ``python -m benchmarks.evaluation``. The model is the MLP
-784-2048-2048-10 (5.8M parameters) of ``benchmarks.parameter_averaging``, untrained (speed does not
+784-2048-2048-10 (5.8M parameters) of ``benchmarks._common``, untrained (speed does not
 depend on the weights), on 25,600 examples of MNIST's shape in minibatches of 64. Measured in this
 same script:
 
@@ -23,11 +23,8 @@ workers reach at least 1.7x the one-thread baseline's examples/s. Results go to
 
 from __future__ import annotations
 
-import datetime
 import functools
-import json
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -39,16 +36,13 @@ import dask.array as da
 import torch
 from distributed import get_task_stream, wait
 
-from benchmarks.parameter_averaging import network
+from benchmarks._common import BATCH, export_paths, header, network, timed, write_results
 from dlscale import SparkContext, StorageLevel
-from dlscale import __version__ as dlscale_version
-from dlscale.data import DataSet, export_minibatches, list_paths
 from dlscale.evaluation import Evaluation, ROCMultiClass, do_evaluation
 from dlscale.inference import feed_forward_with_key, predict
 from dlscale.nn import Network, shipping
 
 RESULTS = Path(__file__).resolve().parent / "results" / "evaluation.json"
-BATCH = 64
 EXAMPLES = 64 * 400
 REPEATS = 3
 TARGET = 1.7
@@ -73,26 +67,12 @@ def single_process(module: torch.nn.Module, x: torch.Tensor, threads: int) -> fl
     return seconds
 
 
-def timed(fn: Callable[[], Any]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def main() -> None:
     x, y = make_data()
     net: Network = network()
     cores = os.cpu_count() or 1
     report: dict[str, Any] = {
-        "benchmark": "evaluation",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "dlscale": dlscale_version,
-            "cpu_count": cores,
-            "platform": platform.platform(),
-        },
+        **header("evaluation"),
         "setup": {
             "model": "MLP 784-2048-2048-10",
             "parameters": net.num_params(),
@@ -106,10 +86,7 @@ def main() -> None:
     }
     runs: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp, SparkContext("local[2]", "bench-evaluation") as sc:
-        export_minibatches(
-            [DataSet(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, EXAMPLES, BATCH)], f"{tmp}/test", BATCH
-        )
-        paths = list_paths(sc, f"{tmp}/test")
+        paths = export_paths(sc, x, y, f"{tmp}/test")
         pairs = sc.parallelize([(i, x[i].clone()) for i in range(EXAMPLES)], 8).persist(StorageLevel.MEMORY_ONLY)
         pairs.count()
         array = sc.client.persist(da.from_array(x.numpy(), chunks=(EXAMPLES // 8, 784)))
@@ -147,15 +124,10 @@ def main() -> None:
         for _, run in configs[len(configs) - 4 :]:
             run()  # warm-up: worker imports, first network copies
 
-        def ship_seconds() -> float:
-            start = time.perf_counter()
-            shipping.ship(sc.client, net).release()
-            return time.perf_counter() - start
-
-        report["network_ship_s"] = statistics.median(ship_seconds() for _ in range(REPEATS))
-        start = time.perf_counter()
-        shipping.serialise(net, False)
-        report["network_pickle_s"] = time.perf_counter() - start
+        report["network_ship_s"] = statistics.median(
+            timed(lambda: shipping.ship(sc.client, net).release()) for _ in range(REPEATS)
+        )
+        report["network_pickle_s"] = timed(lambda: shipping.serialise(net, False))
         print(
             f"sending the network to both workers: {report['network_ship_s']:.2f} s per call, of which "
             f"{report['network_pickle_s']:.2f} s pickling"
@@ -196,8 +168,7 @@ def main() -> None:
         "met": all(r >= TARGET for r in measured.values()),
     }
     print(f"target: >= {TARGET}x one thread: " + ", ".join(f"{k} {v:.2f}x" for k, v in measured.items()))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
+    write_results(RESULTS, report)
 
 
 if __name__ == "__main__":

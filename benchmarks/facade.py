@@ -10,12 +10,10 @@ repeat and the ratios against the targets are printed and written to
 
 from __future__ import annotations
 
-import datetime
 import gc
 import json
 import operator
 import os
-import platform
 import random
 import statistics
 import sys
@@ -33,8 +31,8 @@ import distributed
 import numpy as np
 import pyspark
 
+from benchmarks._common import header, write_results
 from dlscale import SparkContext
-from dlscale import __version__ as dlscale_version
 
 # Sizes are multiples of PARTITIONS * 1024, so that PySpark's slicing of a list (in batches of
 # 1024 elements) and dask.bag's from_sequence put the same elements in each partition.
@@ -205,21 +203,6 @@ def check_results(dask_results: dict, spark_results: dict) -> None:
 
 
 # -- report -------------------------------------------------------------------------------------
-def machine_info(java: str) -> dict[str, Any]:
-    """Core count and software versions."""
-    return {
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "java": java,
-        "dask": dask.__version__,
-        "distributed": distributed.__version__,
-        "pyspark": pyspark.__version__,
-        "numpy": np.__version__,
-        "dlscale": dlscale_version,
-    }
-
-
 def ratio_report(medians: dict[str, float]) -> dict[str, Any]:
     """Each target ratio of one pipeline, its target and whether it was met."""
     report = {}
@@ -251,9 +234,14 @@ def build_report(dask_times: dict, spark_times: dict, java: str, run: dict[str, 
         for ratio, (_, _, comparison, bound) in TARGETS.items()
     }
     return {
-        "benchmark": "facade",
-        "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": machine_info(java),
+        **header(
+            "facade",
+            java=java,
+            dask=dask.__version__,
+            distributed=distributed.__version__,
+            pyspark=pyspark.__version__,
+            numpy=np.__version__,
+        ),
         "run": run,
         "settings": {
             "partitions": PARTITIONS,
@@ -299,11 +287,9 @@ def main() -> None:
         "load_average_1min": {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)},
     }
     report = build_report(dask_times, spark_times, java, run)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
     print(markdown_table(report))
     print(f"targets: {json.dumps(report['targets'])}")
-    print(f"wrote {RESULTS}")
+    write_results(RESULTS, report)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ over a link limited to 1 Gbit/s.
 Run from the repository root with ``python -m benchmarks.gradient_sharing`` (as root, for the
 network namespaces; without them only loopback is measured). Workload: the MLP 784-2048-2048-10
 (5.8M parameters), minibatches of 64, SGD (lr 0.01, momentum 0.9), the synthetic 10-class task of
-``benchmarks.parameter_averaging``. For each link, in one process inside a network namespace whose
+``benchmarks._common``. For each link, in one process inside a network namespace whose
 loopback carries that link (``benchmarks._links``):
 
 - **single process**: a plain PyTorch loop, one thread;
@@ -19,29 +19,30 @@ single process on both links. Results go to ``benchmarks/results/gradient_sharin
 
 from __future__ import annotations
 
-import datetime
 import json
-import platform
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks import _ddp, _links
-from benchmarks.parameter_averaging import (
+from benchmarks._common import (
     BATCH,
-    OPTIMIZER,
+    SGD,
     TRAIN,
     accuracy,
+    export_paths,
+    header,
     make_data,
+    mlp,
     network,
+    timed,
+    write_results,
 )
 from dlscale import SharedTrainingMaster, SparkContext, SparkNet
-from dlscale import __version__ as dlscale_version
-from dlscale.data import DataSet, export_minibatches, list_paths
+from dlscale.data import DataSet
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gradient_sharing.json"
 LINKS = ("loopback", "1gbit")
@@ -56,29 +57,22 @@ def single_process(x: torch.Tensor, y: torch.Tensor, tx: torch.Tensor, ty: torch
     batches = [DataSet(x[order[i : i + BATCH]], y[order[i : i + BATCH]]) for i in range(0, len(x), BATCH)]
     net.fit(batches[:3])  # warm-up
     net = network()
-    start = time.perf_counter()
-    net.fit(batches)
-    seconds = time.perf_counter() - start
-    return {"samples_per_s": len(x) / seconds, "seconds": seconds, "test_accuracy": accuracy(net, tx, ty)}
+    seconds = timed(lambda: net.fit(batches))
+    return {"samples_per_s": len(x) / seconds, "seconds": seconds, "test_accuracy": accuracy(net.module, tx, ty)}
 
 
 def ddp(x: torch.Tensor, y: torch.Tensor, tx: torch.Tensor, ty: torch.Tensor) -> dict[str, float]:
-    result = _ddp.ddp_samples_per_s(2, _ddp.mlp, x, y, BATCH, 1, OPTIMIZER, test_x=tx, test_y=ty)
+    result = _ddp.ddp_samples_per_s(2, mlp, x, y, BATCH, 1, SGD, test_x=tx, test_y=ty)
     return {k: result[k] for k in ("samples_per_s", "seconds", "test_accuracy", "grad_bytes_per_step")}
 
 
 def dlscale_sharing(x: torch.Tensor, y: torch.Tensor, tx: torch.Tensor, ty: torch.Tensor) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp, SparkContext("local[2]", "bench-gradient-sharing") as sc:
-        export_minibatches(
-            [DataSet(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, len(x), BATCH)], f"{tmp}/train", BATCH
-        )
-        paths = list_paths(sc, f"{tmp}/train")
+        paths = export_paths(sc, x, y, f"{tmp}/train")
         SparkNet(sc, network(), SharedTrainingMaster(BATCH)).fit_paths(sc.parallelize(paths.take(20)))  # warm-up
         net = network()
         spark_net = SparkNet(sc, net, SharedTrainingMaster(BATCH, rng_seed=0, collect_training_stats=True))
-        start = time.perf_counter()
-        spark_net.fit_paths(paths)
-        seconds = time.perf_counter() - start
+        seconds = timed(lambda: spark_net.fit_paths(paths))
         trainers = spark_net.training_stats.trainers
     steps = sum(t.minibatches for t in trainers)
     sent = sum(t.bytes_sent for t in trainers)
@@ -87,7 +81,7 @@ def dlscale_sharing(x: torch.Tensor, y: torch.Tensor, tx: torch.Tensor, ty: torc
     return {
         "samples_per_s": len(x) / seconds,
         "seconds": seconds,
-        "test_accuracy": accuracy(net, tx, ty),
+        "test_accuracy": accuracy(net.module, tx, ty),
         "steps": steps,
         "bytes_sent_per_step": sent / steps,
         "dense_update_bytes": dense,
@@ -115,14 +109,7 @@ def main() -> None:
         return
     reason = _links.available()
     report: dict[str, Any] = {
-        "benchmark": "gradient_sharing",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "dlscale": dlscale_version,
-            "platform": platform.platform(),
-        },
+        **header("gradient_sharing"),
         "setup": {
             "model": "MLP 784-2048-2048-10",
             "batch": BATCH,
@@ -155,9 +142,7 @@ def main() -> None:
             f"({d['compression']:.0f}x compression), accuracy {d['test_accuracy']:.4f} vs "
             f"{result['single_process']['test_accuracy']:.4f}"
         )
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {RESULTS}")
+    write_results(RESULTS, report, indent=1)
 
 
 if __name__ == "__main__":

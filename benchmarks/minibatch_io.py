@@ -17,16 +17,11 @@ Results go to ``benchmarks/results/minibatch_io.json``.
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
-import platform
 import shutil
 import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +29,8 @@ import dask
 import torch
 import zarr
 
+from benchmarks._common import header, timed, write_results
 from dlscale import SparkContext, StorageLevel, storage
-from dlscale import __version__ as dlscale_version
 from dlscale.data import (
     DataSet,
     DataSetLoader,
@@ -83,12 +78,6 @@ def raw_read(paths: list[str]) -> None:
 def dlb_load(paths: list[str]) -> None:
     for p in paths:
         load(p)
-
-
-def timed(fn: Callable[[], Any]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def bench_load(paths: list[str], nbytes: int) -> dict[str, Any]:
@@ -210,17 +199,7 @@ def main() -> None:
         paths = export_minibatches(data, str(root / "load"), BATCH)
         file_bytes = sum(os.path.getsize(p) for p in paths)
         report: dict[str, Any] = {
-            "benchmark": "minibatch_io",
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "machine": {
-                "platform": platform.platform(),
-                "python": platform.python_version(),
-                "cpus": os.cpu_count(),
-                "torch": torch.__version__,
-                "zarr": zarr.__version__,
-                "dask": dask.__version__,
-                "dlscale": dlscale_version,
-            },
+            **header("minibatch_io", zarr=zarr.__version__, dask=dask.__version__),
             "data": {
                 "minibatches": N_BATCHES,
                 "examples per minibatch": BATCH,
@@ -238,8 +217,6 @@ def main() -> None:
         }
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
     load_r, exp = report["load"], report["export"]
     for where in ("local disk", "page cache"):
         r = load_r[where]
@@ -259,7 +236,7 @@ def main() -> None:
             + ", ".join(f"{k} {v:.2f} GB/s" for k, v in z["GB/s"].items())
             + f"; zarr / files = {z['zarr / files']:.2f}"
         )
-    print(f"written to {RESULTS.relative_to(Path.cwd()) if RESULTS.is_relative_to(Path.cwd()) else RESULTS}")
+    write_results(RESULTS, report)
 
 
 if __name__ == "__main__":

@@ -19,11 +19,8 @@ dense decode of the same message. Results go to ``benchmarks/results/momentum_ma
 
 from __future__ import annotations
 
-import datetime
 import functools
 import itertools
-import json
-import platform
 import time
 from pathlib import Path
 from typing import Any
@@ -31,8 +28,7 @@ from typing import Any
 import torch
 from sklearn.datasets import load_digits
 
-from benchmarks import _ddp
-from benchmarks.parameter_averaging import accuracy
+from benchmarks._common import accuracy, header, mlp, write_results
 from dlscale import SharedTrainingMaster, SparkContext, SparkNet
 from dlscale.data import DataSet
 from dlscale.encoding import AdaptiveThresholdAlgorithm, decode, encode
@@ -78,7 +74,7 @@ def single_process(model: dict[str, Any], data: tuple[torch.Tensor, ...]) -> flo
     for _ in range(model["epochs"]):
         order = torch.randperm(len(x), generator=g)
         net.fit([DataSet(x[order[i : i + BATCH]], y[order[i : i + BATCH]]) for i in range(0, len(x), BATCH)])
-    return accuracy(net, tx, ty)
+    return accuracy(net.module, tx, ty)
 
 
 def shared(
@@ -100,7 +96,7 @@ def shared(
     spark_net.fit(rdd, epochs=model["epochs"])
     return {
         "seed": seed,
-        "accuracy": accuracy(net, tx, ty),
+        "accuracy": accuracy(net.module, tx, ty),
         "last_thresholds": [t.steps[-1][1] for t in spark_net.training_stats.trainers if t.steps],
     }
 
@@ -108,7 +104,7 @@ def shared(
 def masking_cost(repeats: int = 50) -> dict[str, float]:
     """Milliseconds to mask the momentum of a 1% message on the 5.8M MLP, and to decode it densely."""
     torch.set_num_threads(1)
-    net = Network(_ddp.mlp(), "cross_entropy", functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9))
+    net = Network(mlp(), "cross_entropy", functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9))
     net.fit_batch(DataSet(torch.randn(64, 784), torch.randint(0, 10, (64,))))  # makes the momentum buffers
     residual = torch.randn(net.num_params(), generator=torch.Generator().manual_seed(0))
     message = encode(residual, 2.576)  # |N(0, 1)| >= 2.576 for 1% of the elements
@@ -124,9 +120,7 @@ def masking_cost(repeats: int = 50) -> dict[str, float]:
 def main() -> None:
     data = _digits()
     report: dict[str, Any] = {
-        "benchmark": "momentum_masking",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform()},
+        **header("momentum_masking"),
         "setup": {
             "batch": BATCH,
             "seeds": list(SEEDS),
@@ -161,9 +155,7 @@ def main() -> None:
         f"masking a {cost['sparsity']:.1%} message on {cost['parameters']:,} parameters: {cost['mask_ms']:.2f} ms "
         f"({cost['mask_ms'] / cost['dense_decode_ms']:.2f}x a dense decode, {cost['dense_decode_ms']:.2f} ms)"
     )
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {RESULTS.relative_to(Path.cwd()) if RESULTS.is_relative_to(Path.cwd()) else RESULTS}")
+    write_results(RESULTS, report, indent=1)
 
 
 if __name__ == "__main__":

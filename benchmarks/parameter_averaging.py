@@ -19,11 +19,8 @@ workers reach at least 1.6x the one-thread baseline. Results go to
 
 from __future__ import annotations
 
-import datetime
 import functools
-import json
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -32,68 +29,39 @@ from typing import Any
 
 import torch
 
+from benchmarks._common import (
+    BATCH,
+    SGD,
+    TEST,
+    TRAIN,
+    accuracy,
+    export_paths,
+    header,
+    make_data,
+    network,
+    train_epoch,
+    write_results,
+)
 from dlscale import ParameterAveragingTrainingMaster, SparkContext, SparkNet
-from dlscale import __version__ as dlscale_version
-from dlscale.data import DataSet, export_minibatches, list_paths
 from dlscale.nn import Network
 
 RESULTS = Path(__file__).resolve().parent / "results" / "parameter_averaging.json"
-BATCH = 64
-TRAIN = 64 * 400  # 25,600 examples: 400 minibatches an epoch
-TEST = 4096
 EPOCHS = 2
 FREQUENCIES = (1, 5, 10)
 REPEATS = 2
 TARGET = 1.6
-OPTIMIZER = functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9)
-
-
-def make_data(seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """Ten noisy class prototypes in 784 dimensions, passed through a fixed nonlinearity."""
-    g = torch.Generator().manual_seed(seed)
-    prototypes = torch.randn(10, 784, generator=g)
-    mix = torch.randn(784, 784, generator=g) / 28
-
-    def sample(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        y = torch.randint(0, 10, (n,), generator=g)
-        x = torch.tanh((prototypes[y] + 6.0 * torch.randn(n, 784, generator=g)) @ mix)
-        return x, y
-
-    return (*sample(TRAIN), *sample(TEST))
-
-
-def network(seed: int = 0) -> Network:
-    torch.manual_seed(seed)
-    module = torch.nn.Sequential(
-        torch.nn.Linear(784, 2048),
-        torch.nn.ReLU(),
-        torch.nn.Linear(2048, 2048),
-        torch.nn.ReLU(),
-        torch.nn.Linear(2048, 10),
-    )
-    return Network(module, "cross_entropy", OPTIMIZER)
-
-
-def accuracy(net: Network, x: torch.Tensor, y: torch.Tensor) -> float:
-    return float((net.output(x).argmax(1) == y).float().mean())
 
 
 def single_process(x: torch.Tensor, y: torch.Tensor, threads: int, seed: int = 0) -> tuple[float, torch.nn.Module]:
     """Plain PyTorch: a module, an optimizer, a loop over shuffled in-memory minibatches."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    torch.manual_seed(seed)
     module = network(seed).module
-    optimizer = OPTIMIZER(module.parameters())
+    optimizer = SGD(module.parameters())
     g = torch.Generator().manual_seed(seed)
     start = time.perf_counter()
     for _ in range(EPOCHS):
-        order = torch.randperm(len(x), generator=g)
-        for i in range(0, len(x), BATCH):
-            idx = order[i : i + BATCH]
-            optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(module(x[idx]), y[idx]).backward()
-            optimizer.step()
+        train_epoch(module, optimizer, x, y, g)
     seconds = time.perf_counter() - start
     torch.set_num_threads(before)
     return seconds, module
@@ -126,15 +94,7 @@ def main() -> None:
     samples = EPOCHS * TRAIN
     cores = os.cpu_count() or 1
     report: dict[str, Any] = {
-        "benchmark": "parameter_averaging",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "dlscale": dlscale_version,
-            "cpu_count": cores,
-            "platform": platform.platform(),
-        },
+        **header("parameter_averaging"),
         "setup": {
             "model": "MLP 784-2048-2048-10",
             "parameters": network().num_params(),
@@ -153,14 +113,10 @@ def main() -> None:
 
     def baseline(threads: int) -> tuple[float, float]:
         seconds, module = single_process(x, y, threads)
-        with torch.no_grad():
-            return samples / seconds, float((module.eval()(test_x).argmax(1) == test_y).float().mean())
+        return samples / seconds, accuracy(module, test_x, test_y)
 
     with tempfile.TemporaryDirectory() as tmp, SparkContext("local[2]", "bench-parameter-averaging") as sc:
-        export_minibatches(
-            [DataSet(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, TRAIN, BATCH)], f"{tmp}/train", BATCH
-        )
-        paths = list_paths(sc, f"{tmp}/train")
+        paths = export_paths(sc, x, y, f"{tmp}/train")
         distributed(sc, paths, 5)  # warm-up: worker imports and first connections
         configs: list[tuple[str, Any]] = [
             (f"pytorch_{t}_thread", functools.partial(baseline, t)) for t in sorted({1, cores})
@@ -170,7 +126,7 @@ def main() -> None:
             def run(frequency: int = frequency) -> tuple[float, float]:
                 seconds, net, breakdown = distributed(sc, paths, frequency)
                 report["dlscale"].setdefault(f"averaging_frequency_{frequency}", {}).update(breakdown)
-                return samples / seconds, accuracy(net, test_x, test_y)
+                return samples / seconds, accuracy(net.module, test_x, test_y)
 
             configs.append((f"averaging_frequency_{frequency}", run))
         for repeat in range(REPEATS):
@@ -207,8 +163,7 @@ def main() -> None:
     ratio = report["dlscale"]["averaging_frequency_5"]["ratio_vs_1_thread"]
     report["target"] = {"ratio_vs_1_thread_at_frequency_5": TARGET, "measured": ratio, "met": ratio >= TARGET}
     print(f"target: >= {TARGET}x at averaging frequency 5: {ratio:.2f}x ({'met' if ratio >= TARGET else 'not met'})")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
+    write_results(RESULTS, report)
 
 
 if __name__ == "__main__":

@@ -6,18 +6,16 @@ Run with ``python -m benchmarks.transfer``; writes ``benchmarks/results/transfer
 
 from __future__ import annotations
 
-import json
-import platform
 import statistics
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import distributed
 import torch
 
+from benchmarks._common import header, write_results
 from dlscale.facade._graph import Partition
 
 REPEATS = 5
@@ -81,24 +79,9 @@ def main() -> None:
             f"| {r['speedup_worker_to_worker']:.1f}x | {r['list']['worker_to_client_s']:.3f} "
             f"| {r['Partition']['worker_to_client_s']:.3f} | {r['speedup_worker_to_client']:.1f}x |"
         )
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(
-        json.dumps(
-            {
-                "benchmark": "transfer",
-                "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
-                "machine": {
-                    "python": platform.python_version(),
-                    "distributed": distributed.__version__,
-                    "torch": torch.__version__,
-                },
-                "repeats": REPEATS,
-                "results": results,
-            },
-            indent=2,
-        )
+    write_results(
+        RESULTS, {**header("transfer", distributed=distributed.__version__), "repeats": REPEATS, "results": results}
     )
-    print(f"wrote {RESULTS}")
 
 
 if __name__ == "__main__":

@@ -256,8 +256,7 @@ def predict_files(
     ``.dlb``) and write each file's outputs to ``output/<file name>.npy``; returns the number of
     examples of each file. ``output`` must not exist yet (a relative URL is under the storage root)."""
     url, options = storage.resolve(output, storage_options)
-    fs, path = storage.check_empty(url, options)
-    fs.makedirs(path, exist_ok=True)
+    storage.check_empty(url, options, create=True)
     task = partial(_predict_files_partition, url, options, loader)
     return _shipped(network, task, paths, _batch_size(batch_size)).collect()
 
@@ -286,11 +285,9 @@ def _predict_files_partition(
                     ]
                 )
                 name = str(source).rstrip("/").rsplit("/", 1)[-1].rsplit(".", 1)[0] + ".npy"
-                fs, path = storage.open_fs(f"{url.rstrip('/')}/{name}", options)
                 buffer = io.BytesIO()
                 np.save(buffer, out.numpy(), allow_pickle=False)
-                data = buffer.getvalue()
-                storage.atomic_write(fs, path, lambda f, data=data: f.write(data))
+                storage.write_bytes(f"{url.rstrip('/')}/{name}", buffer.getbuffer(), storage_options=options)
                 counts.append(batch.num_examples())
     except Exception as e:
         e.add_note(f"while predicting partition {index} on worker {worker_address()}")

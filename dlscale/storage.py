@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from dlscale import config
-from dlscale.errors import OutputExistsError, StorageError
+from dlscale.errors import DlscaleError, OutputExistsError, StorageError
 
 _CHECKOUT = Path(__file__).resolve().parent.parent
 
@@ -66,80 +67,131 @@ def open_fs(url: str, storage_options: dict[str, Any] | None) -> tuple[fsspec.Ab
         raise StorageError(f"cannot open {url!r}: {e}") from e
 
 
-def atomic_write(fs: fsspec.AbstractFileSystem, path: str, write: Callable[[Any], None]) -> None:
-    """Write ``path`` so that a reader sees either nothing or the whole file.
+Chunk = bytes | bytearray | memoryview
 
-    Local files are written under a temporary name and renamed; object stores (S3 and the like)
-    publish an object only when its upload completes.
+
+def _display(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    """``path`` on ``fs`` as a user writes it: a plain path for a local file, a URL otherwise."""
+    return path if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(path)
+
+
+@contextmanager
+def as_storage_error(action: str, url: str) -> Iterator[None]:
+    """Turn an error raised in the block into a :class:`StorageError` that says ``cannot <action> <url>``.
+
+    Object stores do not all raise ``OSError`` (s3fs lets botocore's errors through, for a start), so
+    every exception is mapped; dlscale's own errors pass unchanged.
     """
-    if isinstance(fs, LocalFileSystem):
-        fs.makedirs(fs._parent(path), exist_ok=True)
-        tmp = f"{fs._parent(path)}/.{os.path.basename(path)}.{uuid.uuid4().hex}.tmp"
+    try:
+        yield
+    except DlscaleError:
+        raise
+    except Exception as e:
+        raise StorageError(f"cannot {action} {url}: {e}") from e
+
+
+def atomic_write(fs: fsspec.AbstractFileSystem, path: str, chunks: Iterable[Chunk]) -> None:
+    """Write the bytes of ``chunks`` to ``path`` so that a reader sees either nothing or the whole file.
+
+    The chunks are produced first, so an error in producing them leaves nothing behind. Locally they
+    go to a hidden temporary file beside ``path`` (``.<name>.<uuid>.tmp``, skipped by
+    :func:`find_files`) that is renamed over it; an object store (S3 and the like) receives them in
+    one upload, which it publishes only when complete. A failure of the storage raises
+    :class:`StorageError` naming the file.
+    """
+    chunks = list(chunks)
+    with as_storage_error("write", _display(fs, path)):
+        if not isinstance(fs, LocalFileSystem):
+            fs.pipe_file(path, b"".join(chunks))
+            return
+        parent = fs._parent(path)
+        tmp = f"{parent}/.{os.path.basename(path)}.{uuid.uuid4().hex}.tmp"
         try:
+            os.makedirs(parent, exist_ok=True)
             with open(tmp, "wb") as f:
-                write(f)
+                for chunk in chunks:
+                    f.write(chunk)
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
-    else:
-        with fs.open(path, "wb") as f:
-            write(f)
 
 
-def _visible(root: str, path: str) -> bool:
-    """False for a file whose name, or a folder below ``root``, starts with ``_`` or ``.`` (as Hadoop)."""
-    rel = path[len(root) :] if path.startswith(root) else os.path.basename(path)
-    return not any(part.startswith(("_", ".")) for part in rel.split("/") if part)
+def write_bytes(url: str, *chunks: Chunk, storage_options: dict[str, Any] | None = None) -> None:
+    """Write ``chunks``, one after another, to ``url`` atomically (see :func:`atomic_write`); a relative
+    ``url`` is under the storage root."""
+    fs, path = open_fs(url, storage_options)
+    atomic_write(fs, path, chunks)
+
+
+def _hidden(name: str) -> bool:
+    """Whether a file or folder name is hidden from listings: it starts with ``_`` or ``.``, as Hadoop's
+    markers (``_SUCCESS``), checksums (``.crc``) and :func:`atomic_write`'s temporary files do."""
+    return name.startswith(("_", "."))
+
+
+def _visible_below(fs: fsspec.AbstractFileSystem, root: str, recursive: bool) -> list[str]:
+    """The files under folder ``root`` with no hidden name at any level below it."""
+    root = root.rstrip("/")
+    found = fs.find(root, maxdepth=None if recursive else 1)
+    below = {p: p[len(root) :] if p.startswith(root) else os.path.basename(p) for p in found}
+    return [p for p, rel in below.items() if not any(_hidden(part) for part in rel.split("/") if part)]
 
 
 def find_files(
     url: str, storage_options: dict[str, Any] | None, recursive: bool = True, extensions: Iterable[str] | None = None
 ) -> tuple[fsspec.AbstractFileSystem, list[str]]:
-    """The file system and the sorted paths of the visible files at or under ``url``.
+    """The file system and the sorted paths of the files that ``url`` names, the way Hadoop lists input.
 
-    Names starting with ``_`` or ``.`` (markers, temporary files) are skipped at any depth;
-    ``extensions`` (``"png"`` or ``".png"``, any case) keeps only files with those endings.
+    ``url`` is a file (itself, hidden name or not), a folder (its files, at every depth or, without
+    ``recursive``, its own) or a glob pattern with ``*``, ``?`` or ``[`` (each match, as a file or a
+    folder). Within a folder and among a pattern's matches, hidden names are skipped.
+    ``extensions`` (``"png"`` or ``".png"``, any case) keeps only files with those endings. Raises
+    :class:`StorageError` naming ``url`` when nothing is there or no file is left.
     """
     fs, path = open_fs(url, storage_options)
     suffixes = tuple(sorted({"." + e.lower().lstrip(".") for e in extensions})) if extensions else ()
-    try:
-        if fs.isdir(path):
-            found = fs.find(path, maxdepth=None if recursive else 1)
-        elif fs.isfile(path):
-            found = [path]
+    with as_storage_error("list", url):
+        if any(c in path for c in "*?["):
+            found = fs.glob(path, detail=True)
+            matches = {m: info for m, info in found.items() if not _hidden(os.path.basename(m.rstrip("/")))}
         else:
-            raise StorageError(f"path does not exist: {url}")
-    except StorageError:
-        raise
-    except Exception as e:  # object-store errors do not all derive from OSError
-        raise StorageError(f"cannot list {url}: {e}") from e
-    files = sorted(p for p in found if _visible(path.rstrip("/"), p) and (not suffixes or p.lower().endswith(suffixes)))
+            try:
+                matches = {path: fs.info(path)}
+            except FileNotFoundError:
+                matches = {}
+        if not matches:
+            raise StorageError(f"Input path does not exist: {url}")
+        files = sorted(
+            f
+            for m, info in matches.items()
+            for f in (_visible_below(fs, m, recursive) if info["type"] == "directory" else [m])
+            if not suffixes or f.lower().endswith(suffixes)
+        )
     if not files:
         raise StorageError(f"no files{f' with extensions {list(suffixes)}' if suffixes else ''} under {url}")
     return fs, files
 
 
-def check_empty(url: str, storage_options: dict[str, Any] | None) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The file system and path of ``url``, refused if something is already there: outputs never mix."""
+def check_empty(
+    url: str, storage_options: dict[str, Any] | None, create: bool = False
+) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The file system and path of ``url``, refused if something is already there (outputs never mix);
+    with ``create``, the folder is made."""
     fs, path = open_fs(url, storage_options)
-    try:
+    with as_storage_error("list", url):
         taken = fs.exists(path) and (not fs.isdir(path) or bool(fs.ls(path, detail=False)))
-    except Exception as e:  # object-store errors do not all derive from OSError
-        raise StorageError(f"cannot reach {url}: {e}") from e
     if taken:
         raise OutputExistsError(f"output {url} already exists and is not empty; write to a new location")
+    if create:
+        with as_storage_error("create", url):
+            fs.makedirs(path, exist_ok=True)
     return fs, path
 
 
 def write_string_to_file(url: str, text: str, storage_options: dict[str, Any] | None = None) -> None:
     """Write ``text`` (UTF-8) to ``url`` atomically, e.g. evaluation results as JSON."""
-    fs, path = open_fs(url, storage_options)
-    data = text.encode("utf-8")
-    try:
-        atomic_write(fs, path, lambda f: f.write(data))
-    except OSError as e:
-        raise StorageError(f"cannot write {url}: {e}") from e
+    write_bytes(url, text.encode("utf-8"), storage_options=storage_options)
 
 
 def read_string_from_file(url: str, storage_options: dict[str, Any] | None = None) -> str:

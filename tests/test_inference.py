@@ -4,6 +4,8 @@ equal the loss computed locally, and predictions over Dask arrays and dataframes
 
 from __future__ import annotations
 
+import os
+
 import dask.array as da
 import numpy as np
 import pytest
@@ -170,3 +172,21 @@ def test_bad_input_is_named(sc) -> None:
         feed_forward_with_key(net, sc.parallelize(keyed(x), 2), batch_size=0)
     multi_ds = [MultiDataSet([x[:3]], [torch.zeros(3, dtype=torch.long)])]
     assert len(score_examples(net, sc.parallelize(multi_ds, 1)).collect()) == 3
+
+
+def test_predict_files_writes_one_npy_per_minibatch_file(sc, tmp_path) -> None:
+    from dlscale.data import export_minibatches, list_paths
+    from dlscale.errors import OutputExistsError
+    from dlscale.inference import predict_files
+
+    net = mlp()
+    x = torch.randn(50, 10, generator=torch.Generator().manual_seed(3))
+    paths = export_minibatches([DataSet(x, torch.zeros(50, dtype=torch.long))], str(tmp_path / "in"), 16)
+    counts = predict_files(net, list_paths(sc, str(tmp_path / "in")), str(tmp_path / "out"), batch_size=7)
+    assert counts == [16, 16, 16, 2]
+    names = sorted(os.listdir(tmp_path / "out"))
+    assert names == [os.path.basename(p).replace(".dlb", ".npy") for p in paths]  # nothing else, no temporaries
+    written = np.concatenate([np.load(tmp_path / "out" / name) for name in names])
+    np.testing.assert_allclose(written, net.output(x).numpy(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(OutputExistsError, match="out"):
+        predict_files(net, list_paths(sc, str(tmp_path / "in")), str(tmp_path / "out"))

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import fsspec
 
 from dlscale.errors import CorruptDataError, StorageError
-from dlscale.storage import atomic_write, check_empty, find_files, open_fs
+from dlscale.storage import check_empty, find_files, open_fs, write_bytes
 
 if TYPE_CHECKING:
     from dlscale.facade.context import SparkContext
@@ -83,12 +83,7 @@ class FileBatch:
 
     def write(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         """Write the batch to ``url`` atomically: a reader sees the whole archive or none."""
-        data = self.to_bytes()
-        fs, path = open_fs(url, storage_options)
-        try:
-            atomic_write(fs, path, lambda f: f.write(data))
-        except OSError as e:
-            raise StorageError(f"cannot write file batch {url}: {e}") from e
+        write_bytes(url, self.to_bytes(), storage_options=storage_options)
 
     @classmethod
     def from_bytes(cls, data: bytes, source: str = "buffer") -> FileBatch:
@@ -158,15 +153,6 @@ def _check_manifest(manifest: Any, entries: int, source: str) -> list[str]:
     return paths
 
 
-def _prepare_output(dst_url: str, storage_options: dict[str, Any] | None) -> tuple[fsspec.AbstractFileSystem, str]:
-    fs, root = check_empty(dst_url, storage_options)
-    try:
-        fs.makedirs(root, exist_ok=True)
-    except OSError as e:
-        raise StorageError(f"cannot create {dst_url}: {e}") from e
-    return fs, root.rstrip("/")
-
-
 def _write_batch(
     src_fs: fsspec.AbstractFileSystem, storage_options: dict[str, Any] | None, job: tuple[str, list[str]]
 ) -> None:
@@ -209,9 +195,9 @@ def create_file_batches(
     src_fs, files = find_files(src_url, storage_options, recursive, extensions)
     if seed is not None:
         random.Random(seed).shuffle(files)
-    dst_fs, root = _prepare_output(dst_url, storage_options)
+    dst_fs, root = check_empty(dst_url, storage_options, create=True)
     groups = [files[i : i + batch_size] for i in range(0, len(files), batch_size)]
-    urls = [dst_fs.unstrip_protocol(f"{root}/filebatch_{i:08d}.zip") for i in range(len(groups))]
+    urls = [dst_fs.unstrip_protocol(f"{root.rstrip('/')}/filebatch_{i:08d}.zip") for i in range(len(groups))]
     write = partial(_write_batch, src_fs, storage_options)
     if sc is None:
         for job in zip(urls, groups):

@@ -33,7 +33,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from dlscale.data.dataset import DataSet, MultiDataSet
 from dlscale.errors import CorruptDataError, StorageError
-from dlscale.storage import atomic_write, open_fs
+from dlscale.storage import open_fs, write_bytes
 
 MAGIC = b"DLSBATCH"
 VERSION = 1
@@ -142,17 +142,7 @@ def to_bytes(batch: DataSet | MultiDataSet) -> list[bytes | memoryview]:
 
 def save(batch: DataSet | MultiDataSet, url: str, storage_options: dict[str, Any] | None = None) -> None:
     """Write ``batch`` to ``url`` atomically: a reader sees the whole file or none."""
-    parts = to_bytes(batch)
-    fs, path = open_fs(url, storage_options)
-
-    def write(f: Any) -> None:
-        for part in parts:
-            f.write(part)
-
-    try:
-        atomic_write(fs, path, write)
-    except OSError as e:
-        raise StorageError(f"cannot write minibatch {url}: {e}") from e
+    write_bytes(url, *to_bytes(batch), storage_options=storage_options)
 
 
 def _aligned_buffer(size: int) -> np.ndarray:

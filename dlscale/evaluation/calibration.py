@@ -21,9 +21,9 @@ from __future__ import annotations
 import io
 from typing import Any
 
-import fsspec
 import numpy as np
 
+from dlscale import storage
 from dlscale.errors import EvaluationError, IncompatibleEvaluationError
 from dlscale.evaluation._base import BaseEvaluation, class_indices
 
@@ -241,7 +241,7 @@ class EvaluationCalibration(BaseEvaluation):
     def save_png(self, url_or_path: str, storage_options: dict[str, Any] | None = None) -> None:
         """Draw the reliability diagrams (with the diagonal of perfect calibration), the residual
         plot and the probability histogram, all classes together, to a PNG at ``url_or_path`` (a
-        local path or any fsspec URL)."""
+        local path or any fsspec URL, atomically; a relative one is under the storage root)."""
         try:
             from matplotlib.backends.backend_agg import FigureCanvasAgg
             from matplotlib.figure import Figure
@@ -270,5 +270,4 @@ class EvaluationCalibration(BaseEvaluation):
             axes.set(title=title, xlabel=xlabel, ylabel="count", xlim=(0, 1))
         buffer = io.BytesIO()
         figure.savefig(buffer, format="png")
-        with fsspec.open(url_or_path, "wb", **(storage_options or {})) as f:
-            f.write(buffer.getvalue())
+        storage.write_bytes(url_or_path, buffer.getbuffer(), storage_options=storage_options)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import io
 import math
-import os
 import pickle
 import struct
 from collections.abc import Callable, Iterator
@@ -20,7 +20,7 @@ from dlscale.errors import (
     UnsafePickleError,
 )
 from dlscale.facade import _graph, _safe_pickle
-from dlscale.storage import atomic_write, open_fs
+from dlscale.storage import as_storage_error, atomic_write, find_files, open_fs
 
 if TYPE_CHECKING:
     from dask.bag import Bag
@@ -40,29 +40,17 @@ _CODECS = {
 _EXTENSIONS = {"gzip": ".gz", "bz2": ".bz2", "lz4": ".lz4", "zstd": ".zst", "xz": ".xz", "lzma": ".xz"}
 
 
-def _hidden(path: str) -> bool:
-    return os.path.basename(path.rstrip("/")).startswith(("_", "."))
-
-
 def list_files(url: str, storage_options: dict[str, Any] | None) -> tuple[fsspec.AbstractFileSystem, list[str]]:
     """Files named by ``url``: a file, a directory's visible files, a glob, or comma-separated URLs.
 
-    Names starting with ``_`` or ``.`` inside a directory are skipped, as Hadoop does.
+    Names starting with ``_`` or ``.`` inside a directory are skipped, as Hadoop does
+    (see :func:`dlscale.storage.find_files`).
     """
     files: list[str] = []
     fs = None
     for part in [u.strip() for u in url.split(",") if u.strip()]:
-        fs, path = open_fs(part, storage_options)
-        try:
-            if fs.isdir(path):
-                found = [p for p in fs.find(path, maxdepth=1) if not _hidden(p)]
-            else:
-                found = sorted(fs.glob(path)) if any(c in path for c in "*?[") else ([path] if fs.exists(path) else [])
-        except OSError as e:
-            raise StorageError(f"cannot list {part!r}: {e}") from e
-        if not found:
-            raise StorageError(f"Input path does not exist: {part}")
-        files.extend(sorted(found))
+        fs, found = find_files(part, storage_options, recursive=False)
+        files.extend(found)
     if fs is None:
         raise StorageError(f"no path given: {url!r}")
     return fs, files
@@ -120,26 +108,31 @@ def whole_files(
 
 def _prepare_output(path: str, storage_options: dict[str, Any] | None) -> tuple[fsspec.AbstractFileSystem, str]:
     fs, root = open_fs(path, storage_options)
-    if fs.exists(root):
-        raise OutputExistsError(f"Output directory {path} already exists")
-    fs.makedirs(root, exist_ok=True)
+    with as_storage_error("create", path):
+        if fs.exists(root):
+            raise OutputExistsError(f"Output directory {path} already exists")
+        fs.makedirs(root, exist_ok=True)
     return fs, root.rstrip("/")
+
+
+class _Output(io.BytesIO):
+    """A compressor's output in memory, still readable after the compressor closes it (zstandard's does)."""
+
+    def close(self) -> None:
+        pass
 
 
 def _write_text_part(
     fs: fsspec.AbstractFileSystem, root: str, ext: str, compression: str | None, i: int, items: Any
 ) -> list[str]:
     path = f"{root}/part-{i:05d}{ext}"
-
-    def write(raw: Any) -> None:
-        f = fsspec.core.compr[compression](raw, mode="wb") if compression else raw
-        for x in items:
-            f.write(x if isinstance(x, bytes) else str(x).encode("utf-8"))
-            f.write(b"\n")
-        if compression:
-            f.close()  # flushes the compressor; the file itself is closed by atomic_write
-
-    atomic_write(fs, path, write)
+    lines = [(x if isinstance(x, bytes) else str(x).encode("utf-8")) + b"\n" for x in items]
+    if compression:
+        out = _Output()
+        with fsspec.core.compr[compression](out, mode="wb") as f:
+            f.writelines(lines)
+        lines = [out.getbuffer()]
+    atomic_write(fs, path, lines)
     return [path]
 
 
@@ -156,22 +149,18 @@ def save_as_text_file(rdd: RDD, path: str, codec: str | None, storage_options: d
 def _finish_output(rdd: RDD, fs: fsspec.AbstractFileSystem, root: str, write: Callable) -> None:
     if rdd.getNumPartitions():
         rdd.ctx._compute(_graph.partitionwise("save", write, rdd._bag))
-    fs.pipe_file(f"{root}/_SUCCESS", b"")
+    atomic_write(fs, f"{root}/_SUCCESS", [])
 
 
 # -- pickle --------------------------------------------------------------------------------
 def _write_pickle_part(fs: fsspec.AbstractFileSystem, root: str, batch_size: int, i: int, items: Any) -> list[str]:
     path = f"{root}/part-{i:05d}"
-
-    def write(f: Any) -> None:
-        f.write(_PICKLE_MAGIC)
-        items_list = list(items)
-        for start in range(0, len(items_list), batch_size):
-            blob = _safe_pickle.dumps(items_list[start : start + batch_size])
-            f.write(_LEN.pack(len(blob)))
-            f.write(blob)
-
-    atomic_write(fs, path, write)
+    items = list(items)
+    chunks = [_PICKLE_MAGIC]
+    for start in range(0, len(items), batch_size):
+        blob = _safe_pickle.dumps(items[start : start + batch_size])
+        chunks += [_LEN.pack(len(blob)), blob]
+    atomic_write(fs, path, chunks)
     return [path]
 
 

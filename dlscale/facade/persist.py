@@ -184,7 +184,7 @@ def _write_block(spec: _BlockSpec, i: int, part: Any) -> list[BlockRecord]:
         url = f"{spec.shared_dir}/{name}"
         record = BlockRecord(url, len(payload), None)
     fs, path = fsspec.core.url_to_fs(url, **spec.storage_options)
-    atomic_write(fs, path, lambda f: (f.write(header), f.write(payload)))
+    atomic_write(fs, path, [header, payload])
     return [record]
 
 

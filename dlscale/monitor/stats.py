@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dlscale import storage
-from dlscale.errors import StorageError
 
 
 @dataclass
@@ -139,8 +138,4 @@ class TrainingStats:
 
         image = io.BytesIO()
         timeline.to_png(self, image)  # drawn before anything is opened: a failure leaves no file
-        fs, path = storage.open_fs(url, storage_options)
-        try:
-            storage.atomic_write(fs, path, lambda f: f.write(image.getbuffer()))
-        except Exception as e:  # object-store errors do not all derive from OSError
-            raise StorageError(f"cannot write {url}: {e}") from e
+        storage.write_bytes(url, image.getbuffer(), storage_options=storage_options)

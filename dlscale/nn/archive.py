@@ -153,11 +153,7 @@ def save(network: Network, url: str, save_updater: bool = True, storage_options:
     with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
         z.writestr("network.json", json.dumps(header))
         z.writestr("tensors.bin", blob)
-    fs, path = storage.open_fs(url, storage_options)
-    try:
-        storage.atomic_write(fs, path, lambda f: f.write(out.getbuffer()))
-    except Exception as e:  # object-store errors do not all derive from OSError
-        raise StorageError(f"cannot write network archive {url}: {e}") from e
+    storage.write_bytes(url, out.getbuffer(), storage_options=storage_options)
 
 
 def _read(url: str, storage_options: dict[str, Any] | None) -> tuple[dict, bytes]:

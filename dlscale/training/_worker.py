@@ -1,5 +1,6 @@
-"""What runs on the workers while training: each worker's replica of the network, fitting one share
-of minibatches from a given state, and averaging the states that shares produce.
+"""What runs on the workers while training: each worker's replica of the network (pinned in the
+worker's network cache, :mod:`dlscale.nn.shipping`), fitting one share of minibatches from a given
+state, and averaging the states that shares produce.
 
 A *state* is a plain dict: ``params`` (the flat parameter vector), ``buffers`` (the module's buffers,
 such as BatchNorm's running statistics, which are not parameters), ``optimizer`` (the optimizer's
@@ -9,7 +10,6 @@ such as BatchNorm's running statistics, which are not parameters), ``optimizer``
 
 from __future__ import annotations
 
-import pickle
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -20,31 +20,22 @@ import torch
 from dlscale.data.dataset import DataSet, MultiDataSet
 from dlscale.data.format import from_bytes
 from dlscale.data.loaders import prefetch
+from dlscale.nn import shipping
 from dlscale.nn.network import Network, cpu_copy
-from dlscale.runtime.devices import device_for
 from dlscale.runtime.tasks import match_threads, worker_address
 from dlscale.training._heap import training_heap
 
-_REPLICAS: dict[str, tuple[Network, threading.Lock]] = {}
-_REPLICAS_LOCK = threading.Lock()
 
-
-def replica(key: str, blob: bytes, local: int = 0, per_worker: int = 1) -> tuple[Network, threading.Lock]:
-    """This process's copy of the network pickled in ``blob`` (unpickled once per worker, on the
-    device of the ``local``-th of its ``per_worker`` trainers), and the lock that keeps two tasks
-    from training it at once."""
-    with _REPLICAS_LOCK:
-        found = _REPLICAS.get(key)
-        if found is None:
-            network = pickle.loads(blob).to(device_for(local, per_worker))
-            found = _REPLICAS[key] = (network, threading.Lock())
-        return found
+def replica(key: str, blob: bytes, local: int = 0, per_worker: int = 1) -> tuple[Network, threading.Semaphore]:
+    """This process's copy of the network pickled in ``blob`` for the fit (and trainer slot) ``key``:
+    unpickled once per worker, on the device of the ``local``-th of its ``per_worker`` trainers, and
+    kept until :func:`drop_replica`; with the lock that keeps two tasks from training it at once."""
+    return shipping.pin(key, blob, local, per_worker)
 
 
 def drop_replica(key: str) -> None:
     """Forget the replica of ``key`` (run on every worker when a fit ends)."""
-    with _REPLICAS_LOCK:
-        _REPLICAS.pop(key, None)
+    shipping.drop(key)
 
 
 def state_of(network: Network, with_optimizer: bool) -> dict[str, Any]:

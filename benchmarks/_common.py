@@ -1,0 +1,138 @@
+"""What the benchmarks share: the training workload most of them measure, the plain PyTorch loop they
+compare against, timing, minibatch files to train from, and the head and writing of a results file.
+
+The workload: an MLP 784-2048-2048-10 (5.8M parameters) trained with SGD (lr 0.01, momentum 0.9) in
+minibatches of 64 on a synthetic 10-class problem of MNIST's shape, 25,600 training and 4,096 test
+examples. Only torch is imported with this module; the helpers that need dlscale import it when
+called, so that the DDP baseline's processes (``benchmarks._ddp``) never load dlscale.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from dlscale import SparkContext
+    from dlscale.facade.rdd import RDD
+    from dlscale.nn import Network
+
+BATCH = 64
+TRAIN = 64 * 400  # 25,600 examples: 400 minibatches an epoch
+TEST = 4096
+SGD = functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9)
+
+
+def make_data(seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """``(x, y, test_x, test_y)``: ten noisy class prototypes in 784 dimensions, passed through a fixed
+    nonlinearity."""
+    g = torch.Generator().manual_seed(seed)
+    prototypes = torch.randn(10, 784, generator=g)
+    mix = torch.randn(784, 784, generator=g) / 28
+
+    def sample(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.randint(0, 10, (n,), generator=g)
+        x = torch.tanh((prototypes[y] + 6.0 * torch.randn(n, 784, generator=g)) @ mix)
+        return x, y
+
+    return (*sample(TRAIN), *sample(TEST))
+
+
+def mlp(seed: int = 0) -> torch.nn.Module:
+    """The MLP 784-2048-2048-10, its initial weights fixed by ``seed``."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(784, 2048),
+        torch.nn.ReLU(),
+        torch.nn.Linear(2048, 2048),
+        torch.nn.ReLU(),
+        torch.nn.Linear(2048, 10),
+    )
+
+
+def network(seed: int = 0) -> Network:
+    """:func:`mlp` as a dlscale ``Network`` with cross-entropy and :data:`SGD`."""
+    from dlscale.nn import Network
+
+    return Network(mlp(seed), "cross_entropy", SGD)
+
+
+def accuracy(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Test accuracy of a module, in evaluation mode (and left in training mode)."""
+    module.eval()
+    with torch.no_grad():
+        accuracy = float((module(x).argmax(1) == y).float().mean())
+    module.train()
+    return accuracy
+
+
+def train_epoch(
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    generator: torch.Generator,
+    batch: int = BATCH,
+) -> int:
+    """One epoch of the plain PyTorch baseline: a shuffled order drawn from ``generator``, then an SGD
+    step on each whole minibatch of ``batch`` examples held in memory. Returns the steps taken."""
+    order = torch.randperm(len(x), generator=generator)
+    steps = len(x) // batch
+    for i in range(0, steps * batch, batch):
+        idx = order[i : i + batch]
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(module(x[idx]), y[idx]).backward()
+        optimizer.step()
+    return steps
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    """Seconds that ``fn()`` takes."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def export_paths(sc: SparkContext, x: torch.Tensor, y: torch.Tensor, url: str, batch: int = BATCH) -> RDD:
+    """The whole minibatches of ``x`` and ``y``, in order, exported to ``url`` as ``.dlb`` files; returns
+    the RDD of their paths, as training and evaluation from files take it."""
+    from dlscale.data import DataSet, export_minibatches, list_paths
+
+    whole = len(x) // batch * batch
+    export_minibatches([DataSet(x[i : i + batch], y[i : i + batch]) for i in range(0, whole, batch)], url, batch)
+    return list_paths(sc, url)
+
+
+def header(benchmark: str, **machine: Any) -> dict[str, Any]:
+    """The head of a results file: the benchmark, the date (UTC), and the machine (Python, torch,
+    dlscale, cores and platform, with the versions in ``machine``)."""
+    from dlscale import __version__
+
+    return {
+        "benchmark": benchmark,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "dlscale": __version__,
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            **machine,
+        },
+    }
+
+
+def write_results(path: Path, report: dict[str, Any], indent: int = 2) -> None:
+    """Write ``report`` as JSON to ``path`` and say where."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=indent) + "\n")
+    print(f"wrote {path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}")
