@@ -37,7 +37,7 @@ class Record:
             raise MalformedMessageError(f"{cls.what}: expected a mapping of fields, got {type(plain).__name__}")
         types = _types(cls)
         if set(plain) != set(types):
-            missing, extra = sorted(set(types) - set(plain)), sorted(set(plain) - set(types))
+            missing, extra = sorted(set(types) - set(plain)), sorted(map(str, set(plain) - set(types)))
             raise MalformedMessageError(f"{cls.what}: missing fields {missing}, unexpected fields {extra}")
         return cls(**{name: _typed(plain[name], kind, f"{cls.what}.{name}") for name, kind in types.items()})
 
