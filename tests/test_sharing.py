@@ -1,22 +1,19 @@
 """Gradient sharing on real multi-process clusters: accuracy against single-process training,
-compression, a worker killed mid-training, the mesh on 64 peers, bad input and debug output."""
+compression, a worker killed mid-training, bad input and debug output (the protocol's parts, role by
+role, are in test_sharing_protocol.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import itertools
 import logging
 import os
 import signal
-import warnings
 from collections.abc import Iterator
 
 import pytest
 import torch
-from distributed.core import ConnectionPool, Server
 from sklearn.datasets import load_digits
-from tornado.ioloop import IOLoop
 
 from dlscale import (
     RDD,
@@ -29,7 +26,6 @@ from dlscale.data import DataSet, export_minibatches, list_paths
 from dlscale.encoding import FixedThresholdAlgorithm
 from dlscale.nn import Network
 from dlscale.nn.listeners import TrainingListener
-from dlscale.training.sharing._worker_plugin import Node
 
 BATCH = 16
 EPOCHS = 60
@@ -279,59 +275,3 @@ def test_settings_are_validated() -> None:
         SharedTrainingMaster(32, workers_per_node=0)
     with pytest.raises(ValueError, match="rdd_training_approach"):
         SharedTrainingMaster(32, rdd_training_approach="stream")
-
-
-# -- the mesh on 64 lightweight peers: real comm servers in one process ------------------------
-
-
-async def _mesh_round(nodes: dict[str, Node], version: int, seq: int) -> None:
-    for node in nodes.values():
-        node.set_nodes(version, sorted(nodes))
-    await asyncio.sleep(0.05)
-    for address, node in nodes.items():
-        node.send(f"{address}#0", seq, f"{address}/{seq}".encode(), 0)
-    for _ in range(200):
-        if all(len(n.inboxes[0]) == len(nodes) - 1 for n in nodes.values()):
-            break
-        await asyncio.sleep(0.05)
-    await asyncio.sleep(0.1)  # a duplicate would arrive by now
-    for address, node in nodes.items():
-        got = sorted(payload.decode() for _, _, payload in node.inboxes[0])
-        assert got == sorted(f"{a}/{seq}" for a in nodes if a != address)
-        node.inboxes[0].clear()
-
-
-@pytest.mark.parametrize("mode, fanout", [("mesh", 4), ("plain", 4)])
-def test_every_update_reaches_every_peer_once_on_64_nodes(mode: str, fanout: int) -> None:
-    async def main() -> None:
-        pool = await ConnectionPool(limit=1024)
-        servers, nodes = [], {}
-        loop = IOLoop.current()
-        for _ in range(64):
-            server = Server({})
-            await server.listen("tcp://127.0.0.1:0")
-            node = Node("s", server.address, pool, loop, 1, mode, fanout=fanout)
-            server.handlers["dlscale_update"] = lambda session, sender, messages, node=node: node.receive(
-                sender, messages
-            )
-            servers.append(server)
-            nodes[server.address] = node
-        try:
-            await _mesh_round(nodes, 0, 0)
-            links = [len(n._links) for n in nodes.values()]
-            assert max(links) <= (fanout + 1 if mode == "mesh" else 63)
-            # the root of the tree dies: the survivors rebuild it and go on
-            root = min(nodes)
-            await servers[[s.address for s in servers].index(root)].close()
-            nodes.pop(root).close()
-            await _mesh_round(nodes, 1, 1)
-        finally:
-            for node in nodes.values():
-                node.close()
-            for server in servers:
-                await server.close()
-            await pool.close()
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        asyncio.run(main())

@@ -3,20 +3,33 @@ minibatches are left, and when a fit has ended.
 
 Trainers pull minibatches a few at a time and acknowledge them when fitted, so a trainer that is
 lost (its worker removed) leaves its unacknowledged minibatches to the others. The membership has a
-version that grows with every loss; trainers read it with every call and route their updates
+version that grows with every loss; trainers read it with every reply and route their updates
 around the lost nodes. Updates themselves never pass through the scheduler.
+
+A :class:`Session` is the bookkeeping alone and raises a :class:`SessionStoppedError` for a trainer
+whose session has stopped; the plugin's handlers turn records and refusals into plain replies
+(``_messages``). The driver's handlers (``open``, ``progress``, ``close``, ``fail``) reply with plain
+dicts.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dlscale.monitor import panel
+from dlscale.training.sharing._exceptions import (
+    SessionAbortedError,
+    SessionClosedError,
+    SessionStoppedError,
+    TrainerLostError,
+)
+from dlscale.training.sharing._messages import Ack, Handout, Record, View, ok, refusal
 
 if TYPE_CHECKING:
     from distributed.scheduler import Scheduler, WorkerState
@@ -27,46 +40,153 @@ NAME = "dlscale-sharing"
 
 
 @dataclass
-class _Session:
+class Session:
+    """One session's state: its trainers (by the worker each is placed on) and its work items."""
+
+    name: str
     worker_of: dict[str, str]  # trainer -> worker address
     pending: collections.deque[int]  # work items not yet handed out, in order
     alive: set[str]
     assigned: dict[str, set[int]] = field(default_factory=dict)
     joined: set[str] = field(default_factory=set)
-    finished: dict[str, int] = field(default_factory=dict)  # trainer -> messages it sent
+    finished: dict[str, int] = field(default_factory=dict)  # trainer -> updates it sent
     reports: list[tuple[int, int, float]] = field(default_factory=list)  # (item, examples, score) for the driver
     lost: list[str] = field(default_factory=list)  # trainers lost, in order
     failed: str | None = None
     version: int = 0
 
+    @classmethod
+    def open(cls, name: str, worker_of: dict[str, str], order: list[int], workers: Collection[str]) -> Session:
+        """A session whose trainers on ``workers`` (those the scheduler knows) are alive; the others are
+        lost from the start."""
+        alive = {t for t, w in worker_of.items() if w in workers}
+        return cls(
+            name,
+            dict(worker_of),
+            collections.deque(order),
+            alive,
+            {t: set() for t in worker_of},
+            lost=sorted(set(worker_of) - alive),
+        )
+
+    # -- what the session is -----------------------------------------------------------------
     def nodes(self) -> list[str]:
         return sorted({self.worker_of[t] for t in self.alive})
 
-    def state(self) -> str:
-        if self.failed is not None:
-            return "abort"
-        if self.pending or any(self.assigned.get(t) for t in self.alive):
-            return "run"
-        return "end"
+    def work_left(self) -> bool:
+        """Whether some item is not yet handed out, or handed to a live trainer and not acknowledged."""
+        return bool(self.pending) or any(self.assigned.get(t) for t in self.alive)
 
-    def view(self) -> dict[str, Any]:
+    def training(self) -> bool:
+        """Whether the session's trainers are still at work (not failed, work left)."""
+        return self.failed is None and self.work_left()
+
+    def view(self) -> View:
+        return View(
+            done=not self.work_left(),
+            version=self.version,
+            nodes=tuple(self.nodes()),
+            alive=tuple(sorted(self.alive)),
+            finished={t: n for t, n in self.finished.items() if t in self.alive},
+        )
+
+    def progress(self) -> dict[str, Any]:
+        """The driver's report: the acknowledgements since the last one (``(item, examples, score)``),
+        the trainers lost so far, the failure if any, and the state of the session."""
+        reports, self.reports = self.reports, []
+        view = self.view()
+        state = "abort" if self.failed is not None else "end" if view.done else "run"
         return {
-            "state": self.state(),
-            "version": self.version,
-            "nodes": self.nodes(),
-            "alive": sorted(self.alive),
-            "finished": {t: n for t, n in self.finished.items() if t in self.alive},
+            "reports": reports,
+            "lost": list(self.lost),
+            "failed": self.failed,
+            "state": state,
+            "version": view.version,
+            "nodes": list(view.nodes),
+            "alive": list(view.alive),
+            "finished": view.finished,
         }
+
+    # -- the trainers' calls -----------------------------------------------------------------
+    def join(self, trainer: str) -> View:
+        """A trainer starting; one lost before it started, or started a second time (its task rerun
+        elsewhere after its worker was lost), is refused."""
+        self._check_member(trainer)
+        if trainer in self.joined:
+            raise TrainerLostError(f"trainer {trainer} of session {self.name} started a second time")
+        self.joined.add(trainer)
+        self._check_running()
+        return self.view()
+
+    def acknowledge(self, trainer: str, acks: list[Ack]) -> list[Ack]:
+        """Record the fitted items that ``trainer`` still holds; returns those acknowledgements."""
+        self._check_member(trainer)
+        mine = self.assigned[trainer]
+        fresh = [ack for ack in acks if ack.item in mine]
+        for ack in fresh:
+            mine.discard(ack.item)
+            self.reports.append((ack.item, ack.examples, ack.score))
+        return fresh
+
+    def hand_out(self, trainer: str, want: int) -> Handout:
+        """Up to ``want`` more items for ``trainer``."""
+        self._check_member(trainer)
+        self._check_running()
+        items = []
+        while self.pending and len(items) < want:
+            items.append(self.pending.popleft())
+        self.assigned[trainer].update(items)
+        return Handout(items=tuple(items), view=self.view())
+
+    def finish(self, trainer: str, sent: int) -> View:
+        """``trainer`` is done with its items, having sent ``sent`` updates."""
+        self._check_member(trainer)
+        self._check_running()
+        self.finished[trainer] = sent
+        return self.view()
+
+    def status(self, trainer: str) -> View:
+        self._check_member(trainer)
+        self._check_running()
+        return self.view()
+
+    def fail(self, who: str, error: str) -> None:
+        """``who`` (a trainer, or the driver) raised: every trainer stops at its next call."""
+        if self.failed is None:
+            self.failed = f"{who}: {error}"
+
+    # -- the cluster's events ----------------------------------------------------------------
+    def remove_worker(self, worker: str) -> list[str]:
+        """Drop the trainers of ``worker`` and hand their unacknowledged items back, to the front of
+        the queue in order; returns the trainers dropped."""
+        gone = sorted(t for t in self.alive if self.worker_of[t] == worker)
+        back: set[int] = set()
+        for t in gone:
+            self.alive.discard(t)
+            back |= self.assigned.pop(t, set())
+            self.lost.append(t)
+        self.pending.extendleft(sorted(back, reverse=True))
+        if gone:
+            self.version += 1
+        return gone
+
+    def _check_member(self, trainer: str) -> None:
+        if trainer not in self.alive:
+            raise TrainerLostError(f"trainer {trainer} is not a member of session {self.name}")
+
+    def _check_running(self) -> None:
+        if self.failed is not None:
+            raise SessionAbortedError(f"session {self.name} stopped: {self.failed}")
 
 
 class SharingSchedulerPlugin(SchedulerPlugin):
-    """Installs the ``dlscale_sharing_*`` handlers on the scheduler and keeps every session's state."""
+    """Installs the ``dlscale_sharing_*`` handlers on the scheduler and keeps every session."""
 
     name = NAME
     idempotent = True
 
     def __init__(self) -> None:
-        self.sessions: dict[str, _Session] = {}
+        self.sessions: dict[str, Session] = {}
 
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
@@ -86,11 +206,7 @@ class SharingSchedulerPlugin(SchedulerPlugin):
     # -- the driver's calls --------------------------------------------------------------
     def open_session(self, session: str, worker_of: dict[str, str], order: list[int]) -> None:
         """Start a session: its trainers (by the worker each is placed on) and its work items in order."""
-        alive = {t for t, w in worker_of.items() if w in self._workers}
-        self.sessions[session] = _Session(
-            dict(worker_of), collections.deque(order), alive, {t: set() for t in worker_of}
-        )
-        self.sessions[session].lost.extend(sorted(set(worker_of) - alive))
+        self.sessions[session] = Session.open(session, worker_of, order, self.scheduler.workers)
         live = panel.in_scheduler(self.scheduler)
         if live is not None:  # every trainer gets its row before its first report
             live.record(
@@ -105,47 +221,52 @@ class SharingSchedulerPlugin(SchedulerPlugin):
         self.sessions.pop(session, None)
 
     def progress(self, session: str) -> dict[str, Any]:
-        """The acknowledgements since the last call, the trainers lost so far and the session's view."""
-        s = self.sessions[session]
-        reports, s.reports = s.reports, []
-        return {"reports": reports, "lost": list(s.lost), "failed": s.failed, **s.view()}
+        """The acknowledgements since the last call, the trainers lost so far and the session's state."""
+        return self.sessions[session].progress()
 
-    # -- the trainers' calls -------------------------------------------------------------
+    def fail(self, session: str, trainer: str, error: str) -> None:
+        """A trainer raised, or the driver stops the session: every trainer stops at its next call."""
+        s = self.sessions.get(session)
+        if s is not None:
+            s.fail(trainer, error)
+
+    # -- the trainers' calls: records in plain form, or a refusal ------------------------
     def join(self, session: str, trainer: str) -> dict[str, Any]:
-        """A trainer starting; ``ok`` is False for one lost before it started or started a second time
-        (its task rerun elsewhere after its worker was lost)."""
-        s = self.sessions.get(session)
-        ok = s is not None and trainer in s.alive and trainer not in s.joined
-        if ok:
-            s.joined.add(trainer)
-        return {"ok": ok, **(s.view() if s is not None else {})}
+        return self._reply(session, lambda s: s.join(trainer))
 
-    def next(self, session: str, trainer: str, acks: list[list[Any]], want: int) -> dict[str, Any]:
-        """Acknowledge fitted items (``[item, examples, score, threshold, sparsity, bytes sent]``)
-        and hand out up to ``want`` more."""
-        s = self.sessions.get(session)
-        if s is None or trainer not in s.alive:
-            return {"state": "lost", "items": []}
-        mine = s.assigned[trainer]
-        fresh = [ack for ack in acks if ack[0] in mine]
-        for item, examples, score, *_ in fresh:
-            mine.discard(item)
-            s.reports.append((item, examples, score))
-        if fresh:
-            self._to_panel(session, s.worker_of[trainer], trainer, fresh)
-        items = []
-        if s.failed is None:
-            while s.pending and len(items) < want:
-                items.append(s.pending.popleft())
-        mine.update(items)
-        return {"items": items, **s.view()}
+    def next(self, session: str, trainer: str, acks: list[Any], want: int) -> dict[str, Any]:
+        """Acknowledge fitted items (plain :class:`Ack` records) and hand out up to ``want`` more."""
+        records = [Ack.from_plain(a) for a in acks]
 
-    def _to_panel(self, session: str, worker: str, trainer: str, acks: list[list[Any]]) -> None:
+        def call(s: Session) -> Handout:
+            fresh = s.acknowledge(trainer, records)
+            if fresh:
+                self._to_panel(session, s.worker_of[trainer], trainer, fresh)
+            return s.hand_out(trainer, want)
+
+        return self._reply(session, call)
+
+    def finish(self, session: str, trainer: str, sent: int) -> dict[str, Any]:
+        return self._reply(session, lambda s: s.finish(trainer, sent))
+
+    def status(self, session: str, trainer: str) -> dict[str, Any]:
+        return self._reply(session, lambda s: s.status(trainer))
+
+    def _reply(self, session: str, call: Callable[[Session], Record]) -> dict[str, Any]:
+        try:
+            s = self.sessions.get(session)
+            if s is None:
+                raise SessionClosedError(f"session {session} is not open")
+            return ok(call(s))
+        except SessionStoppedError as e:
+            return refusal(e)
+
+    def _to_panel(self, session: str, worker: str, trainer: str, acks: list[Ack]) -> None:
         live = panel.in_scheduler(self.scheduler)
         if live is None:
             return
-        examples = sum(a[1] for a in acks)
-        loss = sum(a[1] * a[2] for a in acks) / examples if examples else float("nan")
+        examples = sum(a.examples for a in acks)
+        loss = sum(a.examples * a.score for a in acks) / examples if examples else float("nan")
         live.record(
             session,
             [
@@ -155,58 +276,28 @@ class SharingSchedulerPlugin(SchedulerPlugin):
                     "minibatches": len(acks),
                     "examples": examples,
                     "loss": loss,
-                    "threshold": acks[-1][3],
-                    "sparsity": acks[-1][4],
-                    "bytes_sent": sum(a[5] for a in acks),
+                    "threshold": acks[-1].threshold,
+                    "sparsity": acks[-1].sparsity,
+                    "bytes_sent": sum(a.bytes_sent for a in acks),
                 }
             ],
         )
 
-    def finish(self, session: str, trainer: str, sent: int) -> dict[str, Any]:
-        """A trainer done with its minibatches, having sent ``sent`` updates."""
-        s = self.sessions.get(session)
-        if s is None or trainer not in s.alive:
-            return {"state": "lost"}
-        s.finished[trainer] = sent
-        return s.view()
-
-    def status(self, session: str, trainer: str | None = None) -> dict[str, Any]:
-        s = self.sessions.get(session)
-        if s is None or (trainer is not None and trainer not in s.alive):
-            return {"state": "lost"}
-        return s.view()
-
-    def fail(self, session: str, trainer: str, error: str) -> None:
-        """A trainer raised: every other trainer stops at its next call."""
-        s = self.sessions.get(session)
-        if s is not None and s.failed is None:
-            s.failed = f"{trainer}: {error}"
-
     # -- the cluster's events ------------------------------------------------------------
-    @property
-    def _workers(self) -> set[str]:
-        return set(self.scheduler.workers)
-
     def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str, **kwargs: Any) -> None:
         """Drop the trainers of ``worker`` and hand their unacknowledged minibatches to the others."""
-        for sid, s in self.sessions.items():
-            gone = sorted(t for t in s.alive if s.worker_of[t] == worker)
-            if not gone:
-                continue
-            for t in gone:
-                s.alive.discard(t)
-                s.pending.extendleft(sorted(s.assigned.pop(t, set()), reverse=True))
-                s.lost.append(t)
-            s.version += 1
-            logger.warning(
-                "gradient sharing session %s lost worker %s (trainers %s); %d trainers go on",
-                sid,
-                worker,
-                ", ".join(gone),
-                len(s.alive),
-            )
+        for s in self.sessions.values():
+            gone = s.remove_worker(worker)
+            if gone:
+                logger.warning(
+                    "gradient sharing session %s lost worker %s (trainers %s); %d trainers go on",
+                    s.name,
+                    worker,
+                    ", ".join(gone),
+                    len(s.alive),
+                )
 
     def valid_workers_downscaling(self, scheduler: Scheduler, workers: list[WorkerState]) -> list[WorkerState]:
         """Keep adaptive scaling from retiring a worker whose trainers are still training."""
-        busy = {s.worker_of[t] for s in self.sessions.values() if s.state() == "run" for t in s.alive}
+        busy = {s.worker_of[t] for s in self.sessions.values() if s.training() for t in s.alive}
         return [w for w in workers if w.address not in busy]

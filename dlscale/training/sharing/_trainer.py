@@ -20,10 +20,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import dask.config
 import numpy as np
 import torch
-from dask.utils import parse_timedelta
 from distributed import Future, get_client, get_worker, secede
 from distributed.utils import sync
 
@@ -39,6 +37,8 @@ from dlscale.encoding import (
 )
 from dlscale.training._heap import training_heap
 from dlscale.training._worker import decode, replica, state_of
+from dlscale.training.sharing._exceptions import SessionAbortedError, SessionStoppedError
+from dlscale.training.sharing._messages import Ack, Handout, Update, View, unwrap
 from dlscale.training.sharing._worker_plugin import plugin
 
 logger = logging.getLogger("dlscale.training.sharing")
@@ -83,23 +83,33 @@ class HeldMinibatch:
             future.release()
 
 
-class _Stopped(Exception):
-    """The session ended under this trainer: it was lost, or another trainer failed."""
-
-    def __init__(self, state: str) -> None:
-        super().__init__(state)
-        self.state = state
-
-
 class _Control:
-    """Calls to the scheduler's ``dlscale_sharing_*`` handlers from a trainer's threads."""
+    """Calls to the scheduler's ``dlscale_sharing_*`` handlers from a trainer's threads: plain data on
+    the comm, records here; a session that has stopped for this trainer raises a
+    :class:`SessionStoppedError`."""
 
     def __init__(self, worker: Any, session: str, trainer: str) -> None:
         self.worker, self.session, self.trainer = worker, session, trainer
 
-    def __call__(self, op: str, **kwargs: Any) -> Any:
+    def _call(self, op: str, **kwargs: Any) -> Any:
         method = getattr(self.worker.scheduler, f"dlscale_sharing_{op}")
         return sync(self.worker.loop, method, session=self.session, trainer=self.trainer, **kwargs)
+
+    def join(self) -> View:
+        return View.from_plain(unwrap(self._call("join")))
+
+    def next(self, acks: list[Ack], want: int) -> Handout:
+        """Acknowledge ``acks`` and ask for up to ``want`` more items."""
+        return Handout.from_plain(unwrap(self._call("next", acks=[a.to_plain() for a in acks], want=want)))
+
+    def finish(self, sent: int) -> View:
+        return View.from_plain(unwrap(self._call("finish", sent=sent)))
+
+    def status(self) -> View:
+        return View.from_plain(unwrap(self._call("status")))
+
+    def fail(self, error: str) -> None:
+        self._call("fail", error=error)
 
 
 def run(
@@ -113,25 +123,34 @@ def run(
     spec: TrainerSpec,
 ) -> dict[str, Any]:
     """The task of one trainer; returns its final state, or ``{"lost": True}`` for a trainer whose
-    worker was lost (this task then runs again elsewhere and stops at once)."""
+    worker was lost (this task then runs again elsewhere and stops at once) and ``{"aborted": True}``
+    for one stopped by another's failure."""
     worker = get_worker()
     control = _Control(worker, session, trainer)
-    joined = control("join")
-    if not joined["ok"]:
-        return {"trainer": trainer, "lost": True}
+    try:
+        joined = control.join()
+    except SessionStoppedError as e:
+        return _stopped(trainer, e)
     if isinstance(loader, HeldMinibatch):
         loader = loader.bind(get_client())
     secede()  # a trainer runs for the whole fit: it should not hold one of the worker's task slots
     try:
         with training_heap():
             return _Trainer(worker, control, local, key, blob, refs, loader, spec, joined).train()
-    except _Stopped as e:
-        return {"trainer": trainer, "lost": e.state == "lost", "aborted": e.state == "abort"}
+    except SessionStoppedError as e:
+        return _stopped(trainer, e)
     except BaseException as e:
         with contextlib.suppress(Exception):  # the original error matters, not this one
-            control("fail", error=f"{type(e).__name__}: {e}")
+            control.fail(f"{type(e).__name__}: {e}")
         e.add_note(f"in gradient-sharing trainer {trainer} on worker {worker.address}")
         raise
+
+
+def _stopped(trainer: str, error: SessionStoppedError) -> dict[str, Any]:
+    """The result of a trainer whose session stopped under it: it was lost (or its session is gone),
+    or another trainer failed."""
+    aborted = isinstance(error, SessionAbortedError)
+    return {"trainer": trainer, "lost": not aborted, "aborted": aborted}
 
 
 class _Trainer:
@@ -145,13 +164,14 @@ class _Trainer:
         refs: list[Any],
         loader: Callable[[Any], Any],
         spec: TrainerSpec,
-        joined: dict[str, Any],
+        joined: View,
     ) -> None:
         self.worker, self.control, self.local, self.spec = worker, control, local, spec
         self.name = control.trainer
         self.node = plugin(worker).nodes[control.session]
-        self.node.set_nodes(joined["version"], joined["nodes"])
-        self.start_version = joined["version"]
+        self.config = self.node.config
+        self.node.set_nodes(joined.version, joined.nodes)
+        self.start_version = joined.version
         self.network, _ = replica(f"{key}/{local}", blob, local, spec.workers_per_node)
         self.params = self.network.params()
         # The codec works on CPU vectors: on a GPU, a step's updates (its own and its peers') are
@@ -162,8 +182,7 @@ class _Trainer:
         self.refs, self.loader = refs, loader
         self.inbox = self.node.inboxes[local]
         self.applied: collections.Counter[str] = collections.Counter()
-        self.poll = parse_timedelta(dask.config.get("dlscale.sharing.poll-interval"))
-        self.acks: list[list[Any]] = []
+        self.acks: list[Ack] = []
         self.acks_lock = threading.Lock()
         self.handed: collections.deque[int] = collections.deque()
         self.stopping = threading.Event()
@@ -191,17 +210,17 @@ class _Trainer:
     def _apply_inbox(self) -> None:
         """Apply the updates received so far, and flush every update applied since the last flush."""
         while self.inbox:
-            origin, _, payload = self.inbox.popleft()
+            update = self.inbox.popleft()
             try:
-                message = EncodedUpdate.from_bytes(payload)
+                message = EncodedUpdate.from_bytes(update.payload)
             except Exception as e:
-                e.add_note(f"in an update from trainer {origin}")
+                e.add_note(f"in an update from trainer {update.origin}")
                 raise
             apply(message, self.host)
             self.unflushed = True
-            self.applied[origin] += 1
+            self.applied[update.origin] += 1
             self.stats["messages_received"] += 1
-            self.stats["bytes_received"] += len(payload)
+            self.stats["bytes_received"] += len(update.payload)
         self._flush()
 
     def _flush(self) -> None:
@@ -214,23 +233,22 @@ class _Trainer:
 
     def _items(self) -> Iterator[Any]:
         """The refs of the minibatches this trainer is handed, pulled from the scheduler one ahead of
-        need (the prefetching thread runs this); ends when the session has no work left."""
+        need (the prefetching thread runs this); ends when the session has no work left, and raises
+        :class:`SessionStoppedError` when the session stops under it."""
         n = len(self.refs)
         while not self.stopping.is_set():
             with self.acks_lock:
                 acks, self.acks = self.acks, []
-            reply = self.control("next", acks=acks, want=1)
-            if reply["state"] in ("lost", "abort"):
-                raise _Stopped(reply["state"])
-            self.node.set_nodes(reply["version"], reply["nodes"])
-            if reply["items"]:
-                for item in reply["items"]:
+            handout = self.control.next(acks, want=1)
+            self.node.set_nodes(handout.view.version, handout.view.nodes)
+            if handout.items:
+                for item in handout.items:
                     self.handed.append(item)
                     yield self.refs[item % n]
-            elif reply["state"] == "end":
+            elif handout.view.done:
                 return
             else:
-                time.sleep(self.poll)
+                time.sleep(self.config.poll_interval)
 
     # -- the fit ----------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
@@ -279,7 +297,7 @@ class _Trainer:
                 if message.count:
                     payload = message.to_bytes()
                     size = len(payload)
-                    self.node.send(self.name, seq, payload, self.local)
+                    self.node.send(Update(self.name, seq, payload), self.local)
                     seq += 1
                     self.stats["messages_sent"] += 1
                     self.stats["bytes_sent"] += size
@@ -288,7 +306,9 @@ class _Trainer:
                     self.stats["steps"].append((time.time(), message.threshold, message.sparsity, size))
                 examples = batch.num_examples()
                 with self.acks_lock:
-                    self.acks.append([item, examples, score, message.threshold, message.sparsity, size])
+                    self.acks.append(
+                        Ack(item, examples, float(score), float(message.threshold), float(message.sparsity), size)
+                    )
                 self.stats["minibatches"] += 1
                 self.stats["examples"] += examples
                 step += 1
@@ -316,26 +336,22 @@ class _Trainer:
         """Report the end of this trainer's work (every minibatch of the session is fitted by now) and
         apply updates until every live peer's last one is in."""
         t = time.perf_counter()
-        reply = self.control("finish", sent=sent)
-        deadline = time.monotonic() + parse_timedelta(dask.config.get("dlscale.sharing.end-timeout"))
+        view = self.control.finish(sent)
+        deadline = time.monotonic() + self.config.end_timeout
         stalled_since, count = time.monotonic(), sum(self.applied.values())
         while True:
-            if reply["state"] in ("lost", "abort"):
-                raise _Stopped(reply["state"])
             self._apply_inbox()
-            self.node.set_nodes(reply["version"], reply["nodes"])
-            alive = [o for o in reply["alive"] if o != self.name]
-            if all(o in reply["finished"] for o in alive):
-                missing = {
-                    o: reply["finished"][o] - self.applied[o] for o in alive if self.applied[o] < reply["finished"][o]
-                }
+            self.node.set_nodes(view.version, view.nodes)
+            alive = [o for o in view.alive if o != self.name]
+            if all(o in view.finished for o in alive):
+                missing = {o: view.finished[o] - self.applied[o] for o in alive if self.applied[o] < view.finished[o]}
                 if not missing:
                     break
                 now, total = time.monotonic(), sum(self.applied.values())
                 if total != count:
                     stalled_since, count = now, total
                 # after a loss, updates relayed by the lost node may never come
-                if reply["version"] != self.start_version and now - stalled_since > 1.0:
+                if view.version != self.start_version and now - stalled_since > 1.0:
                     logger.warning(
                         "trainer %s ends without %d updates lost with a peer", self.name, sum(missing.values())
                     )
@@ -348,8 +364,8 @@ class _Trainer:
                         ", ".join(sorted(missing)),
                     )
                     break
-            time.sleep(self.poll / 4)
-            reply = self.control("status")
+            time.sleep(self.config.poll_interval / 4)
+            view = self.control.status()
         self._apply_inbox()
         self._phase("wait", t)
 

@@ -1,0 +1,100 @@
+"""One worker's part in one gradient-sharing session: a :class:`Node` holding its trainers' inboxes,
+the membership it routes by, and its links to the peers.
+
+Received updates only enqueue: trainers decode and apply what their inbox holds between steps, in
+their own threads. A trainer's own update goes straight to the worker's other trainers and, through
+the event loop, to the peers the mode routes it to (``_mesh``); in a mesh, received updates are
+passed on too, and duplicates (after a change of tree, or a retried send) are recognised by their
+origin's sequence number. Encoded bytes waiting to be sent are bounded by the session's
+``send_buffer``: a trainer whose update would exceed it waits for the network.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import TYPE_CHECKING, Any
+
+from dlscale.training.sharing import _mesh
+from dlscale.training.sharing._comms import PeerLinks
+from dlscale.training.sharing._config import SharingConfig
+from dlscale.training.sharing._limiter import ResourceLimiter
+from dlscale.training.sharing._messages import Update
+
+if TYPE_CHECKING:
+    from distributed.core import ConnectionPool
+
+
+class Node:
+    """One worker's part in ``session``: ``inboxes[i]`` receives, for local trainer ``i``, every update
+    of every other trainer of the session.
+
+    :meth:`set_nodes` and :meth:`send` are called from trainer threads; :meth:`receive` and
+    :meth:`close` on the worker's event loop ``loop``.
+    """
+
+    def __init__(
+        self,
+        session: str,
+        address: str,
+        rpc: ConnectionPool,
+        loop: Any,
+        trainers: int,
+        mode: str,
+        config: SharingConfig,
+    ) -> None:
+        self.session, self.address, self.loop, self.mode, self.config = session, address, loop, mode, config
+        self.limiter = ResourceLimiter(config.send_buffer)
+        self.comms = PeerLinks(session, address, rpc, self.limiter, config)
+        self.inboxes: list[collections.deque[Update]] = [collections.deque() for _ in range(trainers)]
+        self.nodes: list[str] = [address]
+        self.version = -1
+        self.closed = False
+        self._seen: dict[str, _mesh.Seen] = collections.defaultdict(_mesh.Seen)  # event loop only
+
+    # -- called from trainer threads ----------------------------------------------------------
+    def set_nodes(self, version: int, nodes: list[str] | tuple[str, ...]) -> None:
+        """Adopt the membership of ``version`` (newer versions only)."""
+        if version > self.version:
+            self.version = version
+            self.loop.add_callback(self._set_nodes, list(nodes))
+
+    def send(self, update: Update, local: int) -> float:
+        """Deliver an update of local trainer ``local`` to the other local trainers and queue it for the
+        peers; returns the seconds spent waiting for room in the send buffer."""
+        for j, box in enumerate(self.inboxes):
+            if j != local:
+                box.append(update)
+        waited = self.limiter.acquire(len(update.payload))  # held until the loop has queued it
+        self.loop.add_callback(self._route, update, None)
+        return waited
+
+    # -- on the event loop --------------------------------------------------------------------
+    def receive(self, sender: str, updates: list[Update]) -> None:
+        """Updates from ``sender``: each new one goes to every local trainer (and, in a mesh, on to
+        the neighbours it did not come from)."""
+        for update in updates:
+            if self.closed or not self._seen[update.origin].add(update.seq):
+                continue
+            for box in self.inboxes:
+                box.append(update)
+            if self.mode == "mesh":
+                self._route(update, sender)
+
+    def close(self) -> None:
+        """End the session here: waiting trainers go on, nothing more is sent or received."""
+        self.closed = True
+        self.limiter.close()
+        self.comms.close()
+
+    def _set_nodes(self, nodes: list[str]) -> None:
+        self.nodes = nodes
+        for peer in list(self.comms.links):
+            if peer not in nodes:
+                self.comms.drop(peer)
+
+    def _route(self, update: Update, came_from: str | None) -> None:
+        for peer in _mesh.targets(self.nodes, self.address, self.mode, self.config.mesh_fanout, came_from):
+            self.comms.put(peer, update)
+        if came_from is None:  # a local trainer's update: the links hold its bytes now
+            self._seen[update.origin].add(update.seq)
+            self.limiter.release(len(update.payload))

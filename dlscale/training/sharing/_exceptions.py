@@ -1,0 +1,57 @@
+"""The errors of gradient sharing's protocol.
+
+A trainer learns that its session cannot go on from the scheduler's reply: the session is gone, the
+trainer is no longer a member, or another trainer failed. The scheduler refuses with plain data (a
+``status`` naming the reason, see ``_messages``); the trainer's end raises the matching
+:class:`SessionStoppedError`, which its task turns into a result the driver reads.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from dlscale.errors import DlscaleError
+
+
+class SessionStoppedError(DlscaleError, RuntimeError):
+    """A gradient-sharing session that has ended for the trainer that asked; ``reason`` is how it
+    travels in the scheduler's replies."""
+
+    reason: ClassVar[str]
+
+
+class SessionClosedError(SessionStoppedError):
+    """A session that is not open on the scheduler (closed by the driver, or never opened)."""
+
+    reason = "closed"
+
+
+class TrainerLostError(SessionStoppedError):
+    """A trainer that is no longer a member of its session: its worker was removed, or its task runs a
+    second time elsewhere after that."""
+
+    reason = "lost"
+
+
+class SessionAbortedError(SessionStoppedError):
+    """A session stopped because another trainer (or the driver) failed."""
+
+    reason = "aborted"
+
+
+STOPPED: dict[str, type[SessionStoppedError]] = {
+    cls.reason: cls for cls in (SessionClosedError, TrainerLostError, SessionAbortedError)
+}
+
+
+class MalformedMessageError(DlscaleError, ValueError):
+    """A protocol message (a reply, an acknowledgement, an update) without the fields its record needs."""
+
+
+class LimiterError(DlscaleError, ValueError):
+    """A limiter given a limit or a size that is not a count of bytes, or asked to release more bytes
+    than it holds (its accounting is broken)."""
+
+
+class SharingConfigError(DlscaleError, ValueError):
+    """A ``dlscale.sharing`` setting out of range."""
