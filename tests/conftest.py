@@ -91,3 +91,10 @@ def s3(s3_endpoint: str) -> dict:
     client.create_bucket(Bucket="test-bucket")
     s3fs.S3FileSystem.clear_instance_cache()
     return _s3_launcher().storage_options(s3_endpoint)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the tests on distributed's in-process ``gen_cluster`` first: its checks for leaked
+    processes and its reset of global clients and config would otherwise meet the session's
+    LocalCluster (and break the tests that use it afterwards)."""
+    items.sort(key=lambda item: item.get_closest_marker("gen_cluster") is None)

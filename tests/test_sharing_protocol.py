@@ -387,6 +387,7 @@ def test_a_failure_stops_every_trainer_at_its_next_call() -> None:
 # -- the scheduler plugin over the comm ------------------------------------------------------------
 
 
+@pytest.mark.gen_cluster
 @gen_cluster(client=True)
 async def test_the_control_plane_over_the_comm(c: Any, s: Any, a: Any, b: Any) -> None:
     await c.register_plugin(SharingSchedulerPlugin())
@@ -470,6 +471,7 @@ def updates(n: int, origin: str = "a#0") -> list[Update]:
 
 
 @pytest.mark.parametrize("deliver_first", [False, True])
+@pytest.mark.gen_cluster
 @gen_cluster(client=True, config=FAST_RETRIES)
 async def test_a_failure_that_clears_within_the_retries_loses_nothing(
     c: Any, s: Any, a: Any, b: Any, deliver_first: bool
@@ -486,6 +488,7 @@ async def test_a_failure_that_clears_within_the_retries_loses_nothing(
     await async_wait_until(lambda: node_a.limiter.empty)
 
 
+@pytest.mark.gen_cluster
 @gen_cluster(client=True, config=FAST_RETRIES)
 async def test_a_peer_unreachable_beyond_the_retries_is_dropped(c: Any, s: Any, a: Any, b: Any) -> None:
     node_a, node_b = await open_nodes(c, a, b)
@@ -500,6 +503,7 @@ async def test_a_peer_unreachable_beyond_the_retries_is_dropped(c: Any, s: Any, 
     assert calls[0] == 3 and not node_b.inboxes[0] and node_a.limiter.empty
 
 
+@pytest.mark.gen_cluster
 @gen_cluster(client=True, config=FAST_RETRIES)
 async def test_a_peers_own_error_is_not_retried(c: Any, s: Any, a: Any, b: Any) -> None:
     node_a, _ = await open_nodes(c, a, b)
@@ -515,6 +519,7 @@ async def test_a_peers_own_error_is_not_retried(c: Any, s: Any, a: Any, b: Any) 
     assert calls[0] == 1 and node_a.limiter.empty
 
 
+@pytest.mark.gen_cluster
 @gen_cluster(client=True)
 async def test_a_malformed_update_is_refused(c: Any, s: Any, a: Any, b: Any) -> None:
     _, node_b = await open_nodes(c, a, b)
@@ -523,6 +528,7 @@ async def test_a_malformed_update_is_refused(c: Any, s: Any, a: Any, b: Any) -> 
     assert not node_b.inboxes[0]
 
 
+@pytest.mark.gen_cluster
 @gen_cluster(client=True, config={"dlscale.sharing.send-buffer": 2500})
 async def test_a_trainer_waits_for_the_network_when_the_send_buffer_is_full(c: Any, s: Any, a: Any, b: Any) -> None:
     node_a, node_b = await open_nodes(c, a, b)
