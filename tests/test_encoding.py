@@ -1,5 +1,6 @@
 """Threshold encoding: messages against plain torch references, their binary form, the threshold
-algorithms, the residual post-processors, and several trainers sharing updates."""
+algorithms, the residual post-processors, and several trainers sharing updates. What every
+registered algorithm and post-processor must do is checked in tests/contracts/test_encoding_contract.py."""
 
 from __future__ import annotations
 
@@ -366,8 +367,6 @@ def test_adaptive_threshold_does_not_thin_small_messages() -> None:
     assert [mid.update(s, 20_000) for s in (0.025, 0.026)] == [1e-3, 2e-3]
     off = AdaptiveThresholdAlgorithm(decay_rate=0.5, small_message_elements=0)
     assert off.update(0.05, 1000) == 2e-3
-    with pytest.raises(ValueError, match="length must be a positive integer"):
-        small.update(0.1, 0)
 
 
 def test_target_sparsity_threshold_trajectory() -> None:
@@ -391,18 +390,6 @@ def test_threshold_stays_a_positive_float32() -> None:
     assert algorithm.threshold == float(np.finfo(np.float32).max)
 
 
-def test_threshold_algorithms_clone_and_pickle() -> None:
-    for name, cls in THRESHOLD_ALGORITHMS.items():
-        algorithm = cls()
-        algorithm.update(0.5)
-        copy = algorithm.clone()
-        assert type(copy) is cls and copy.threshold == algorithm.threshold
-        copy.update(0.5)
-        assert name == "fixed" or copy.threshold != algorithm.threshold
-        back = pickle.loads(pickle.dumps(algorithm))
-        assert back.threshold == algorithm.threshold and back.update(0.0) == algorithm.update(0.0)
-
-
 def test_threshold_algorithm_arguments_validated() -> None:
     bad = [
         (FixedThresholdAlgorithm, {"threshold": 0.0}, "threshold"),
@@ -421,14 +408,10 @@ def test_threshold_algorithm_arguments_validated() -> None:
     for cls, kwargs, name in bad:
         with pytest.raises(ValueError, match=name):
             cls(**kwargs)
-    for sparsity in (-0.1, 1.5, float("nan")):
-        with pytest.raises(ValueError, match="sparsity must be a number in"):
-            FixedThresholdAlgorithm().update(sparsity)
 
 
 def test_threshold_algorithm_registry() -> None:
     assert set(THRESHOLD_ALGORITHMS) == {"adaptive", "fixed", "target_sparsity"}
-    assert isinstance(threshold_algorithm("adaptive"), AdaptiveThresholdAlgorithm)
     assert threshold_algorithm("fixed", threshold=0.1).threshold == 0.1
     instance = TargetSparsityThresholdAlgorithm()
     assert threshold_algorithm(instance) is instance
@@ -473,11 +456,9 @@ def test_residual_post_processor_arguments_and_registry() -> None:
     with pytest.raises(ValueError, match="threshold"):
         ResidualClippingPostProcessor().process(5, 0.0, torch.zeros(3))
     assert set(RESIDUAL_POST_PROCESSORS) == {"clipping", "none"}
-    assert isinstance(residual_post_processor("none"), NoOpResidualPostProcessor)
     assert residual_post_processor("clipping", frequency=3).frequency == 3
     instance = ResidualClippingPostProcessor()
     assert residual_post_processor(instance) is instance
-    assert pickle.loads(pickle.dumps(instance)).clip_multiple == 5.0 and instance.clone() is not instance
     with pytest.raises(ValueError, match="unknown residual post-processor 'clip'; known: clipping, none"):
         residual_post_processor("clip")
 

@@ -1,6 +1,8 @@
 """Evaluation and EvaluationBinary against scikit-learn on random data: every metric, masks, binary
-predictions, edge cases (classes never predicted or never present, tied scores), exact merging of
-partitions, JSON/YAML round trips, and the errors for bad input and incompatible merges."""
+predictions, edge cases (classes never predicted or never present, tied scores), metrics after
+merging and after JSON/YAML round trips, and the errors for bad input and incompatible merges.
+What every evaluation type must do (merge exactly, round-trip, refuse other settings) is checked
+for all of them in tests/contracts/test_evaluation_contract.py."""
 
 from __future__ import annotations
 
@@ -209,18 +211,14 @@ def test_before_any_batch_metrics_are_zero() -> None:
 
 # -- merging and serialization ----------------------------------------------------------------
 @pytest.mark.parametrize("parts", [1, 3, 7])
-def test_merged_parts_equal_the_whole(parts: int) -> None:
+def test_merged_parts_give_the_metrics_of_the_whole(parts: int) -> None:
     y, scores = random_data(10, 5, 301)
     whole = evaluated(y, scores, top_n=2)
     merged = Evaluation(top_n=2)
     for ys, ss in zip(np.array_split(y, parts), np.array_split(scores, parts), strict=True):
         merged.merge(evaluated(ys, ss, top_n=2))
-    assert merged.to_dict() == whole.to_dict()
     for metric in ("accuracy", "top_n_accuracy", "precision", "recall", "f1", "matthews_correlation"):
         assert getattr(merged, metric)() == getattr(whole, metric)()
-    before = whole.to_dict()
-    assert whole.merge(Evaluation(top_n=2)).to_dict() == before
-    assert Evaluation(top_n=2).merge(whole).to_dict() == before
 
 
 def test_json_and_yaml_round_trip() -> None:
@@ -231,12 +229,7 @@ def test_json_and_yaml_round_trip() -> None:
         Evaluation.from_yaml(e.to_yaml()),
         BaseEvaluation.from_json(e.to_json()),
     ):
-        assert type(restored) is Evaluation and restored == e
         assert restored.f1("dog") == e.f1("dog") and restored.top_n_accuracy() == e.top_n_accuracy()
-        assert restored.stats() == e.stats()
-    assert Evaluation.from_json(Evaluation().to_json()) == Evaluation()
-    with pytest.raises(IncompatibleEvaluationError):
-        EvaluationBinary.from_json(e.to_json())
 
 
 # -- bad input and incompatible merges --------------------------------------------------------
@@ -274,10 +267,6 @@ def test_bad_input_is_refused() -> None:
 
 def test_incompatible_merges() -> None:
     y, scores = random_data(13, 3, 20)
-    with pytest.raises(IncompatibleEvaluationError):
-        evaluated(y, scores).merge(EvaluationBinary())  # type: ignore[arg-type]
-    with pytest.raises(IncompatibleEvaluationError, match="top_n"):
-        evaluated(y, scores, top_n=1).merge(evaluated(y, scores, top_n=3))
     with pytest.raises(IncompatibleEvaluationError, match="4 classes"):
         evaluated(y, scores).merge(evaluated(y, np.ones((20, 4))))
 
@@ -368,14 +357,7 @@ def test_binary_merge_and_json(parts: int) -> None:
         part = EvaluationBinary(decision_threshold=0.4)
         part.eval(ys, ps, ms)
         merged.merge(part)
-    assert merged == whole and merged.average_f1() == whole.average_f1()
-    restored = BaseEvaluation.from_json(whole.to_json())
-    assert type(restored) is EvaluationBinary and restored == whole
-    assert EvaluationBinary.from_yaml(whole.to_yaml()).stats() == whole.stats()
-    with pytest.raises(IncompatibleEvaluationError):
-        Evaluation.from_json(whole.to_json())
-    with pytest.raises(IncompatibleEvaluationError, match="decision_threshold"):
-        whole.merge(EvaluationBinary())
+    assert merged.average_f1() == whole.average_f1()
     other = EvaluationBinary(decision_threshold=0.4)
     other.eval(y[:, :2], p[:, :2])
     with pytest.raises(IncompatibleEvaluationError, match="2 outputs"):

@@ -1,5 +1,6 @@
 """RegressionEvaluation and EvaluationCalibration against scikit-learn and numpy on the same data:
-metrics, masks, merging of partitions, JSON/YAML round trips and bad input."""
+metrics, masks, merging of partitions (far from zero too), metrics after JSON/YAML round trips and
+bad input; the contract every evaluation type meets is in tests/contracts/test_evaluation_contract.py."""
 
 from __future__ import annotations
 
@@ -142,9 +143,8 @@ def test_regression_json_yaml_round_trip() -> None:
     e = RegressionEvaluation(columns=["price", "volume"])
     e.eval(y, p)
     for copy in (RegressionEvaluation.from_json(e.to_json()), RegressionEvaluation.from_yaml(e.to_yaml())):
-        assert copy == e and copy.columns == ["price", "volume"]
+        assert copy.columns == ["price", "volume"]
         assert copy.r_squared("volume") == e.r_squared(1)
-    assert RegressionEvaluation.from_json(RegressionEvaluation().to_json()) == RegressionEvaluation()
     assert "price" in e.stats() and "volume" in e.stats()
 
 
@@ -176,8 +176,6 @@ def test_regression_bad_input() -> None:
     other.eval(np.zeros((5, 2)), np.ones((5, 2)))
     with pytest.raises(IncompatibleEvaluationError, match="2 columns"):
         e.merge(other)
-    with pytest.raises(IncompatibleEvaluationError, match="columns"):
-        RegressionEvaluation(columns=["a"]).merge(RegressionEvaluation(columns=["b"]))
     with pytest.raises(KeyError):
         e.r_squared("a")
     with pytest.raises(IndexError):
@@ -290,9 +288,7 @@ def test_calibration_json_yaml_round_trip() -> None:
     e = EvaluationCalibration(reliability_diagram_bins=7, histogram_bins=20)
     e.eval(y, prob)
     for copy in (EvaluationCalibration.from_json(e.to_json()), EvaluationCalibration.from_yaml(e.to_yaml())):
-        assert copy == e
         np.testing.assert_array_equal(copy.reliability_diagram(2), e.reliability_diagram(2))
-    assert EvaluationCalibration.from_json(EvaluationCalibration().to_json()) == EvaluationCalibration()
     assert "3 classes" in e.stats()
 
 
@@ -311,8 +307,6 @@ def test_calibration_bad_input() -> None:
     three.eval(np.array([0, 2]), np.full((2, 3), 0.3))
     with pytest.raises(IncompatibleEvaluationError, match="3 classes"):
         e.merge(three)
-    with pytest.raises(IncompatibleEvaluationError, match="histogram_bins"):
-        e.merge(EvaluationCalibration(histogram_bins=10))
     with pytest.raises(ValueError):
         EvaluationCalibration(reliability_diagram_bins=0)
     with pytest.raises(IndexError):

@@ -1,5 +1,6 @@
 """ROC, ROCBinary and ROCMultiClass against scikit-learn: AUC, average precision and curves in exact
-mode, histogram mode against exact, edge cases, merging and JSON/YAML round trips."""
+mode, histogram mode against exact, edge cases, and metrics after merging and JSON/YAML round trips;
+the contract every evaluation type meets is in tests/contracts/test_evaluation_contract.py."""
 
 from __future__ import annotations
 
@@ -301,7 +302,6 @@ def test_merge_equals_one_pass(n_parts: int, steps: int) -> None:
         whole = kind(steps)
         whole.eval(labels, predictions)
         merged = parts(kind, n_parts, labels, predictions, threshold_steps=steps)
-        assert merged == whole  # exact: the same pairs in the same order; histogram: the same counts
         if kind is ROC:
             assert merged.calculate_auc() == whole.calculate_auc()
             assert merged.calculate_auprc() == whole.calculate_auprc()
@@ -327,13 +327,10 @@ def test_input_buffers_can_be_reused() -> None:
     assert math.isclose(roc.calculate_auc(), metrics.roc_auc_score(y, s), abs_tol=1e-12)
 
 
-def test_merge_into_empty_and_reset() -> None:
+def test_reset() -> None:
     y, p = softmax_data(0)
-    filled, empty = ROCMultiClass(), ROCMultiClass()
+    filled = ROCMultiClass()
     filled.eval(y, p)
-    assert empty.merge(filled) == filled
-    filled.merge(ROCMultiClass())
-    assert empty == filled
     filled.reset()
     assert filled == ROCMultiClass() and filled.num_classes() == 0
 
@@ -354,7 +351,6 @@ def test_json_and_yaml_round_trip(steps: int) -> None:
             type(e).from_yaml(e.to_yaml()),
             BaseEvaluation.from_json(e.to_json()),
         ):
-            assert back == e and type(back) is type(e)
             if isinstance(e, ROC):
                 metrics_of = [e.calculate_auc(), e.calculate_auprc(), *e.get_roc_curve()]
                 back_metrics = [back.calculate_auc(), back.calculate_auprc(), *back.get_roc_curve()]
@@ -362,16 +358,9 @@ def test_json_and_yaml_round_trip(steps: int) -> None:
                 metrics_of = [e.calculate_average_auc(), e.calculate_average_auprc()]
                 back_metrics = [back.calculate_average_auc(), back.calculate_average_auprc()]
             np.testing.assert_equal(back_metrics, metrics_of)  # nan equals nan here
-    with pytest.raises(IncompatibleEvaluationError):
-        ROC.from_json(binary.to_json())
 
 
 def test_incompatible_merges() -> None:
-    exact, histogram = ROC(0), ROC(100)
-    with pytest.raises(IncompatibleEvaluationError):
-        exact.merge(histogram)
-    with pytest.raises(IncompatibleEvaluationError):
-        exact.merge(ROCBinary())
     for kind in (ROCBinary, ROCMultiClass):
         two, three = kind(), kind()
         two.eval(np.eye(2)[[0, 1, 1]], np.full((3, 2), 0.5))

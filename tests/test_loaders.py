@@ -1,4 +1,5 @@
-"""Loaders and background prefetching, in this process and inside worker tasks."""
+"""Loaders and background prefetching, in this process and inside worker tasks; what every
+registered loader must do is checked in tests/contracts/test_loader_contract.py."""
 
 from __future__ import annotations
 
@@ -14,14 +15,18 @@ from dlscale import CorruptDataError, SparkContext
 from dlscale.data import (
     DataSet,
     DataSetLoader,
+    MinibatchLoader,
     MultiDataSet,
-    MultiDataSetLoader,
+    ZarrLoader,
     export_minibatches,
     list_paths,
     load,
     prefetch,
+    resolve_loader,
     save,
 )
+from dlscale.nn.partitions import minibatches
+from dlscale.registry import UnknownNameError
 
 
 @pytest.fixture
@@ -100,11 +105,22 @@ def test_a_loader_that_returns_something_else_is_named(batches: list[str]) -> No
 
 def test_native_loaders_check_the_kind(tmp_path: Path) -> None:
     save(MultiDataSet([torch.ones(2, 3)], [torch.zeros(2, 1)]), str(tmp_path / "m.dlb"))
-    save(DataSet(torch.ones(2, 3)), str(tmp_path / "d.dlb"))
-    assert isinstance(MultiDataSetLoader()(str(tmp_path / "m.dlb")), MultiDataSet)
-    assert isinstance(DataSetLoader()(str(tmp_path / "d.dlb")), DataSet)
     with pytest.raises(TypeError, match=r"m\.dlb holds a MultiDataSet.*MultiDataSetLoader"):
         DataSetLoader()(str(tmp_path / "m.dlb"))
+
+
+def test_loaders_by_name_and_the_default(batches: list[str]) -> None:
+    default = resolve_loader()
+    assert type(default) is MinibatchLoader and default.storage_options is None
+    assert resolve_loader(storage_options={"anon": True}).storage_options == {"anon": True}
+    assert type(resolve_loader("dlb-dataset")) is DataSetLoader and type(resolve_loader("zarr")) is ZarrLoader
+    loader = Recording()
+    assert resolve_loader(loader) is loader
+    with pytest.raises(UnknownNameError, match="unknown loader 'csv'; known: dlb, dlb-dataset, dlb-multi, image, zarr"):
+        resolve_loader("csv")
+    # a partition of paths, read by the default or by a loader's name, as evaluation and inference read them
+    for spec in (None, "dlb-dataset"):
+        assert all(g.equals(load(p)) for g, p in zip(minibatches(batches, spec), batches))
 
 
 def test_custom_loader_with_prefetch_on_the_workers(sc: SparkContext, tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dlscale.data.dataset import DataSet, DataShapeError, MultiDataSet
 from dlscale.data.datasets import load_digits
-from dlscale.data.export import export_minibatches, list_paths
+from dlscale.data.export import Sink, export_minibatches, list_paths
 from dlscale.data.filebatch import FileBatch, create_file_batches
 from dlscale.data.format import load, save
 from dlscale.data.images import (
@@ -13,7 +13,14 @@ from dlscale.data.images import (
     ImagePreProcessingScaler,
     parent_path_labels,
 )
-from dlscale.data.loaders import DataSetLoader, MultiDataSetLoader, prefetch
+from dlscale.data.loaders import (
+    DataSetLoader,
+    Loader,
+    MinibatchLoader,
+    MultiDataSetLoader,
+    prefetch,
+    resolve_loader,
+)
 from dlscale.data.zarr_batches import ZarrLoader, export_zarr, list_zarr_batches
 
 __all__ = [
@@ -23,8 +30,11 @@ __all__ = [
     "FileBatch",
     "ImageFileBatchLoader",
     "ImagePreProcessingScaler",
+    "Loader",
+    "MinibatchLoader",
     "MultiDataSet",
     "MultiDataSetLoader",
+    "Sink",
     "ZarrLoader",
     "create_file_batches",
     "export_minibatches",
@@ -35,5 +45,6 @@ __all__ = [
     "load_digits",
     "parent_path_labels",
     "prefetch",
+    "resolve_loader",
     "save",
 ]

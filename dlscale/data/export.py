@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import dask
 
@@ -29,6 +29,16 @@ if TYPE_CHECKING:
 Minibatch = DataSet | MultiDataSet
 PREFIXES = {DataSet: "dataset", MultiDataSet: "multidataset"}
 EXTENSION = ".dlb"
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """Where an export writes its minibatches: ``write(k, batch)`` stores minibatch ``k`` (batches
+    arrive in any order, each once, from any worker) and returns what a loader reads it back from (a
+    path, a reference such as ``<group url>#<k>``, or the minibatch's bytes). A sink pickles, since
+    it is shipped to the workers that write."""
+
+    def write(self, k: int, batch: Minibatch) -> Any: ...
 
 
 def check_batch_size(batch_size: int) -> None:
@@ -125,7 +135,7 @@ def _describe(index: int, elements: Iterable[Any]) -> list[Description]:
 
 
 def _write_partition(
-    elements: Iterable[Any], index: int, sink: Any, batch_size: int, start: int, count: int, total: int
+    elements: Iterable[Any], index: int, sink: Sink, batch_size: int, start: int, count: int, total: int
 ) -> tuple[dict[int, str], dict[int, Minibatch]]:
     written, pieces, seen = {}, {}, 0
     for k, whole, piece in rebatch(elements, batch_size, start, total, f"partition {index}"):
@@ -142,7 +152,7 @@ def _write_partition(
     return written, pieces
 
 
-def _join(k: int, sink: Any, kind: type, *results: tuple[dict, dict]) -> str:
+def _join(k: int, sink: Sink, kind: type, *results: tuple[dict, dict]) -> str:
     return sink.write(k, _merge(kind, [pieces[k] for _, pieces in results if k in pieces], k, "several partitions"))
 
 
@@ -159,7 +169,7 @@ class ExportPlan:
     owner: dict[int, int]
 
 
-def plan_export(rdd: RDD, batch_size: int, make_sink: Callable[[type, int, set], Any]) -> ExportPlan:
+def plan_export(rdd: RDD, batch_size: int, make_sink: Callable[[type, int, set], Sink]) -> ExportPlan:
     """Count ``rdd``'s examples (one pass) and plan writing it in batches of ``batch_size`` through
     ``make_sink(kind, total examples, schemas)``."""
     described = rdd.mapPartitionsWithIndex(_describe).collect()
@@ -199,7 +209,7 @@ def write_plan(sc: SparkContext, plan: ExportPlan) -> list[Any]:
     return [paths[k] for k in sorted(paths)]
 
 
-def export_rdd(rdd: RDD, batch_size: int, make_sink: Callable[[type, int, set], Any]) -> list[Any]:
+def export_rdd(rdd: RDD, batch_size: int, make_sink: Callable[[type, int, set], Sink]) -> list[Any]:
     """Write ``rdd`` in batches of ``batch_size`` through ``make_sink(kind, total examples, schemas)``."""
     return write_plan(rdd.ctx, plan_export(rdd, batch_size, make_sink))
 

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from dlscale.data import loaders
 from dlscale.data.dataset import DataSet, DataShapeError
 from dlscale.data.filebatch import FileBatch
 from dlscale.errors import CorruptDataError, LabelError
@@ -108,6 +109,9 @@ class ImageFileBatchLoader:
             raise
         except Exception as e:  # Pillow's decoders raise many kinds of error on malformed bytes
             raise CorruptDataError(f"{path} in {url}: cannot decode image: {e}") from e
+
+
+loaders.REGISTRY.register("image", ImageFileBatchLoader)
 
 
 @dataclass(frozen=True)

@@ -1,49 +1,84 @@
 """Loaders turn a path into a minibatch; ``prefetch`` reads the next ones while the current one is used.
 
-A loader is any picklable callable ``path -> DataSet | MultiDataSet`` (DL4J's ``DataSetLoader`` /
-``MultiDataSetLoader``): the native ``.dlb`` loaders below, an image file-batch loader, or a user's
-function for a custom format. Training and evaluation tasks on the workers call it through
-:func:`prefetch`.
+A loader is anything that meets :class:`Loader` (DL4J's ``DataSetLoader`` / ``MultiDataSetLoader``):
+the native ``.dlb`` loaders below, the image file-batch loader, the zarr loader, or a user's
+function for a custom format. Loaders are registered by name (``dlb``, ``dlb-dataset``,
+``dlb-multi``, ``image``, ``zarr``; plug-ins add theirs, see :mod:`dlscale.registry`), and
+:func:`resolve_loader` is where every caller gets one, the default included. Training and
+evaluation tasks on the workers call it through :func:`prefetch`.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol, runtime_checkable
 
 from dlscale import config
 from dlscale.data.dataset import DataSet, MultiDataSet
 from dlscale.data.format import load
+from dlscale.registry import Registry
 
-Loader = Callable[[str], DataSet | MultiDataSet]
+
+@runtime_checkable
+class Loader(Protocol):
+    """Reads the minibatch at ``path`` (a URL, or a reference such as zarr's ``<group url>#<k>``).
+
+    A loader returns a DataSet or MultiDataSet, raises an error that names ``path`` when the file
+    there is missing, corrupt or of another format, and pickles, since it is shipped to the workers.
+    """
+
+    def __call__(self, path: str) -> DataSet | MultiDataSet: ...
 
 
-class DataSetLoader:
-    """Loads a ``.dlb`` file holding a DataSet."""
-
-    kind: type = DataSet
+class MinibatchLoader:
+    """Loads a ``.dlb`` file, whichever kind of minibatch it holds: the default loader."""
 
     def __init__(self, storage_options: dict[str, Any] | None = None) -> None:
         self.storage_options = storage_options
 
     def __call__(self, path: str) -> DataSet | MultiDataSet:
-        batch = load(path, self.storage_options)
+        return load(path, self.storage_options)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"  # storage_options may hold credentials
+
+
+class DataSetLoader(MinibatchLoader):
+    """Loads a ``.dlb`` file holding a DataSet."""
+
+    kind: type = DataSet
+
+    def __call__(self, path: str) -> DataSet | MultiDataSet:
+        batch = super().__call__(path)
         if not isinstance(batch, self.kind):
             raise TypeError(
                 f"{path} holds a {type(batch).__name__}, not a {self.kind.__name__}: use {type(batch).__name__}Loader"
             )
         return batch
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
-
 
 class MultiDataSetLoader(DataSetLoader):
     """Loads a ``.dlb`` file holding a MultiDataSet."""
 
     kind = MultiDataSet
+
+
+REGISTRY: Registry[Loader] = Registry("loader", Loader)
+"""Loaders by name; an installed plug-in offers one in the entry-point group ``dlscale.loader``."""
+REGISTRY.register("dlb", MinibatchLoader)
+REGISTRY.register("dlb-dataset", DataSetLoader)
+REGISTRY.register("dlb-multi", MultiDataSetLoader)
+
+DEFAULT_LOADER = "dlb"
+"""The loader of paths given without one: any ``.dlb`` file."""
+
+
+def resolve_loader(spec: Loader | str | None = None, **kwargs: Any) -> Loader:
+    """``spec`` itself if it is a loader, else the loader registered as ``spec`` made with ``kwargs``
+    (e.g. ``storage_options``); ``None`` gives the default, :data:`DEFAULT_LOADER`."""
+    return REGISTRY.resolve(DEFAULT_LOADER if spec is None else spec, **kwargs)
 
 
 def _checked(loader: Loader, path: Any) -> DataSet | MultiDataSet:

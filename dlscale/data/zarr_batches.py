@@ -18,6 +18,7 @@ import zarr
 from zarr.codecs import Crc32cCodec
 
 from dlscale import storage
+from dlscale.data import loaders
 from dlscale.data.dataset import DataSet, MultiDataSet
 from dlscale.data.export import (
     Minibatch,
@@ -217,3 +218,6 @@ class ZarrLoader:
         except Exception as e:
             raise CorruptDataError(f"{ref}: cannot read {name}: {e}") from e
         return assemble(meta["kind"], tensors, meta["counts"])
+
+
+loaders.REGISTRY.register("zarr", ZarrLoader)

@@ -14,13 +14,16 @@ from typing import Any
 
 import torch
 
+from dlscale.registry import Registry
+
 
 class ResidualPostProcessor(abc.ABC):
-    """Changes the residual in place after the encoding of step ``iteration``."""
+    """Changes the residual in place after the encoding of step ``iteration``: it may move elements
+    towards zero (as far as zero), never away from it, so nothing is added to what is left to send."""
 
     @abc.abstractmethod
     def process(self, iteration: int, threshold: float, residual: torch.Tensor) -> None:
-        """Post-process ``residual`` after step ``iteration`` encoded it with ``threshold``."""
+        """Post-process ``residual`` (in place) after step ``iteration`` encoded it with ``threshold``."""
 
     def clone(self) -> ResidualPostProcessor:
         """An independent copy for another trainer."""
@@ -70,23 +73,16 @@ class ResidualClippingPostProcessor(ResidualPostProcessor):
         return f"ResidualClippingPostProcessor(clip_multiple={self.clip_multiple!r}, frequency={self.frequency!r})"
 
 
-RESIDUAL_POST_PROCESSORS: dict[str, type[ResidualPostProcessor]] = {
-    "clipping": ResidualClippingPostProcessor,
-    "none": NoOpResidualPostProcessor,
-}
+REGISTRY: Registry[ResidualPostProcessor] = Registry(
+    "residual_post_processor", ResidualPostProcessor, "residual post-processor"
+)
+REGISTRY.register("clipping", ResidualClippingPostProcessor)
+REGISTRY.register("none", NoOpResidualPostProcessor)
+RESIDUAL_POST_PROCESSORS = REGISTRY.view
+"""The registered residual post-processors by name, read-only (add one with :func:`dlscale.registry.register`)."""
 
 
 def residual_post_processor(spec: ResidualPostProcessor | str, **kwargs: Any) -> ResidualPostProcessor:
-    """``spec`` itself if it is a post-processor, else the one of that name in
-    :data:`RESIDUAL_POST_PROCESSORS`, made with ``kwargs``."""
-    if isinstance(spec, ResidualPostProcessor):
-        if kwargs:
-            raise TypeError(f"keyword arguments {sorted(kwargs)} go with a post-processor's name, not an instance")
-        return spec
-    if not isinstance(spec, str):
-        raise TypeError(f"a residual post-processor is a ResidualPostProcessor or a name, got {type(spec).__name__}")
-    if spec not in RESIDUAL_POST_PROCESSORS:
-        raise ValueError(
-            f"unknown residual post-processor {spec!r}; known: {', '.join(sorted(RESIDUAL_POST_PROCESSORS))}"
-        )
-    return RESIDUAL_POST_PROCESSORS[spec](**kwargs)
+    """``spec`` itself if it is a post-processor, else the one registered as ``spec`` (or offered by an
+    installed plug-in), made with ``kwargs``."""
+    return REGISTRY.resolve(spec, **kwargs)

@@ -9,6 +9,8 @@ import math
 import numbers
 from typing import Any
 
+from dlscale.registry import Registry
+
 DEFAULT_DECAY_RATE = 0.5 ** (1 / 20)
 """Halves or doubles the threshold in 20 steps."""
 
@@ -144,25 +146,18 @@ class TargetSparsityThresholdAlgorithm(ThresholdAlgorithm):
         )
 
 
-THRESHOLD_ALGORITHMS: dict[str, type[ThresholdAlgorithm]] = {
-    "adaptive": AdaptiveThresholdAlgorithm,
-    "fixed": FixedThresholdAlgorithm,
-    "target_sparsity": TargetSparsityThresholdAlgorithm,
-}
+REGISTRY: Registry[ThresholdAlgorithm] = Registry("threshold_algorithm", ThresholdAlgorithm)
+REGISTRY.register("adaptive", AdaptiveThresholdAlgorithm)
+REGISTRY.register("fixed", FixedThresholdAlgorithm)
+REGISTRY.register("target_sparsity", TargetSparsityThresholdAlgorithm)
+THRESHOLD_ALGORITHMS = REGISTRY.view
+"""The registered threshold algorithms by name, read-only (add one with :func:`dlscale.registry.register`)."""
 
 
 def threshold_algorithm(spec: ThresholdAlgorithm | str, **kwargs: Any) -> ThresholdAlgorithm:
-    """``spec`` itself if it is an algorithm, else the algorithm of that name in
-    :data:`THRESHOLD_ALGORITHMS`, made with ``kwargs``."""
-    if isinstance(spec, ThresholdAlgorithm):
-        if kwargs:
-            raise TypeError(f"keyword arguments {sorted(kwargs)} go with an algorithm's name, not an instance")
-        return spec
-    if not isinstance(spec, str):
-        raise TypeError(f"a threshold algorithm is a ThresholdAlgorithm or a name, got {type(spec).__name__}")
-    if spec not in THRESHOLD_ALGORITHMS:
-        raise ValueError(f"unknown threshold algorithm {spec!r}; known: {', '.join(sorted(THRESHOLD_ALGORITHMS))}")
-    return THRESHOLD_ALGORITHMS[spec](**kwargs)
+    """``spec`` itself if it is an algorithm, else the algorithm registered as ``spec`` (or offered by
+    an installed plug-in), made with ``kwargs``."""
+    return REGISTRY.resolve(spec, **kwargs)
 
 
 def _number(name: str, value: Any) -> float:

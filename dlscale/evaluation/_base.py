@@ -18,9 +18,9 @@ import numpy as np
 import yaml
 
 from dlscale.errors import EvaluationError, IncompatibleEvaluationError
+from dlscale.registry import Registry, UnknownNameError
 
 FORMAT_VERSION = 1
-REGISTRY: dict[str, type[BaseEvaluation]] = {}
 
 
 def as_numpy(x: Any, name: str) -> np.ndarray:
@@ -172,14 +172,32 @@ class BaseEvaluation(abc.ABC):
     :meth:`_settings` (what must agree for two evaluations to merge, and the constructor's keyword
     arguments), :meth:`_accumulated` / :meth:`_restore` (the rest of the state), :meth:`reset` and
     :meth:`stats`. Everything else, JSON and YAML included, is shared.
+
+    A concrete subclass is registered under :attr:`type_name`, the ``type`` its JSON carries: by
+    default its qualified name ``<module>.<class>`` (so a class named like a built-in never takes
+    the built-in's place), or a short name given in the class statement,
+    ``class Top5(BaseEvaluation, type_name="Top5")``, which is refused if another type has it.
     """
 
     per_output_mask: ClassVar[bool] = False
+    type_name: ClassVar[str]
+    """The name under which this type is registered and which its JSON and YAML carry."""
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, type_name: str | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if not getattr(cls, "__abstractmethods__", None):
-            REGISTRY[cls.__name__] = cls
+        # ABCMeta sets __abstractmethods__ only after this hook: look for abstract methods left unimplemented
+        names = {name for base in cls.__mro__[1:] for name in getattr(base, "__abstractmethods__", ())} | set(vars(cls))
+        if any(getattr(getattr(cls, name, None), "__isabstractmethod__", False) for name in names):
+            if type_name is not None:
+                raise TypeError(f"{cls.__qualname__} is abstract: only a concrete evaluation type takes a type_name")
+            return
+        if type_name is None:
+            # its own name: defining the class again (its module run again) replaces the earlier one
+            cls.type_name = f"{cls.__module__}.{cls.__qualname__}"
+            REGISTRY.register(cls.type_name, cls, clobber=True)
+        else:
+            REGISTRY.register(type_name, cls)
+            cls.type_name = type_name
 
     # -- what subclasses provide ----------------------------------------------------------
     @abc.abstractmethod
@@ -234,7 +252,7 @@ class BaseEvaluation(abc.ABC):
     def to_dict(self) -> dict[str, Any]:
         """The whole state as plain values: ``type``, ``version``, ``settings`` and ``accumulated``."""
         return {
-            "type": type(self).__name__,
+            "type": self.type_name,
             "version": FORMAT_VERSION,
             "settings": to_plain(self._settings()),
             "accumulated": to_plain(self._accumulated()),
@@ -253,11 +271,12 @@ class BaseEvaluation(abc.ABC):
         """An evaluation from :meth:`to_dict`'s output; called on a subclass it checks the type."""
         if not isinstance(state, dict) or "type" not in state:
             raise IncompatibleEvaluationError("not a dlscale evaluation: no 'type' field")
-        kind = REGISTRY.get(state["type"])
-        if kind is None:
-            raise IncompatibleEvaluationError(f"unknown evaluation type {state['type']!r}; known: {sorted(REGISTRY)}")
+        try:
+            kind = REGISTRY.lookup(state["type"])
+        except UnknownNameError as e:
+            raise IncompatibleEvaluationError(str(e)) from None
         if cls is not BaseEvaluation and kind is not cls:
-            raise IncompatibleEvaluationError(f"this is a {state['type']}, not a {cls.__name__}")
+            raise IncompatibleEvaluationError(f"this is a {state['type']}, not a {cls.type_name}")
         if state.get("version") != FORMAT_VERSION:
             raise IncompatibleEvaluationError(
                 f"evaluation format version {state.get('version')!r} is not {FORMAT_VERSION}"
@@ -284,3 +303,8 @@ class BaseEvaluation(abc.ABC):
     def __repr__(self) -> str:
         settings = ", ".join(f"{k}={v!r}" for k, v in self._settings().items())
         return f"{type(self).__name__}({settings})"
+
+
+REGISTRY: Registry[BaseEvaluation] = Registry("evaluation", BaseEvaluation, "evaluation type")
+"""Evaluation types by :attr:`~BaseEvaluation.type_name`; an installed plug-in offers one under its
+type name in the entry-point group ``dlscale.evaluation``."""

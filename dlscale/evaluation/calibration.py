@@ -56,7 +56,7 @@ def _counts(
     )
 
 
-class EvaluationCalibration(BaseEvaluation):
+class EvaluationCalibration(BaseEvaluation, type_name="EvaluationCalibration"):
     """Reliability diagrams, residual plots and probability histograms per class.
 
     Predictions are ``[N, C]`` class probabilities in ``[0, 1]`` (softmax or sigmoid outputs),

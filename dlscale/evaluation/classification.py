@@ -144,7 +144,7 @@ def _restored(value: Any, ndim: int, who: str) -> np.ndarray | None:
     return array
 
 
-class Evaluation(BaseEvaluation):
+class Evaluation(BaseEvaluation, type_name="Evaluation"):
     """Single-label classification: accuracy, precision, recall, F-scores, MCC and the confusion
     matrix (DL4J's ``Evaluation``).
 
@@ -437,7 +437,7 @@ def _rank(scores: np.ndarray, actual: np.ndarray) -> np.ndarray:
     return np.count_nonzero((scores > true_score) | ((scores == true_score) & lower_index), axis=1)
 
 
-class EvaluationBinary(BaseEvaluation):
+class EvaluationBinary(BaseEvaluation, type_name="EvaluationBinary"):
     """Multi-label classification: each output is its own binary classifier (DL4J's
     ``EvaluationBinary``).
 

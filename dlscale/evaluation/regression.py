@@ -107,7 +107,7 @@ def _spread(m2: np.ndarray, n: np.ndarray, mean: np.ndarray) -> np.ndarray:
     return np.where(m2 > tolerance, m2, np.nan)
 
 
-class RegressionEvaluation(BaseEvaluation):
+class RegressionEvaluation(BaseEvaluation, type_name="RegressionEvaluation"):
     """Mean squared, mean absolute, root mean squared and relative squared error, Pearson
     correlation and R² per output column, and their averages over columns.
 

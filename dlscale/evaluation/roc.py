@@ -191,7 +191,7 @@ class _BinaryCurve:
         return float(np.sum(np.diff(np.r_[0, tps]) / tps[-1] * (tps / (tps + fps))))
 
 
-class ROC(BaseEvaluation):
+class ROC(BaseEvaluation, type_name="ROC"):
     """Binary ROC and precision-recall evaluation (DL4J's ``ROC``).
 
     Predictions are ``[N, 1]`` or ``[N]`` (the positive class's probability) or ``[N, 2]`` (column 1
@@ -369,7 +369,7 @@ class _PerOutputROC(BaseEvaluation):
         return "\n".join(lines)
 
 
-class ROCBinary(_PerOutputROC):
+class ROCBinary(_PerOutputROC, type_name="ROCBinary"):
     """ROC per output of a multi-label network (DL4J's ``ROCBinary``): each column of ``[N, C]``
     predictions is an independent probability, scored against the same column of 0/1 labels
     (positive where ``>= 0.5``). A mask the shape of the predictions leaves out single entries.
@@ -392,7 +392,7 @@ class ROCBinary(_PerOutputROC):
         self._add(r.predictions, positive, r.mask)
 
 
-class ROCMultiClass(_PerOutputROC):
+class ROCMultiClass(_PerOutputROC, type_name="ROCMultiClass"):
     """One-vs-all ROC per class (DL4J's ``ROCMultiClass``): class ``k``'s curve scores column ``k``
     of ``[N, C]`` class probabilities, positive where the true class is ``k``. Labels are one-hot
     ``[N, C]`` (arg-max taken) or class indices ``[N]``. The per-output methods take the class index.

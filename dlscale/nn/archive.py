@@ -31,17 +31,22 @@ from dlscale.data.format import DTYPES, raw_bytes, tensor_at
 from dlscale.errors import CorruptDataError, StorageError
 from dlscale.nn import losses
 from dlscale.nn.network import Network
+from dlscale.registry import Registry, UnknownNameError
 
 FORMAT = "dlscale-network"
 VERSION = 1
 _NAMES = {v: k for k, v in DTYPES.items()}
-_FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {}
+REGISTRY: Registry[Callable[..., torch.nn.Module]] = Registry("model_factory", Callable, "network factory")
+"""Network factories by ``<module>:<qualified name>``; an installed plug-in offers one under that name
+in the entry-point group ``dlscale.model_factory``."""
 
 
 def model_factory(fn: Callable[..., torch.nn.Module]) -> Callable[..., torch.nn.Module]:
-    """Register ``fn`` (keyword arguments -> module) so that archives can name it to rebuild a module."""
-    _FACTORIES[f"{fn.__module__}:{fn.__qualname__}"] = fn
-    fn.factory_name = f"{fn.__module__}:{fn.__qualname__}"  # type: ignore[attr-defined]
+    """Register ``fn`` (keyword arguments -> module) as ``<module>:<qualified name>`` so that archives
+    can name it to rebuild a module. Defining it again (its module run again) replaces the earlier one."""
+    name = f"{fn.__module__}:{fn.__qualname__}"
+    REGISTRY.register(name, fn, clobber=True)
+    fn.factory_name = name  # type: ignore[attr-defined]
     return fn
 
 
@@ -50,7 +55,7 @@ def build(
 ) -> Network:
     """A Network whose module is ``factory(**kwargs)``, remembered so that its archive can rebuild it."""
     name = getattr(factory, "factory_name", None)
-    if name is None or _FACTORIES.get(name) is not factory:
+    if name is None or REGISTRY.view.get(name) is not factory:
         raise ValueError(f"{factory!r} is not registered: decorate it with @dlscale.nn.model_factory")
     _json_ready(kwargs, f"the arguments of {name}")
     network = Network(factory(**kwargs), loss, optimizer)
@@ -209,13 +214,14 @@ def load(
         spec = header.get("factory")
         if spec is None:
             raise ValueError(f"{url} records no factory for its {header.get('module')} module: pass module=")
-        factory = _FACTORIES.get(spec["name"])
-        if factory is None:
-            raise ValueError(
+        try:
+            factory = REGISTRY.lookup(spec["name"])
+        except UnknownNameError:
+            raise UnknownNameError(
                 f"{url} names factory {spec['name']!r}, which is not registered in this process: "
-                "import the module that defines it (decorated with @dlscale.nn.model_factory) "
-                "or pass module="
-            )
+                "import the module that defines it (decorated with @dlscale.nn.model_factory), install a "
+                f"plug-in that offers it in the entry-point group {REGISTRY.group!r}, or pass module="
+            ) from None
         module = factory(**spec["kwargs"])
     loss = loss if loss is not None else header.get("loss")
     if loss is None:

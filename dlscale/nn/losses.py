@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from dlscale.data.dataset import DataShapeError
+from dlscale.registry import Registry, UnknownNameError
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -32,21 +33,24 @@ def _elementwise(fn: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor, tor
     return per_step
 
 
-LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "cross_entropy": _class_loss(F.cross_entropy),
-    "nll": _class_loss(F.nll_loss),
-    "mse": _elementwise(F.mse_loss),
-    "l1": _elementwise(F.l1_loss),
-    "smooth_l1": _elementwise(F.smooth_l1_loss),
-    "bce": _elementwise(F.binary_cross_entropy),
-    "bce_with_logits": _elementwise(F.binary_cross_entropy_with_logits),
-}
+REGISTRY: Registry[LossFn] = Registry("loss", Callable)
+REGISTRY.register("cross_entropy", _class_loss(F.cross_entropy))
+REGISTRY.register("nll", _class_loss(F.nll_loss))
+REGISTRY.register("mse", _elementwise(F.mse_loss))
+REGISTRY.register("l1", _elementwise(F.l1_loss))
+REGISTRY.register("smooth_l1", _elementwise(F.smooth_l1_loss))
+REGISTRY.register("bce", _elementwise(F.binary_cross_entropy))
+REGISTRY.register("bce_with_logits", _elementwise(F.binary_cross_entropy_with_logits))
+LOSSES = REGISTRY.view
+"""The named losses, read-only: ``loss(output, labels)`` gives the loss of every element, unreduced (add
+one with :func:`dlscale.registry.register`)."""
 
 
 def _unreduced(name: str, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Loss ``name`` per example, step and output; labels that do not fit it are reported as such."""
+    fn = REGISTRY.lookup(name)
     try:
-        return LOSSES[name](output, labels)
+        return fn(output, labels)
     except (RuntimeError, ValueError, IndexError) as e:
         raise DataShapeError(
             f"labels of shape {tuple(labels.shape)} ({labels.dtype}) do not fit loss {name!r} for outputs of "
@@ -74,10 +78,13 @@ def named_loss(name: str, output: torch.Tensor, labels: torch.Tensor, mask: torc
 
 
 def resolve(loss: str | LossFn) -> str | LossFn:
-    """A known loss name, or a callable ``loss(outputs, labels) -> scalar``; anything else is refused."""
+    """A registered loss name (or one an installed plug-in offers), or a callable
+    ``loss(outputs, labels) -> scalar``; anything else is refused."""
     if isinstance(loss, str):
-        if loss not in LOSSES:
-            raise ValueError(f"unknown loss {loss!r}; known losses: {', '.join(sorted(LOSSES))}, or pass a callable")
+        try:
+            REGISTRY.lookup(loss)
+        except UnknownNameError as e:
+            raise UnknownNameError(f"{e}; or pass a callable loss(outputs, labels)") from None
         return loss
     if callable(loss):
         return loss

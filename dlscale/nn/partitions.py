@@ -9,16 +9,15 @@ from typing import Any
 from distributed import get_worker
 
 from dlscale.data.dataset import DataSet, MultiDataSet
-from dlscale.data.format import load
-from dlscale.data.loaders import Loader, prefetch
+from dlscale.data.loaders import Loader, prefetch, resolve_loader
 
 
-def minibatches(elements: Iterable[Any], loader: Loader | None) -> Iterator[DataSet | MultiDataSet]:
-    """The minibatches of a partition: its elements, or what ``loader`` (or, for strings, the
-    ``.dlb`` loader) reads from them, a few loaded ahead."""
+def minibatches(elements: Iterable[Any], loader: Loader | str | None) -> Iterator[DataSet | MultiDataSet]:
+    """The minibatches of a partition: its elements, or what ``loader`` (a loader or a registered
+    loader's name; for strings, by default the ``.dlb`` loader) reads from them, a few loaded ahead."""
     elements = list(elements)
-    if loader is None and elements and isinstance(elements[0], str):
-        loader = load
+    if loader is not None or (elements and isinstance(elements[0], str)):
+        loader = resolve_loader(loader)
     if loader is not None:
         yield from prefetch(elements, loader)
         return

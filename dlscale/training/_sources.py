@@ -18,7 +18,8 @@ from distributed import wait
 
 from dlscale import storage
 from dlscale.data.export import PREFIXES, ExportPlan, FileSink, plan_export, write_plan
-from dlscale.data.format import load, to_bytes
+from dlscale.data.format import to_bytes
+from dlscale.data.loaders import resolve_loader
 from dlscale.training._worker import decode
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ def from_paths(paths: RDD, loader: Callable[[Any], Any] | None) -> Minibatches:
     urls = paths.collect()
     if not urls:
         raise ValueError("the paths RDD is empty: there is nothing to train on")
-    return Minibatches(urls, [str(u) for u in urls], loader or load, None, time.perf_counter() - t0)
+    return Minibatches(urls, [str(u) for u in urls], resolve_loader(loader), None, time.perf_counter() - t0)
 
 
 def _checked_plan(rdd: RDD, batch_size: int, make_sink: Callable[[type, int, set], Any]) -> ExportPlan:
@@ -68,15 +69,7 @@ def export(rdd: RDD, url: str, batch_size: int, storage_options: dict[str, Any] 
     storage.check_empty(url, storage_options)
     plan = _checked_plan(rdd, batch_size, lambda kind, *_: FileSink(url, PREFIXES[kind], storage_options))
     urls = write_plan(rdd.ctx, plan)
-    return Minibatches(urls, urls, _FileLoader(storage_options), None, time.perf_counter() - t0)
-
-
-@dataclass(frozen=True)
-class _FileLoader:
-    storage_options: dict[str, Any] | None
-
-    def __call__(self, url: str) -> Any:
-        return load(url, self.storage_options)
+    return Minibatches(urls, urls, resolve_loader(storage_options=storage_options), None, time.perf_counter() - t0)
 
 
 @dataclass(frozen=True)
