@@ -44,6 +44,7 @@ _EXPORTS = {
     "EvaluationError": "dlscale.errors",
     "IncompatibleEvaluationError": "dlscale.errors",
     "DeviceError": "dlscale.errors",
+    "MinibatchTooLargeError": "dlscale.errors",
 }
 
 __all__ = [*sorted(_EXPORTS), "__version__"]

@@ -57,5 +57,12 @@ class IncompatibleEvaluationError(DlscaleError, TypeError):
     """Two evaluations that cannot be merged (different types or settings), or JSON of another type."""
 
 
+class MinibatchTooLargeError(MemoryError, DlscaleError):
+    """A minibatch file too large for the memory of the worker that is to load it (refused unread).
+
+    MemoryError comes first: it has a constructor of its own, which unpickling (an error sent back
+    from a worker) can call only when it is the first base."""
+
+
 class DeviceError(DlscaleError, RuntimeError):
     """A device setting (``DLSCALE_DEVICE``) that a worker cannot honour, e.g. ``cuda`` without a GPU."""

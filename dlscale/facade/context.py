@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import os
 import re
+import ssl
 import tempfile
 import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar, Self
 
 import dask.config
 import distributed
 from dask.bag import Bag
+from distributed.comm.core import FatalCommClosedError
 
 from dlscale import __version__, config, storage
 from dlscale.errors import ClusterConnectionError, DlscaleError, MasterURLError
@@ -27,6 +29,46 @@ _LOCAL = re.compile(r"^local(?:\[(\d+|\*)\])?$")
 _ADDRESS = re.compile(r"^(tcp|tls|ws|wss|inproc)://.+")
 _RESOURCE = re.compile(r"^spark\.executor\.resource\.([^.]+)\.amount$")
 _SPARK_MANAGERS = ("spark://", "yarn", "mesos://", "k8s://")
+_SCHEDULER_PORT = 8786  # Dask's default, for an address without a port
+
+
+def _chain(e: BaseException) -> Iterator[BaseException]:
+    """``e`` and the exceptions that caused it, most recent first."""
+    seen: set[int] = set()
+    cause: BaseException | None = e
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        yield cause
+        cause = cause.__cause__ or cause.__context__
+
+
+def _cause(e: BaseException) -> str:
+    """What went wrong, never empty: ``e`` and its causes up to the first that explains itself
+    (Dask raises some connection errors with no text and the reason in their cause)."""
+    parts = []
+    for cause in _chain(e):
+        text = str(cause)
+        parts.append(f"{type(cause).__name__}: {text}" if text else repr(cause))
+        if text:
+            break
+    return ", from ".join(parts)
+
+
+def _tls_failure(e: BaseException) -> bool:
+    """Whether a failed ``tls://`` connection got an answer that was no TLS handshake: an SSL error,
+    a connection Dask gave up at once, or tornado refusing to start TLS on the stream."""
+    return any(isinstance(c, (ssl.SSLError, FatalCommClosedError, ValueError)) for c in _chain(e))
+
+
+def _dashboard_address(setting: Any) -> str | None:
+    """Where an embedded cluster's dashboard listens (``dlscale.local.dashboard-address``): a port
+    alone (``":0"``, ``8787``) is bound to 127.0.0.1, as the scheduler and workers are; a host is
+    used as given (``"0.0.0.0:8787"`` for every interface); ``None`` starts no dashboard."""
+    if setting is None:
+        return None
+    address = str(setting)
+    port = address.removeprefix(":")
+    return f"127.0.0.1:{port}" if port.isdigit() else address
 
 
 def _parse_local(master: str) -> int | None:
@@ -106,20 +148,35 @@ class SparkContext:
             self._owned_cluster = distributed.LocalCluster(**self._local_cluster_kwargs(n))
             return distributed.Client(self._owned_cluster)
         if _ADDRESS.match(master):
+            scheme, location = distributed.comm.parse_address(master)
+            if scheme != "inproc":
+                try:
+                    distributed.comm.parse_host_port(location, _SCHEDULER_PORT)
+                except ValueError as e:
+                    raise MasterURLError(f"master {master!r} is not a valid scheduler address: {e}") from e
             timeout = config.get("connect-timeout")
             try:
                 return distributed.Client(master, timeout=timeout, security=security)
             except TypeError as e:
-                if not master.startswith("tls://"):
+                if scheme != "tls":
                     raise
                 raise ClusterConnectionError(
                     f"{master} needs TLS credentials: pass security=distributed.Security(...) or set "
                     "distributed.comm.tls.ca-file and distributed.comm.tls.client.cert/key in Dask's "
                     f"configuration ({e})"
                 ) from e
-            except (OSError, TimeoutError) as e:
+            except (OSError, TimeoutError, ValueError) as e:
+                if scheme == "tls" and _tls_failure(e):
+                    raise ClusterConnectionError(
+                        f"the TLS handshake with the Dask scheduler at {master} failed ({_cause(e)}): the scheduler "
+                        f"may speak plain TCP (then give tcp://{location}), or not accept these credentials (check "
+                        "security= or distributed.comm.tls.* in Dask's configuration)"
+                    ) from e
+                if isinstance(e, ValueError):
+                    raise
                 raise ClusterConnectionError(
-                    f"could not reach the Dask scheduler at {master} within {timeout} (dlscale.connect-timeout): {e}"
+                    f"could not reach the Dask scheduler at {master} within {timeout} (dlscale.connect-timeout): "
+                    f"{_cause(e)}"
                 ) from e
         hint = ""
         if master.startswith(_SPARK_MANAGERS):
@@ -153,7 +210,7 @@ class SparkContext:
             "threads_per_worker": threads,
             "processes": True,
             "memory_limit": memory,
-            "dashboard_address": config.get("local.dashboard-address"),
+            "dashboard_address": _dashboard_address(config.get("local.dashboard-address")),
             **({"resources": resources} if resources else {}),
         }
 
