@@ -11,6 +11,7 @@ import shutil
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import dask
@@ -46,7 +47,7 @@ def _fail(x: int) -> int:
 
 def _block_files(ctx: SparkContext, rdd_id: int, pattern: str = "*") -> list[str]:
     """The files, hidden ones included, in the workers' directories for the blocks of one RDD."""
-    app, rdd = ctx.applicationId, f"rdd-{rdd_id}"
+    app, rdd = ctx.applicationId, f"rdd-{rdd_id}-*"
 
     def find(dask_worker: Any) -> list[str]:
         root = os.path.join(dask_worker.local_directory, "dlscale-blocks", app, rdd)
@@ -129,7 +130,7 @@ def test_stop_deletes_blocks_left_by_unpersist(ctx: SparkContext, tmp_path: Any)
     with dask.config.set({"dlscale.persist.disk-dir": str(tmp_path)}):
         shared = ctx.parallelize(range(100), 4).persist(StorageLevel.DISK_ONLY)
     assert local.count() == shared.count() == 100
-    stale = tmp_path / ctx.applicationId / f"rdd-{shared.id()}" / ".part-00000-0.blk.0123.tmp"
+    stale = Path(_shared_blocks(tmp_path, ctx, shared.id())[0]).with_name(".part-00000-0.blk.0123.tmp")
     stale.write_bytes(b"left by a killed writer")
     local.unpersist()
     shared.unpersist()
@@ -150,6 +151,25 @@ def test_blocking_unpersist_waits_for_block_writers(ctx: SparkContext) -> None:
     assert not _block_files(ctx, rdd.id())
 
 
+def test_a_deletion_in_the_background_spares_the_blocks_of_a_new_persist(ctx: SparkContext) -> None:
+    def slow(x: int) -> int:
+        time.sleep(2)
+        return x
+
+    rdd = ctx.parallelize(range(100), 4).persist(StorageLevel.DISK_ONLY)
+    assert rdd.count() == 100
+    old = set(_block_files(ctx, rdd.id()))
+    busy = ctx.parallelize(range(1), 1).map(slow).persist(StorageLevel.DISK_ONLY)
+    _wait_for(lambda: any(ctx.client.processing().values()))
+    busy.unpersist()  # the background deletion waits for this writer first
+    rdd.unpersist()
+    rdd.persist(StorageLevel.DISK_ONLY)
+    assert rdd.count() == 100
+    new = {r.url for part in ctx.client.gather(rdd._stored.futures) for r in part}
+    _wait_for(lambda: not old & set(_block_files(ctx, rdd.id())))
+    assert new <= set(_block_files(ctx, rdd.id()))
+
+
 def test_unpersist_timeout_leaves_the_blocks_to_stop(ctx: SparkContext) -> None:
     def slow(x: int) -> int:
         time.sleep(2)
@@ -168,7 +188,7 @@ def test_unpersist_timeout_leaves_the_blocks_to_stop(ctx: SparkContext) -> None:
 
 # -- blocks on disk --------------------------------------------------------------------------
 def _shared_blocks(root: Any, ctx: SparkContext, rdd_id: int) -> list[str]:
-    return sorted(glob.glob(str(root / ctx.applicationId / f"rdd-{rdd_id}" / "part-*.blk")))
+    return sorted(glob.glob(str(root / ctx.applicationId / f"rdd-{rdd_id}-*" / "part-*.blk")))
 
 
 def test_swapped_blocks_of_one_rdd_are_refused(ctx: SparkContext, tmp_path: Any) -> None:

@@ -138,6 +138,7 @@ class RDDInfo:
 class _BlockSpec:
     app_id: str
     rdd_id: int
+    dir_name: str  # of this persist's blocks, unique: a new persist never meets an old one's deletion
     key: bytes
     shared_dir: str | None  # on shared storage: the directory of this RDD's blocks
     storage_options: dict
@@ -234,9 +235,9 @@ def _tag(spec: _BlockSpec, i: int, version: str, payload: bytes | memoryview) ->
     return mac.digest()[:32]
 
 
-def _local_block_dir(worker: Any, app_id: str, rdd_id: int | None = None) -> str:
+def _local_block_dir(worker: Any, app_id: str, dir_name: str | None = None) -> str:
     base = os.path.join(worker.local_directory, "dlscale-blocks", app_id)
-    return base if rdd_id is None else os.path.join(base, f"rdd-{rdd_id}")
+    return base if dir_name is None else os.path.join(base, dir_name)
 
 
 def _write_block(spec: _BlockSpec, i: int, part: Any) -> list[BlockRecord]:
@@ -246,7 +247,7 @@ def _write_block(spec: _BlockSpec, i: int, part: Any) -> list[BlockRecord]:
     name = f"part-{i:05d}-{version}.blk"
     if spec.shared_dir is None:
         worker = get_worker()
-        url = os.path.join(_local_block_dir(worker, spec.app_id, spec.rdd_id), name)
+        url = os.path.join(_local_block_dir(worker, spec.app_id, spec.dir_name), name)
         record = BlockRecord(url, len(payload), worker.address, version)
     else:
         url = f"{spec.shared_dir}/{name}"
@@ -299,7 +300,7 @@ def _read_block(spec: _BlockSpec, held: str, i: int, records: list[BlockRecord])
     return deserialize_bytes(payload)
 
 
-_recomputes: Counter = Counter()  # lost blocks met in this worker process, by (application, RDD, partition)
+_recomputes: Counter = Counter()  # lost blocks met in this worker process, by (application, directory, partition)
 
 
 def _lost(spec: _BlockSpec, held: str, i: int, rec: BlockRecord, cause: Exception) -> StorageError:
@@ -310,8 +311,8 @@ def _lost(spec: _BlockSpec, held: str, i: int, rec: BlockRecord, cause: Exceptio
     moved on from, and for a block lost again and again.
     """
     what = f"DISK_ONLY block {rec.url} of RDD {spec.rdd_id} partition {i} is lost ({type(cause).__name__}: {cause})"
-    _recomputes[spec.app_id, spec.rdd_id, i] += 1
-    if _recomputes[spec.app_id, spec.rdd_id, i] > _MAX_RECOMPUTES:
+    _recomputes[spec.app_id, spec.dir_name, i] += 1
+    if _recomputes[spec.app_id, spec.dir_name, i] > _MAX_RECOMPUTES:
         return StorageError(f"{what}, and it was recomputed {_MAX_RECOMPUTES} times already")
     logger.warning("%s; recomputing the partition from lineage", what)
     worker = get_worker()
@@ -352,8 +353,8 @@ class BlockServer(WorkerPlugin):
         worker.handlers["dlscale_read_block"] = dlscale_read_block
 
 
-def _remove_local_blocks(app_id: str, rdd_id: int | None, dask_worker: Any = None) -> None:
-    shutil.rmtree(_local_block_dir(dask_worker, app_id, rdd_id), ignore_errors=True)
+def _remove_local_blocks(app_id: str, dir_name: str | None, dask_worker: Any = None) -> None:
+    shutil.rmtree(_local_block_dir(dask_worker, app_id, dir_name), ignore_errors=True)
 
 
 _SETTLED_ON_SCHEDULER = ("released", "erred", "forgotten")
@@ -395,7 +396,7 @@ class DiskBlocks:
 
     def __init__(self, ctx: SparkContext) -> None:
         self._ctx = ctx
-        self._pending: dict[int, tuple[Stored, list]] = {}  # RDD id: its Stored and the tasks to wait for
+        self._pending: dict[str, tuple[Stored, list]] = {}  # directory name: its Stored, the tasks to wait for
         self._app_dirs: dict[str | None, dict] = {}  # None: the workers' local directories
         self._janitor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -404,14 +405,14 @@ class DiskBlocks:
         spec = stored.blocks
         app_dir = None if spec.shared_dir is None else spec.shared_dir.rsplit("/", 1)[0]
         with self._lock:
-            self._pending[spec.rdd_id] = (stored, [])
+            self._pending[spec.dir_name] = (stored, [])
             self._app_dirs[app_dir] = spec.storage_options
 
     def drop(self, stored: Stored, writers: list, blocking: bool) -> None:
         """Delete the blocks of ``stored``, whose futures are released, once the tasks ``writers``
         (:func:`_computing` the records) are done; now, or in the background."""
         with self._lock:
-            self._pending[stored.blocks.rdd_id] = (stored, writers)
+            self._pending[stored.blocks.dir_name] = (stored, writers)
         if blocking:
             self._drop(stored, writers)
             return
@@ -434,11 +435,11 @@ class DiskBlocks:
                 )
             time.sleep(0.05)
         if spec.shared_dir is None:
-            client.run(_remove_local_blocks, spec.app_id, spec.rdd_id)
+            client.run(_remove_local_blocks, spec.app_id, spec.dir_name)
         else:
             _remove_shared(spec.shared_dir, spec.storage_options)
         with self._lock:
-            self._pending.pop(spec.rdd_id, None)
+            self._pending.pop(spec.dir_name, None)
 
     def _drop_logged(self, stored: Stored, writers: list) -> None:
         try:
@@ -496,12 +497,12 @@ def persist(rdd: RDD, level: StorageLevel | None) -> RDD:
                 f"{level!r} needs dlscale.persist.disk-dir set to shared storage: blocks on a "
                 "worker's local disk are not copied to other workers"
             )
-        block_dir = None
+        dir_name, block_dir = f"rdd-{rdd.id()}-{uuid.uuid4().hex[:8]}", None
         if shared is not None:
-            block_dir = f"{str(shared).rstrip('/')}/{ctx.applicationId}/rdd-{rdd.id()}"
+            block_dir = f"{str(shared).rstrip('/')}/{ctx.applicationId}/{dir_name}"
         else:
             client.register_plugin(BlockServer(), name=BlockServer.name)
-        spec = _BlockSpec(ctx.applicationId, rdd.id(), ctx._block_key, block_dir, options)
+        spec = _BlockSpec(ctx.applicationId, rdd.id(), dir_name, ctx._block_key, block_dir, options)
         to_hold = _graph.partitionwise("diskBlocks", partial(_write_block, spec), lineage)
         read = partial(_read_block, spec, to_hold.name)
     elif not level.deserialized:
