@@ -170,6 +170,16 @@ def test_a_deletion_in_the_background_spares_the_blocks_of_a_new_persist(ctx: Sp
     assert new <= set(_block_files(ctx, rdd.id()))
 
 
+def test_unpersist_does_not_wait_for_the_persisted_rdds_it_reads(ctx: SparkContext) -> None:
+    parent = ctx.parallelize(range(40), 4).persist(StorageLevel.MEMORY_ONLY)
+    child = parent.map(lambda x: x + 1).persist(StorageLevel.DISK_ONLY)
+    assert child.count() == 40
+    with dask.config.set({"dlscale.persist.unpersist-timeout": "5s"}):
+        child.unpersist(blocking=True)
+    assert not _block_files(ctx, child.id())
+    assert parent.count() == 40
+
+
 def test_unpersist_timeout_leaves_the_blocks_to_stop(ctx: SparkContext) -> None:
     def slow(x: int) -> int:
         time.sleep(2)
@@ -214,19 +224,16 @@ def test_block_of_another_rdd_is_refused(ctx: SparkContext, tmp_path: Any) -> No
         one.collect()
 
 
-class _Capture(logging.Handler):
-    records: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record.getMessage())
-
-
 def _capture_persist_log() -> None:
-    logging.getLogger("dlscale.persist").addHandler(_Capture())
+    handler = logging.Handler()
+    handler.records = []  # type: ignore[attr-defined]
+    handler.emit = lambda record: handler.records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("dlscale.persist").addHandler(handler)
 
 
 def _captured() -> list[str]:
-    return list(_Capture.records)
+    handlers = logging.getLogger("dlscale.persist").handlers
+    return [m for h in handlers for m in getattr(h, "records", [])]
 
 
 @pytest.mark.parametrize("where", ["local", "shared"])

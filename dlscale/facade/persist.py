@@ -363,14 +363,15 @@ _RUNNABLE_ON_WORKER = ("waiting", "ready", "constrained", "executing", "long-run
 
 def _computing(keys: list, dask_scheduler: Any = None) -> list:
     """The keys of the tasks that compute ``keys`` (Dask fuses a block's writer with the lineage under
-    its own key): ``keys`` and, recursively, their dependencies."""
+    its own key): ``keys`` and, recursively, their dependencies, short of keys that a client holds
+    (another persisted RDD), which write no block of these."""
     tasks, seen = dask_scheduler.tasks, set()
     stack = [k for k in map(_as_key, keys) if k in tasks]
     while stack:
         k = stack.pop()
         if k not in seen:
             seen.add(k)
-            stack.extend(dts.key for dts in tasks[k].dependencies)
+            stack.extend(dts.key for dts in tasks[k].dependencies if not dts.who_wants)
     return list(seen)
 
 
