@@ -182,7 +182,7 @@ def resolve(bag: Bag) -> Bag:
         name = dead.pop()
         lineage = layers[name].stored.lineage
         for held in deps[name]:  # the released futures; at MEMORY_ONLY their layer has the lineage's name
-            del layers[held]
+            del layers[held], deps[held]
         layers[name] = MaterializedLayer({k: Alias(k, (lineage.name, k[1])) for k in layers[name]})
         deps[name] = {lineage.name}
         sub = lineage.__dask_graph__()
@@ -306,20 +306,22 @@ _recomputes: Counter = Counter()  # lost blocks met in this worker process, by (
 def _lost(spec: _BlockSpec, held: str, i: int, rec: BlockRecord, cause: Exception) -> StorageError:
     """Have the scheduler recompute a lost block's partition from lineage, as Spark does.
 
-    The scheduler forgets the block's record, which Dask then recomputes (writing a new block) before it
-    runs this reading task again; the error returned is for a reader that the scheduler had already
-    moved on from, and for a block lost again and again.
+    The scheduler forgets the block's record, which Dask then recomputes (writing a new block), and
+    reschedules this reading task, so the error returned, raised by the task, is ignored; it reaches
+    the user only when the scheduler would not (the reader was stale or the RDD unpersisted) or the
+    block was lost again and again.
     """
     what = f"DISK_ONLY block {rec.url} of RDD {spec.rdd_id} partition {i} is lost ({type(cause).__name__}: {cause})"
     _recomputes[spec.app_id, spec.dir_name, i] += 1
     if _recomputes[spec.app_id, spec.dir_name, i] > _MAX_RECOMPUTES:
         return StorageError(f"{what}, and it was recomputed {_MAX_RECOMPUTES} times already")
-    logger.warning("%s; recomputing the partition from lineage", what)
     worker = get_worker()
     reader = worker.get_current_task()
     run_id = worker.state.tasks[reader].run_id
-    get_client().run_on_scheduler(_forget_record, (held, i), reader, run_id, worker.address)
-    return StorageError(f"{what}; its partition is being recomputed from lineage")
+    if get_client().run_on_scheduler(_forget_record, (held, i), reader, run_id, worker.address):
+        logger.warning("%s; recomputing the partition from lineage", what)
+        return StorageError(f"{what}; its partition is being recomputed from lineage")
+    return StorageError(what)
 
 
 def _forget_record(key: Any, reader: Any, run_id: int, worker: str, dask_scheduler: Any = None) -> bool:
