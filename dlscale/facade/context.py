@@ -134,6 +134,7 @@ class SparkContext:
         self._block_key = os.urandom(32)
         self._rdd_ids = iter(range(1 << 62))
         self._persisted: weakref.WeakValueDictionary[int, RDD] = weakref.WeakValueDictionary()
+        self._disk_blocks = persist.DiskBlocks(self)
         self._broadcasts: weakref.WeakSet[Broadcast] = weakref.WeakSet()
         self._stopped = False
         with SparkContext._lock:
@@ -222,11 +223,13 @@ class SparkContext:
         return self._client
 
     def stop(self) -> None:
-        """Release every persisted RDD and close the client and cluster this context created."""
+        """Release every persisted RDD, delete the application's DISK_ONLY blocks (waiting for tasks still
+        writing them), and close the client and cluster this context created."""
         if self._stopped:
             return
         for rdd in list(self._persisted.values()):
-            rdd.unpersist(blocking=True)
+            rdd.unpersist()
+        self._disk_blocks.close()
         for b in list(self._broadcasts):
             b.destroy()
         self._stopped = True

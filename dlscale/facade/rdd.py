@@ -61,12 +61,22 @@ class RDD:
     """A partitioned collection, computed lazily on the cluster (PySpark's ``RDD``)."""
 
     def __init__(self, bag: Bag, ctx: SparkContext, partitioner: Partitioner | None = None) -> None:
-        self._bag = bag
+        self._plan = bag
         self.ctx = ctx
         self.partitioner = partitioner
         self._id = ctx._new_rdd_id()
         self._name: str | None = None
         self._stored: Any = None  # dlscale.persist.Stored when persisted
+
+    @property
+    def _bag(self) -> Bag:
+        """The graph that computes this RDD, in which RDDs unpersisted since it was built are computed
+        from their lineage again."""
+        return persist.resolve(self._plan)
+
+    @_bag.setter
+    def _bag(self, bag: Bag) -> None:
+        self._plan = bag
 
     # -- identity ------------------------------------------------------------------------
     @property
