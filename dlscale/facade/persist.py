@@ -34,6 +34,7 @@ from distributed.utils import sync
 from dlscale import config
 from dlscale.errors import CorruptDataError, StorageError
 from dlscale.facade import _graph
+from dlscale.runtime.extensions import Extension, install
 from dlscale.runtime.replicas import set_replication
 from dlscale.storage import atomic_write
 
@@ -235,6 +236,9 @@ class BlockServer(WorkerPlugin):
         worker.handlers["dlscale_read_block"] = dlscale_read_block
 
 
+BLOCKS = Extension(BlockServer.name, worker_plugin=BlockServer)
+
+
 def _remove_local_blocks(app_id: str, rdd_id: int | None, dask_worker: Any = None) -> None:
     shutil.rmtree(_local_block_dir(dask_worker, app_id, rdd_id), ignore_errors=True)
 
@@ -268,7 +272,7 @@ def persist(rdd: RDD, level: StorageLevel | None) -> RDD:
         if shared is not None:
             block_dir = f"{str(shared).rstrip('/')}/{ctx.applicationId}/rdd-{rdd.id()}"
         else:
-            client.register_plugin(BlockServer(), name=BlockServer.name)
+            install(client, BLOCKS)
         spec = _BlockSpec(ctx.applicationId, rdd.id(), ctx._block_key, block_dir, options)
         to_hold = _graph.partitionwise("diskBlocks", partial(_write_block, spec), lineage)
         read = partial(_read_block, spec)

@@ -25,6 +25,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dlscale import config
 from dlscale.monitor.timeline import _CSS, _SERIES_COLOURS, _chart_svg, _e, _legend
+from dlscale.runtime.extensions import Extension, install
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -179,6 +180,9 @@ class TrainingPanel(SchedulerPlugin):
         return "\n".join(out)
 
 
+PANEL = Extension(NAME, scheduler_plugin=TrainingPanel)
+
+
 def _fit_html(fit: str, f: _Fit) -> list[str]:
     v = f.view()
     state = "running" if f.ended is None else "finished"
@@ -265,7 +269,7 @@ def open_fit(client: Client, approach: str, minibatches: int, fit: str | None = 
     if not config.get("panel"):
         return None
     fit = fit or f"{approach.replace(' ', '-')}-{uuid.uuid4().hex[:8]}"
-    client.register_plugin(TrainingPanel())
+    install(client, PANEL)
     client.sync(client.scheduler.dlscale_panel_begin, fit=fit, approach=approach, minibatches=minibatches)
     return fit
 

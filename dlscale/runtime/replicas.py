@@ -2,20 +2,27 @@
 
 Dask's Active Memory Manager drops every replica beyond the one that waiting tasks need
 (``ReduceReplicas``), which would undo ``MEMORY_ONLY_2`` within seconds. This policy takes its
-place: keys of persisted partitions and broadcasts keep their requested replica count; every
-other key is treated exactly as ``ReduceReplicas`` treats it.
+place (:data:`REPLICAS`, installed by :func:`set_replication`): keys of persisted partitions and
+broadcasts keep their requested replica count; every other key is treated exactly as
+``ReduceReplicas`` treats it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distributed.active_memory_manager import (
     ReduceReplicas,
     Suggestion,
     SuggestionGenerator,
 )
+
+from dlscale.runtime.extensions import Extension, install
+
+if TYPE_CHECKING:
+    from distributed import Client
+    from distributed.scheduler import Scheduler
 
 EVERY_WORKER = 2**31  # a replica count meaning "on every worker", those that join later included
 
@@ -50,18 +57,24 @@ def _key(k: Any) -> Any:
     return tuple(k) if isinstance(k, list) else k
 
 
-def _policy(scheduler: Any) -> PersistedReplicas | None:
+def _replace_reduce_replicas(scheduler: Scheduler) -> None:
+    """Put :class:`PersistedReplicas` in place of ``ReduceReplicas`` in the scheduler's memory manager."""
     amm = scheduler.extensions.get("amm")
-    if amm is None:
-        return None
-    for p in amm.policies:
-        if isinstance(p, PersistedReplicas):
-            return p
+    if amm is None or any(isinstance(p, PersistedReplicas) for p in amm.policies):
+        return
     for p in [p for p in amm.policies if type(p) is ReduceReplicas]:
         amm.policies.discard(p)
-    policy = PersistedReplicas()
-    amm.add_policy(policy)
-    return policy
+    amm.add_policy(PersistedReplicas())
+
+
+REPLICAS = Extension("dlscale-replicas", scheduler_setup=_replace_reduce_replicas)
+
+
+def _policy(scheduler: Scheduler) -> PersistedReplicas | None:
+    """The policy :data:`REPLICAS` installed, if the scheduler has a memory manager."""
+    amm = scheduler.extensions.get("amm")
+    policies = amm.policies if amm is not None else ()
+    return next((p for p in policies if isinstance(p, PersistedReplicas)), None)
 
 
 def _set_desired(keys: Iterable[Any], n: int, dask_scheduler: Any = None) -> None:
@@ -74,8 +87,9 @@ def _set_desired(keys: Iterable[Any], n: int, dask_scheduler: Any = None) -> Non
                 policy.desired.pop(_key(k), None)
 
 
-def set_replication(client: Any, futures: list, n: int) -> None:
+def set_replication(client: Client, futures: list, n: int) -> None:
     """Hold ``n`` replicas of each of ``futures`` (1 returns them to Dask's default)."""
+    install(client, REPLICAS)
     client.run_on_scheduler(_set_desired, [f.key for f in futures], n)
     if n > 1:
         client.replicate(futures, n=None if n == EVERY_WORKER else n)
