@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import ClassVar
 
 import dask.config
@@ -55,7 +56,7 @@ class OnTheDriver(TrainingMaster):
                     raise RuntimeError("stopped on purpose")
                 batch = batches.loader(batches.refs[i])
                 score = run.network.fit_batch(batch)
-                run.step(epoch, 1, batch.num_examples(), score, iterations=1)
+                run.step(epoch, 1, batch.num_examples(), score, iterations=0)  # fit_batch counted it
 
 
 def test_a_master_on_the_base_gets_the_driver_loop(sc, tmp_path) -> None:
@@ -89,6 +90,9 @@ def test_a_failed_fit_restores_the_counters_and_releases_the_network(sc, tmp_pat
     with pytest.raises(RuntimeError, match="stopped on purpose"):
         SparkNet(sc, network, OnTheDriver(8, fail_at=9)).fit_paths(paths, loader=load, epochs=2)
     assert (network.iteration, network.epoch) == (5, 1)
+    deadline = time.monotonic() + 5  # a released future leaves the client on its next loop turn
+    while not set(sc.client.futures) <= before and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert set(sc.client.futures) <= before  # the scattered network was released
 
 

@@ -32,14 +32,15 @@ from dlscale.encoding import (
 )
 from dlscale.errors import TrainerLostWarning
 from dlscale.monitor.stats import TrainerStats
+from dlscale.runtime.extensions import install
 from dlscale.runtime.tasks import check_count
 from dlscale.training import _sources, _worker
 from dlscale.training._driver import FitRun
 from dlscale.training.master import TrainingMaster
 from dlscale.training.sharing import _mesh, _trainer
 from dlscale.training.sharing._config import SharingConfig
-from dlscale.training.sharing._scheduler_plugin import SharingSchedulerPlugin
-from dlscale.training.sharing._worker_plugin import SharingWorkerPlugin, plugin
+from dlscale.training.sharing._extension import SHARING
+from dlscale.training.sharing._worker_plugin import plugin
 
 logger = logging.getLogger("dlscale.training.sharing")
 
@@ -93,22 +94,6 @@ class SharedTrainingMaster(TrainingMaster):
         _Session(self, run, batches).train(probe)
 
 
-def _ensure_plugins(client: Any) -> None:
-    """Install the sharing plugins on the scheduler and the workers, once per cluster."""
-
-    def installed(dask_scheduler: Any) -> tuple[bool, bool]:
-        return (
-            SharingSchedulerPlugin.name in dask_scheduler.plugins,
-            SharingWorkerPlugin.name in dask_scheduler.worker_plugins,
-        )
-
-    on_scheduler, on_workers = client.run_on_scheduler(installed)
-    if not on_scheduler:
-        client.register_plugin(SharingSchedulerPlugin())
-    if not on_workers:
-        client.register_plugin(SharingWorkerPlugin())
-
-
 def _open_node(session: str, trainers: int, mode: str, config: SharingConfig, dask_worker: Any = None) -> None:
     plugin(dask_worker).open(session, trainers, mode, config)
 
@@ -141,7 +126,7 @@ class _Session:
 
     def train(self, probe: bool) -> None:
         master, client, run = self.master, self.client, self.run
-        _ensure_plugins(client)
+        install(client, SHARING)
         blob = run.blob
         run.replicas = [f"{blob.key}/{i}" for i in range(master.workers_per_node)]
         if probe:
