@@ -436,7 +436,7 @@ FAST_RETRIES = {"dlscale.sharing.send-retries": 2, "dlscale.sharing.send-retry-d
 
 async def open_nodes(c: Any, *workers: Any) -> list[Node]:
     await c.register_plugin(SharingWorkerPlugin())
-    nodes = [w.plugins[NAME].open("s", 1, "plain") for w in workers]
+    nodes = [w.plugins[NAME].open("s", 1, "plain", SharingConfig.from_dask()) for w in workers]
     for node in nodes:
         node.set_nodes(0, sorted(w.address for w in workers))
     await asyncio.sleep(0.01)  # the loop adopts the membership

@@ -356,6 +356,7 @@ def test_stats_summary_and_json(sc, tmp_path: Path) -> None:
 
 _HEAP_PROBE = """
 import resource, statistics, torch
+import distributed  # imported in every worker, where training tasks run
 from dlscale.training._heap import training_heap
 
 def faults():

@@ -86,6 +86,12 @@ class TrainingStats:
     rounds: list[RoundStats] = field(default_factory=list)
     trainers: list[TrainerStats] = field(default_factory=list)
 
+    def extend(self, later: TrainingStats) -> None:
+        """Append the statistics of a later ``fit`` of the same network."""
+        self.prepare_seconds += later.prepare_seconds
+        self.rounds.extend(later.rounds)
+        self.trainers.extend(later.trainers)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -1,10 +1,24 @@
-"""Distributed training: ``SparkNet`` and its training masters."""
+"""Distributed training: ``SparkNet`` and its training masters (imported on first use)."""
 
 from __future__ import annotations
 
-from dlscale.training.averaging import ParameterAveragingTrainingMaster
-from dlscale.training.master import TrainingMaster
-from dlscale.training.sharing import SharedTrainingMaster
-from dlscale.training.sparknet import SparkNet
+import importlib
+from typing import Any
 
-__all__ = ["ParameterAveragingTrainingMaster", "SharedTrainingMaster", "SparkNet", "TrainingMaster"]
+_EXPORTS = {
+    "ParameterAveragingTrainingMaster": "dlscale.training.averaging",
+    "SharedTrainingMaster": "dlscale.training.sharing",
+    "SparkNet": "dlscale.training.sparknet",
+    "TrainingMaster": "dlscale.training.master",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dlscale.training' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -29,13 +29,14 @@ from dlscale.training._heap import training_heap
 def replica(key: str, blob: bytes, local: int = 0, per_worker: int = 1) -> tuple[Network, threading.Semaphore]:
     """This process's copy of the network pickled in ``blob`` for the fit (and trainer slot) ``key``:
     unpickled once per worker, on the device of the ``local``-th of its ``per_worker`` trainers, and
-    kept until :func:`drop_replica`; with the lock that keeps two tasks from training it at once."""
+    kept until :func:`drop_replicas`; with the lock that keeps two tasks from training it at once."""
     return shipping.pin(key, blob, local, per_worker)
 
 
-def drop_replica(key: str) -> None:
-    """Forget the replica of ``key`` (run on every worker when a fit ends)."""
-    shipping.drop(key)
+def drop_replicas(keys: list[str]) -> None:
+    """Forget the replicas of ``keys`` (run on every worker when a fit ends)."""
+    for key in keys:
+        shipping.drop(key)
 
 
 def state_of(network: Network, with_optimizer: bool) -> dict[str, Any]:

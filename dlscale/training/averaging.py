@@ -12,27 +12,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import secrets
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar
 
 import numpy as np
 from distributed import Future
 
-from dlscale.facade.persist import StorageLevel
-from dlscale.monitor import panel
-from dlscale.monitor.progress import Progress
-from dlscale.monitor.stats import RoundStats, TrainingStats, WorkerRound
+from dlscale.monitor.stats import RoundStats, WorkerRound
 from dlscale.runtime.tasks import check_count
 from dlscale.training import _sources, _worker
-from dlscale.training.master import (
-    TrainingMaster,
-    check_source,
-)
-
-if TYPE_CHECKING:
-    from dlscale.training.sparknet import SparkNet
+from dlscale.training._driver import FitRun
+from dlscale.training.master import TrainingMaster
 
 REPARTITION = ("always", "never", "num_partitions_workers_differs")
 
@@ -41,123 +32,67 @@ REPARTITION = ("always", "never", "num_partitions_workers_differs")
 class ParameterAveragingTrainingMaster(TrainingMaster):
     """Synchronous data-parallel training by periodic parameter averaging.
 
-    ``repartition`` applies to ``rdd_training_approach="direct"``: "never" trains every minibatch on the
-    worker that holds it, "always" spreads the minibatches evenly over the workers, and
-    "num_partitions_workers_differs" does the latter only when the RDD does not have exactly one
-    partition per worker. Exported files are read by whichever worker trains them.
-    ``export_directory`` (default ``_training/`` under the storage root) receives the exported files;
-    :meth:`delete_temp_files` removes them. ``rng_seed`` fixes the order of minibatches in every
-    epoch (otherwise it is random).
+    Each worker fits ``averaging_frequency`` minibatches per round, reading ``worker_prefetch_num_batches``
+    ahead; the states (with the optimizer's when ``save_updater``) are averaged in a tree of depth
+    ``aggregation_depth``. ``repartition`` applies to ``rdd_training_approach="direct"``: "never" trains
+    every minibatch on the worker that holds it, "always" spreads the minibatches evenly over the
+    workers, and "num_partitions_workers_differs" does the latter only when the RDD does not have
+    exactly one partition per worker. Exported files are read by whichever worker trains them;
+    :meth:`delete_temp_files` removes them. The settings every master has are described on
+    :class:`~dlscale.training.master.TrainingMaster`.
     """
 
-    batch_size_per_worker: int
+    approach: ClassVar[str] = "parameter averaging"
+
     averaging_frequency: int = 5
     worker_prefetch_num_batches: int = 2
     save_updater: bool = True
     aggregation_depth: int = 2
     repartition: str = "always"
-    rdd_training_approach: str = "export"
-    export_directory: str | None = None
-    storage_level: StorageLevel = StorageLevel.MEMORY_ONLY_SER
-    collect_training_stats: bool = False
-    rng_seed: int | None = None
-    storage_options: dict[str, Any] | None = None
-    _exports: _sources.ExportCache = dataclasses.field(default_factory=_sources.ExportCache, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        check_count("batch_size_per_worker", self.batch_size_per_worker)
+        super().__post_init__()
         check_count("averaging_frequency", self.averaging_frequency)
         check_count("worker_prefetch_num_batches", self.worker_prefetch_num_batches, 0)
         check_count("aggregation_depth", self.aggregation_depth)
         if self.repartition not in REPARTITION:
             raise ValueError(f"repartition must be one of {REPARTITION}, got {self.repartition!r}")
-        check_source(self.rdd_training_approach, self.storage_level)
 
     def _train(
-        self,
-        net: SparkNet,
-        blob: bytes,
-        batches: _sources.Minibatches,
-        epochs: int,
-        *,
-        partitions: int | None = None,
-        probe: bool = False,
+        self, run: FitRun, batches: _sources.Minibatches, *, partitions: int | None = None, probe: bool = False
     ) -> None:
         local = partitions is not None and (
             self.repartition == "never"
-            or (self.repartition == "num_partitions_workers_differs" and partitions == len(_workers(net)))
+            or (self.repartition == "num_partitions_workers_differs" and partitions == len(run.workers))
         )
-        _Run(self, net, blob, batches, local).train(epochs, probe=probe)
+        _Rounds(self, run, batches, local).train(probe)
 
 
-def _workers(net: SparkNet) -> list[str]:
-    workers = sorted(net.sc.client.scheduler_info(n_workers=-1)["workers"])
-    if not workers:
-        raise RuntimeError("the cluster has no workers to train on")
-    return workers
-
-
-class _Run:
-    """One ``fit``: the network sent once, then the rounds of every epoch."""
+class _Rounds:
+    """One ``fit``'s rounds: the network sent once, then the rounds of every epoch."""
 
     def __init__(
-        self,
-        master: ParameterAveragingTrainingMaster,
-        net: SparkNet,
-        blob: bytes,
-        batches: _sources.Minibatches,
-        local: bool,
+        self, master: ParameterAveragingTrainingMaster, run: FitRun, batches: _sources.Minibatches, local: bool
     ) -> None:
-        self.master, self.net, self.batches, self.local = master, net, batches, local
-        self.client = net.sc.client
-        self.workers = _workers(net)
-        self.blob = self.client.scatter([blob], hash=False)[0]
-        self.key = self.blob.key
-        seed = master.rng_seed if master.rng_seed is not None else secrets.randbits(63)
-        self.seed = seed
+        self.master, self.run, self.batches, self.local = master, run, batches, local
+        self.client, self.workers, self.blob = run.client, run.workers, run.blob
+        self.key = run.replicas[0]
         self.tag = uuid.uuid4().hex[:8]
-        self.fit_id: str | None = None  # in the live panel
-        self.stats = (
-            TrainingStats("parameter averaging", len(self.workers), batches.seconds)
-            if master.collect_training_stats
-            else None
-        )
 
-    def train(self, epochs: int, probe: bool = False) -> None:
-        network = self.net.network
-        counters = network.iteration, network.epoch
-        try:
-            if probe:
-                self.client.submit(
-                    _worker.probe, self.key, self.blob, self.batches.refs[0], self.batches.loader, pure=False
-                ).result()
-            states = self.client.scatter([_worker.state_of(network, self.master.save_updater)], hash=False)
-            self.fit_id = panel.open_fit(self.client, "parameter averaging", epochs * len(self.batches.refs))
-            self.progress = Progress(
-                "parameter averaging",
-                len(self.batches.refs),
-                epochs,
-                network.epoch,
-                panel_url=panel.url(self.client, self.fit_id),
-            )
-            for _ in range(epochs):
-                states = self._epoch(states, network.epoch)
-                network.epoch += 1
-            _worker.apply_state(network, _worker.average(*self.client.gather(states)))
-        except BaseException:
-            network.iteration, network.epoch = counters  # the network is as it was before the fit
-            raise
-        finally:
-            panel.close_fit(self.client, self.fit_id)
-            self.client.run(_worker.drop_replica, self.key)
-            self.blob.release()
-        if self.stats is not None:
-            self.net._add_stats(self.stats)
+    def train(self, probe: bool) -> None:
+        run = self.run
+        if probe:
+            run.probe()
+        states = self.client.scatter([_worker.state_of(run.network, self.master.save_updater)], hash=False)
+        run.show_progress()
+        for epoch in range(run.epochs):
+            states = self._epoch(states, epoch)
+        _worker.apply_state(run.network, _worker.average(*self.client.gather(states)))
 
     def _epoch(self, states: list[Future], epoch: int) -> list[Future]:
-        """Submit every round of the epoch, then follow them; returns the last level of the last
-        round's averaging tree (the states whose average is the network's new state)."""
-        rounds = self._plan(np.random.default_rng([self.seed, epoch]))
+        """Submit every round of the fit's ``epoch``-th epoch, then follow them; returns the last level of
+        the last round's averaging tree (the states whose average is the network's new state)."""
+        rounds = self._plan(np.random.default_rng([self.run.seed, self.run.first_epoch + epoch]))
         summaries = []
         for r, shares in enumerate(rounds):
             parts = [self._fit(states, worker, idx, epoch, r, j) for j, (worker, idx) in enumerate(shares)]
@@ -174,7 +109,7 @@ class _Run:
         except BaseException as e:
             self.client.cancel([f for futures in summaries for f in futures] + states)
             if isinstance(e, Exception):
-                e.add_note(f"while training round {r} of epoch {epoch}")
+                e.add_note(f"while training round {r} of epoch {self.run.first_epoch + epoch}")
             raise
         return states
 
@@ -216,7 +151,7 @@ class _Run:
             workers=[worker],
             allow_other_workers=True,
             pure=False,
-            key=f"dlscale-fit-{self.tag}-e{epoch}-r{r}-{j}",
+            key=f"dlscale-fit-{self.tag}-e{self.run.first_epoch + epoch}-r{r}-{j}",
         )
 
     def _reduce(self, parts: list[Future]) -> list[Future]:
@@ -233,28 +168,27 @@ class _Run:
         return parts
 
     def _done(self, epoch: int, r: int, info: dict[str, Any], seconds: float) -> None:
-        network = self.net.network
-        network.iteration += info["batches"]
-        self.progress.advance(sum(len(s["batches"]) for s in info["shares"]), info["examples"], info["score"])
-        panel.record(
-            self.client,
-            self.fit_id,
-            [
-                {
-                    "row": s["worker"],
-                    "worker": s["worker"],
-                    "minibatches": len(s["batches"]),
-                    "examples": s["examples"],
-                    "loss": s["score"],
-                }
-                for s in info["shares"]
-            ],
-        )
-        for listener in self.net.listeners:
-            listener.iteration_done(network, network.iteration, epoch, info["score"], info["examples"])
-        if self.stats is not None:
-            self.stats.rounds.append(
+        shares = info["shares"]
+        rows = [
+            {
+                "row": s["worker"],
+                "worker": s["worker"],
+                "minibatches": len(s["batches"]),
+                "examples": s["examples"],
+                "loss": s["score"],
+            }
+            for s in shares
+        ]
+        minibatches = sum(len(s["batches"]) for s in shares)
+        self.run.step(epoch, minibatches, info["examples"], info["score"], iterations=info["batches"], rows=rows)
+        if self.run.stats is not None:
+            self.run.stats.rounds.append(
                 RoundStats(
-                    epoch, r, seconds, info["examples"], info["score"], [WorkerRound(**s) for s in info["shares"]]
+                    self.run.first_epoch + epoch,
+                    r,
+                    seconds,
+                    info["examples"],
+                    info["score"],
+                    [WorkerRound(**s) for s in shares],
                 )
             )

@@ -3,53 +3,72 @@
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from dlscale.data.dataset import DataSet, MultiDataSet
 from dlscale.facade.persist import StorageLevel
 from dlscale.nn import shipping
+from dlscale.runtime.tasks import check_count
 from dlscale.training import _sources
+from dlscale.training._driver import FitContext, FitRun
 
 if TYPE_CHECKING:
     from dlscale.facade.rdd import RDD
     from dlscale.nn.network import Network
-    from dlscale.training.sparknet import SparkNet
 
 
+@dataclasses.dataclass
 class TrainingMaster(abc.ABC):
     """How a :class:`~dlscale.SparkNet` trains across the cluster (DL4J's ``TrainingMaster``).
 
-    A master has the settings ``batch_size_per_worker``, ``rdd_training_approach``,
-    ``storage_level``, ``export_directory`` and ``storage_options``, and an ``_exports`` cache.
-    :meth:`fit` and :meth:`fit_paths` check what they are given, prepare the minibatches and hand
-    them to :meth:`_train`, the one method a master implements.
+    The settings every master has: ``batch_size_per_worker`` (examples per minibatch), and, by keyword,
+    ``rdd_training_approach`` ("export": ``fit`` writes the RDD as minibatch files under
+    ``export_directory``, default ``_training/`` under the storage root, with ``storage_options``;
+    "direct": minibatches held in the workers' memory at ``storage_level``), ``collect_training_stats``
+    and ``rng_seed`` (fixes the order of minibatches; otherwise random). :meth:`fit` and
+    :meth:`fit_paths` check what they are given, prepare the minibatches and run :meth:`_train`, the one
+    method a master implements, inside a :class:`~dlscale.training._driver.FitRun`.
     """
 
-    batch_size_per_worker: int
-    rdd_training_approach: str
-    storage_level: StorageLevel
-    export_directory: str | None
-    storage_options: dict[str, Any] | None
-    _exports: _sources.ExportCache
+    approach: ClassVar[str]  # how progress, the panel and the statistics name the master's fits
 
-    def fit(self, net: SparkNet, rdd: RDD, epochs: int) -> None:
-        """Train ``net.network`` on an RDD of DataSet or MultiDataSet."""
+    batch_size_per_worker: int
+    _: dataclasses.KW_ONLY
+    rdd_training_approach: str = "export"
+    export_directory: str | None = None
+    storage_level: StorageLevel = StorageLevel.MEMORY_ONLY_SER
+    storage_options: dict[str, Any] | None = None
+    collect_training_stats: bool = False
+    rng_seed: int | None = None
+    _exports: _sources.ExportCache = dataclasses.field(default_factory=_sources.ExportCache, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        check_count("batch_size_per_worker", self.batch_size_per_worker)
+        check_source(self.rdd_training_approach, self.storage_level)
+
+    def fit(self, context: FitContext, rdd: RDD, epochs: int) -> None:
+        """Train ``context.network`` on an RDD of DataSet or MultiDataSet."""
         check_epochs(epochs)
-        blob = serialise(net.network)
-        probe_rdd(net.network, rdd, self.batch_size_per_worker)
+        blob = serialise(context.network)
+        probe_rdd(context.network, rdd, self.batch_size_per_worker)
         if self.rdd_training_approach == "direct":
             batches = _sources.in_memory(rdd, self.batch_size_per_worker, self.storage_level)
-            self._train(net, blob, batches, epochs, partitions=rdd.getNumPartitions())
+            with FitRun(context, self, blob, batches, epochs) as run:
+                self._train(run, batches, partitions=rdd.getNumPartitions())
         else:
             batches = self._exports.get(rdd, self.batch_size_per_worker, self.export_directory, self.storage_options)
-            self._train(net, blob, batches, epochs)
+            with FitRun(context, self, blob, batches, epochs) as run:
+                self._train(run, batches)
 
-    def fit_paths(self, net: SparkNet, paths: RDD, loader: Callable[[Any], Any] | None, epochs: int) -> None:
-        """Train ``net.network`` on the minibatches that ``loader`` reads from ``paths``."""
+    def fit_paths(self, context: FitContext, paths: RDD, loader: Callable[[Any], Any] | None, epochs: int) -> None:
+        """Train ``context.network`` on the minibatches that ``loader`` reads from ``paths``."""
         check_epochs(epochs)
-        blob = serialise(net.network)
-        self._train(net, blob, _sources.from_paths(paths, loader), epochs, probe=True)
+        blob = serialise(context.network)
+        batches = _sources.from_paths(paths, loader)
+        with FitRun(context, self, blob, batches, epochs) as run:
+            self._train(run, batches, probe=True)
 
     def delete_temp_files(self) -> None:
         """Delete the minibatch files this master exported (DL4J's ``deleteTempFiles``)."""
@@ -57,18 +76,12 @@ class TrainingMaster(abc.ABC):
 
     @abc.abstractmethod
     def _train(
-        self,
-        net: SparkNet,
-        blob: bytes,
-        batches: _sources.Minibatches,
-        epochs: int,
-        *,
-        partitions: int | None = None,
-        probe: bool = False,
+        self, run: FitRun, batches: _sources.Minibatches, *, partitions: int | None = None, probe: bool = False
     ) -> None:
-        """Train on ``batches`` for ``epochs`` epochs with the network pickled in ``blob``.
-        ``partitions`` is the RDD's partition count when the minibatches are held in memory
-        ("direct"); ``probe`` asks to check one minibatch on a worker first (files from a loader)."""
+        """Train on ``batches`` for ``run.epochs`` epochs, reporting every step to ``run`` and leaving the
+        trained state in ``run.network``. ``partitions`` is the RDD's partition count when the
+        minibatches are held in memory ("direct"); ``probe`` asks to check one minibatch on a worker
+        first (files from a loader)."""
 
 
 APPROACHES = ("export", "direct")

@@ -19,6 +19,7 @@ from dlscale.evaluation.distributed import Loader
 from dlscale.monitor.stats import TrainingStats
 from dlscale.nn.listeners import TrainingListener
 from dlscale.nn.network import Network
+from dlscale.training._driver import FitContext
 from dlscale.training.averaging import ParameterAveragingTrainingMaster
 from dlscale.training.master import TrainingMaster
 
@@ -49,13 +50,13 @@ class SparkNet:
 
     def fit(self, rdd: RDD, epochs: int = 1) -> Network:
         """Train on an RDD of DataSet or MultiDataSet for ``epochs`` passes; returns :attr:`network`."""
-        self.training_master.fit(self, rdd, epochs)
+        self.training_master.fit(self._fit_context(), rdd, epochs)
         return self.network
 
     def fit_paths(self, paths: RDD, loader: Callable[[Any], Any] | None = None, epochs: int = 1) -> Network:
         """Train on the minibatch files named by ``paths`` (e.g. from :func:`dlscale.data.list_paths`),
         read on the workers by ``loader`` (default: ``.dlb`` files); returns :attr:`network`."""
-        self.training_master.fit_paths(self, paths, loader, epochs)
+        self.training_master.fit_paths(self._fit_context(), paths, loader, epochs)
         return self.network
 
     # -- evaluation (DL4J's evaluate, evaluateROC, evaluateRegression, doEvaluation) ------------
@@ -144,10 +145,13 @@ class SparkNet:
                 raise TypeError(f"listeners must be TrainingListener instances, not {type(listener).__name__}")
         self.listeners = flat
 
-    def _add_stats(self, stats: TrainingStats) -> None:
+    def _fit_context(self) -> FitContext:
+        """What the training master is handed: the client, the network, the listeners, and where the
+        fit's statistics go (appended to :attr:`training_stats`)."""
+        return FitContext(self.sc.client, self.network, tuple(self.listeners), self._record_stats)
+
+    def _record_stats(self, stats: TrainingStats) -> None:
         if self.training_stats is None:
             self.training_stats = stats
         else:
-            self.training_stats.prepare_seconds += stats.prepare_seconds
-            self.training_stats.rounds.extend(stats.rounds)
-            self.training_stats.trainers.extend(stats.trainers)
+            self.training_stats.extend(stats)

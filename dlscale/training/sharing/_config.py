@@ -1,5 +1,5 @@
-"""The ``dlscale.sharing`` settings, read in one place: a session's record of them is built when the
-session opens on a worker and read from there by its node and its trainers."""
+"""The ``dlscale.sharing`` settings, read in one place: a session's record of them is built on the
+driver when a fit starts, sent to every worker's node, and read from there by its trainers."""
 
 from __future__ import annotations
 

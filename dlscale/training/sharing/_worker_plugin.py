@@ -43,11 +43,11 @@ class SharingWorkerPlugin(WorkerPlugin):
         if node is not None:
             node.receive(sender, [Update.from_plain(m) for m in messages])
 
-    def open(self, session: str, trainers: int, mode: str) -> Node:
+    def open(self, session: str, trainers: int, mode: str, config: SharingConfig) -> Node:
         """Start this worker's part in ``session`` for ``trainers`` local trainers, with the
-        ``dlscale.sharing`` settings as they are now."""
+        session's ``dlscale.sharing`` settings (read on the driver)."""
         node = self.nodes[session] = Node(
-            session, self.worker.address, self.worker.rpc, self.worker.loop, trainers, mode, SharingConfig.from_dask()
+            session, self.worker.address, self.worker.rpc, self.worker.loop, trainers, mode, config
         )
         return node
 

@@ -1,0 +1,150 @@
+"""The driver's side of a fit, the same for every training master.
+
+A master is handed a :class:`FitContext` (what it may use of the network's owner) and runs its fit
+inside a :class:`FitRun`, which does what both masters do around their own rounds or trainers: list
+the workers (and refuse an empty cluster), draw the seed, send the network once, check one minibatch
+on a worker, show progress (bar and dashboard panel), count iterations and call the listeners after
+every step, collect the statistics, and on the way out drop the workers' copies of the network and,
+after a failure, leave the network's counters as they were.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from distributed import Client
+
+from dlscale.monitor import panel
+from dlscale.monitor.progress import Progress
+from dlscale.monitor.stats import TrainingStats
+from dlscale.nn.listeners import TrainingListener
+from dlscale.nn.network import Network
+from dlscale.training import _worker
+
+if TYPE_CHECKING:
+    from dlscale.training._sources import Minibatches
+    from dlscale.training.master import TrainingMaster
+
+
+@dataclass(frozen=True)
+class FitContext:
+    """What a master uses for one fit: the cluster's ``client``, the ``network`` it trains (on the
+    driver, updated in place), the ``listeners`` called after every step, and ``record_stats``, which
+    receives the fit's :class:`~dlscale.monitor.stats.TrainingStats` when they were asked for."""
+
+    client: Client
+    network: Network
+    listeners: Sequence[TrainingListener] = ()
+    record_stats: Callable[[TrainingStats], None] = lambda stats: None
+
+
+def workers(client: Client) -> list[str]:
+    """The cluster's workers, sorted; an empty cluster is an error before anything is sent."""
+    found = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    if not found:
+        raise RuntimeError("the cluster has no workers to train on")
+    return found
+
+
+class FitRun:
+    """One fit of ``master`` on ``batches`` for ``epochs`` epochs, used as a context manager.
+
+    On entry the network (pickled in ``blob``) is scattered once: :attr:`blob` is its future and
+    :attr:`replicas` the keys under which workers keep an unpickled copy (a master that keeps several
+    per worker lists them there). A step's report goes to :meth:`step`. On a clean exit the epoch
+    counter moves on by ``epochs`` and the statistics are recorded; after an error the network's
+    counters are restored (its parameters are only replaced by a master once training succeeded).
+    """
+
+    def __init__(
+        self, context: FitContext, master: TrainingMaster, blob: bytes, batches: Minibatches, epochs: int
+    ) -> None:
+        self.client, self.network, self.listeners = context.client, context.network, context.listeners
+        self.context, self.master, self.batches, self.epochs = context, master, batches, epochs
+        self.workers = workers(self.client)
+        self.seed = master.rng_seed if master.rng_seed is not None else secrets.randbits(63)
+        self.stats = (
+            TrainingStats(master.approach, len(self.workers), batches.seconds)
+            if master.collect_training_stats
+            else None
+        )
+        self._blob = blob
+        self._counters = self.network.iteration, self.network.epoch
+        self.fit_id: str | None = None
+        self._progress: Progress | None = None
+
+    def __enter__(self) -> FitRun:
+        self.blob = self.client.scatter([self._blob], hash=False)[0]
+        self.replicas = [self.blob.key]
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        try:
+            panel.close_fit(self.client, self.fit_id)
+            alive = set(self.client.scheduler_info(n_workers=-1)["workers"])  # a lost worker would take a timeout
+            self.client.run(
+                _worker.drop_replicas,
+                self.replicas,
+                workers=[w for w in self.workers if w in alive],
+                on_error="ignore",
+            )
+            self.blob.release()
+        finally:
+            if error is not None:
+                self.network.iteration, self.network.epoch = self._counters
+        if error is None:
+            self.network.epoch = self._counters[1] + self.epochs
+            if self.stats is not None:
+                self.context.record_stats(self.stats)
+
+    @property
+    def first_epoch(self) -> int:
+        """The network's epoch counter when the fit began: epoch ``e`` of the fit is its ``first_epoch + e``."""
+        return self._counters[1]
+
+    def probe(self, key: str | None = None) -> None:
+        """Load the first minibatch on a worker and compute the loss on it, into the copy of the
+        network kept under ``key`` (default: the first of :attr:`replicas`)."""
+        key = self.replicas[0] if key is None else key
+        b = self.batches
+        self.client.submit(_worker.probe, key, self.blob, b.refs[0], b.loader, pure=False).result()
+
+    def show_progress(self, fit: str | None = None) -> None:
+        """Open the fit's record in the dashboard panel (under ``fit``, or a new id) and the progress bar."""
+        total = len(self.batches.refs)
+        self.fit_id = panel.open_fit(self.client, self.master.approach, self.epochs * total, fit=fit)
+        self._progress = Progress(
+            self.master.approach,
+            total,
+            self.epochs,
+            self.first_epoch,
+            panel_url=panel.url(self.client, self.fit_id),
+        )
+
+    def step(
+        self,
+        epoch: int,
+        minibatches: int,
+        examples: int,
+        score: float,
+        iterations: int,
+        rows: list[dict[str, Any]] | None = None,
+    ) -> None:
+        """A step done in epoch ``epoch`` of the fit: ``minibatches`` trained on ``examples`` examples
+        with mean loss ``score``, moving the network on by ``iterations``; ``rows`` go to the panel.
+        Advances the bar, the network's counters and calls every listener."""
+        network = self.network
+        network.iteration += iterations
+        network.epoch = max(network.epoch, self.first_epoch + epoch)
+        if self._progress is not None:
+            self._progress.advance(minibatches, examples, score)
+        if rows:
+            panel.record(self.client, self.fit_id, rows)
+        for listener in self.listeners:
+            listener.iteration_done(network, network.iteration, self.first_epoch + epoch, score, examples)
