@@ -4,20 +4,20 @@ the trainers' and workers' own statistics, read over HTTP as a user's browser wo
 from __future__ import annotations
 
 import functools
-import io
 import json
+import logging
 import threading
 import time
 import urllib.request
 
 import dask
+import distributed
 import pytest
 import torch
 
 from dlscale import ParameterAveragingTrainingMaster, SharedTrainingMaster, SparkNet
 from dlscale.data import DataSet
-from dlscale.monitor.panel import PATH, TrainingPanel, open_fit, url
-from dlscale.monitor.progress import Progress
+from dlscale.monitor.panel import PATH, TrainingPanel, close_fit, open_fit, url
 from dlscale.nn import Network
 
 
@@ -152,13 +152,15 @@ def test_the_page_refreshes_while_a_fit_runs_and_escapes_names() -> None:
     assert 'http-equiv="refresh"' not in panel.page()
 
 
-def test_a_fit_shows_where_its_panel_is_and_the_panel_can_be_switched_off(sc, tmp_path) -> None:
-    stream = io.StringIO()
-    with dask.config.set({"dlscale.progress": True}):
-        Progress("training", 4, 1, stream=stream, panel_url="http://host:8787" + PATH)
-    assert stream.getvalue() == f"training: live panel at http://host:8787{PATH}\n"
-    with dask.config.set({"dlscale.panel": False}):
-        assert open_fit(sc.client, "parameter averaging", 4) is None
+def test_the_first_fit_through_a_client_logs_where_the_panel_is(sc, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="dlscale")
+    with distributed.Client(sc.client.scheduler.address) as client:
+        with dask.config.set({"dlscale.panel": False}):
+            assert open_fit(client, "parameter averaging", 4) is None
+        for _ in range(2):
+            close_fit(client, open_fit(client, "parameter averaging", 4))
+    logged = [r.getMessage() for r in caplog.records if "panel" in r.getMessage()]
+    assert logged == [f"training panel at {url(sc.client)}"]
     assert url(sc.client).endswith(PATH)
 
 

@@ -12,9 +12,11 @@ they work for an embedded cluster and for a remote scheduler alike.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 import uuid
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -30,6 +32,9 @@ from dlscale.runtime.extensions import Extension, install
 if TYPE_CHECKING:
     from distributed import Client
     from distributed.scheduler import Scheduler
+
+logger = logging.getLogger("dlscale")
+_announced: weakref.WeakSet[Client] = weakref.WeakSet()  # clients whose first fit logged the address
 
 NAME = "dlscale-panel"
 PATH = "/dlscale/training"
@@ -265,12 +270,16 @@ class _Json(_Page):
 # -- the driver's side -------------------------------------------------------------------------
 def open_fit(client: Client, approach: str, minibatches: int, fit: str | None = None) -> str | None:
     """Install the panel on the scheduler (once) and start a fit's record; returns the fit's id, or
-    ``None`` where ``dlscale.panel`` is off."""
+    ``None`` where ``dlscale.panel`` is off. The first fit through a client logs the panel's address
+    (as Spark logs its UI's)."""
     if not config.get("panel"):
         return None
     fit = fit or f"{approach.replace(' ', '-')}-{uuid.uuid4().hex[:8]}"
     install(client, PANEL)
     client.sync(client.scheduler.dlscale_panel_begin, fit=fit, approach=approach, minibatches=minibatches)
+    if client not in _announced and (address := url(client, fit)) is not None:
+        _announced.add(client)
+        logger.info("training panel at %s", address)
     return fit
 
 
