@@ -19,12 +19,15 @@ import json
 import logging
 import os
 import sys
+import warnings
 from typing import Any
 
 import dask.config
 from distributed import Scheduler
 from distributed.deploy.spec import SpecCluster
 from distributed.deploy.subprocess import SubprocessWorker
+
+logger = logging.getLogger("dlscale")
 
 _HOST = "127.0.0.1"
 _CLOSE_TIMEOUT = 10.0  # seconds a nanny process has to close gracefully before it is killed
@@ -94,7 +97,10 @@ def _json_only(settings: dict[str, Any]) -> dict[str, Any]:
 class EmbeddedCluster(SpecCluster):
     """A scheduler (and dashboard) in this process and ``n_workers`` nanny processes, each with one
     worker of ``threads_per_worker`` threads and ``memory_limit``; ``config`` is merged over this
-    process's Dask configuration for them. Returns once every worker has joined the scheduler."""
+    process's Dask configuration for them. Returns once every worker has joined the scheduler.
+
+    A dashboard port already taken (another cluster's 8787, say) gives way to a free one, with a
+    one-line notice on the ``dlscale`` logger."""
 
     def __init__(
         self,
@@ -127,13 +133,19 @@ class EmbeddedCluster(SpecCluster):
             **({"resources": resources} if resources else {}),
         }
         worker = {"cls": NannyProcess, "options": {"worker_kwargs": nanny, "env": _environment(config or {})}}
-        super().__init__(
-            workers={i: worker for i in range(n_workers)},
-            scheduler=scheduler,
-            worker=worker,
-            silence_logs=logging.WARN,
-            name="EmbeddedCluster",
-        )
+        with warnings.catch_warnings():
+            # distributed moves to a free port itself, warning in three lines: one is said below
+            warnings.filterwarnings("ignore", message="Port .* is already in use", category=UserWarning)
+            super().__init__(
+                workers={i: worker for i in range(n_workers)},
+                scheduler=scheduler,
+                worker=worker,
+                silence_logs=logging.WARN,
+                name="EmbeddedCluster",
+            )
+        wanted = dashboard_address and int(dashboard_address.rpartition(":")[2] or 0)
+        if wanted and self.scheduler.http_server.port != wanted:
+            logger.info("dashboard port %d is taken; the dashboard is at %s", wanted, self.dashboard_link)
 
     async def _correct_state_internal(self) -> None:
         await super()._correct_state_internal()
