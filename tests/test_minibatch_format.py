@@ -129,6 +129,16 @@ def test_truncated_file_is_named(good_file: Path, tmp_path: Path) -> None:
             load(bad)
 
 
+def test_a_short_foreign_file_is_not_a_minibatch_file(good_file: Path, tmp_path: Path) -> None:
+    readme = _write(tmp_path / "README.txt", b"hello")  # shorter than the preamble, and not a minibatch
+    with pytest.raises(CorruptDataError, match="README.txt: not a dlscale minibatch file .*b'hello'"):
+        load(readme)
+    for cut in (0, 3):  # the start of a minibatch file, cut short
+        bad = _write(tmp_path / f"cut{cut}.dlb", good_file.read_bytes()[:cut])
+        with pytest.raises(CorruptDataError, match=f"cut{cut}.dlb: truncated: {cut} bytes"):
+            load(bad)
+
+
 @pytest.mark.parametrize("where", ["header", "data", "checksum"])
 def test_flipped_byte_is_detected(where: str, good_file: Path, tmp_path: Path) -> None:
     data = bytearray(good_file.read_bytes())
