@@ -348,3 +348,56 @@ def test_crafted_headers_name_the_field(tmp_path: Path, change: Any, message: st
     crafted = rezipped(good, "crafted.dln", header, zipfile.ZIP_STORED)
     with pytest.raises(CorruptDataError, match=f"crafted.dln: .*{message}"):
         Network.load(str(crafted))
+
+
+def _reference_step(module: torch.nn.Module, loss: torch.Tensor, lr: float) -> torch.Tensor:
+    """The parameters after one plain SGD step on ``loss``, computed with torch alone."""
+    grads = torch.autograd.grad(loss, list(module.parameters()))
+    return torch.cat([(p.detach() - lr * g).reshape(-1) for p, g in zip(module.parameters(), grads)])
+
+
+def test_a_labels_mask_per_example_leaves_masked_examples_out() -> None:
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(10, 8, generator=g), torch.randint(0, 3, (10,), generator=g)
+    keep = torch.tensor([1, 0, 1, 1, 0, 0, 1, 1, 1, 0], dtype=torch.bool)
+    batch = DataSet(x, y, None, keep.float())
+    reference = fresh(mlp)
+    ref_loss = F.cross_entropy(reference(x[keep]), y[keep])  # only the unmasked examples, by hand
+    per_example = F.cross_entropy(reference(x), y, reduction="none").detach() * keep
+    net = Network(fresh(mlp), "cross_entropy", functools.partial(torch.optim.SGD, lr=0.1))
+    torch.testing.assert_close(torch.tensor(net.score(batch)), ref_loss.detach())
+    torch.testing.assert_close(net.score_examples(batch), per_example)
+    net.fit_batch(batch)
+    torch.testing.assert_close(net.params(), _reference_step(reference, ref_loss, 0.1))
+
+
+def test_a_labels_mask_per_output_leaves_masked_outputs_out() -> None:
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(10, 8, generator=g), torch.randn(10, 3, generator=g)
+    keep = torch.rand(10, 3, generator=g) > 0.4
+    batch = DataSet(x, y, None, keep.float())
+    reference = fresh(mlp)
+    out = reference(x)
+    ref_loss = ((out - y) ** 2)[keep].mean()  # the mean over unmasked outputs only
+    ref_examples = (((out - y) ** 2) * keep).sum(1).detach() / keep.sum(1).clamp_min(1)
+    net = Network(fresh(mlp), "mse", functools.partial(torch.optim.SGD, lr=0.1))
+    torch.testing.assert_close(torch.tensor(net.score(batch)), ref_loss.detach())
+    torch.testing.assert_close(net.score_examples(batch), ref_examples)
+    net.fit_batch(batch)
+    torch.testing.assert_close(net.params(), _reference_step(reference, ref_loss, 0.1))
+    one_hot = DataSet(x, F.one_hot(y.argmax(1), 3).float(), None, keep.float())
+    with pytest.raises(
+        DataShapeError, match="masks single outputs, but loss 'cross_entropy' gives one value per example"
+    ):
+        Network(fresh(mlp), "cross_entropy").score(one_hot)
+
+
+def test_a_labels_mask_per_example_covers_every_step_of_a_sequence() -> None:
+    g = torch.Generator().manual_seed(6)
+    x, y = torch.randn(6, 5, 8, generator=g), torch.randn(6, 5, 3, generator=g)
+    keep = torch.tensor([True, False, True, False, True, True])
+    reference = fresh(mlp)
+    ref_loss = F.mse_loss(reference(x[keep]), y[keep])
+    net = Network(fresh(mlp), "mse", functools.partial(torch.optim.SGD, lr=0.1))
+    net.fit_batch(DataSet(x, y, None, keep.float()))
+    torch.testing.assert_close(net.params(), _reference_step(reference, ref_loss, 0.1))
