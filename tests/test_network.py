@@ -247,6 +247,26 @@ def test_crafted_and_damaged_archives_are_refused(tmp_path: Path, monkeypatch: p
         Network.load(str(good), module=mlp(hidden=4))
 
 
+def test_an_archived_muon_optimizer_is_rebuilt(tmp_path: Path) -> None:
+    net = Network(torch.nn.Linear(4, 3, bias=False), "mse", functools.partial(torch.optim.Muon, lr=0.02))
+    net.fit(DataSet(torch.randn(8, 4), torch.randn(8, 3)))
+    net.save(str(tmp_path / "muon.dln"))
+    back = Network.load(str(tmp_path / "muon.dln"), module=torch.nn.Linear(4, 3, bias=False))
+    assert isinstance(back.optimizer, torch.optim.Muon) and torch.equal(back.params(), net.params())
+
+
+def test_an_archived_argument_out_of_range_names_the_archive(tmp_path: Path) -> None:
+    good = tmp_path / "good.dln"
+    trained().save(str(good))
+    with zipfile.ZipFile(good) as z:
+        header = json.loads(z.read("network.json"))
+    header["optimizer"]["kwargs"]["lr"] = -1.0
+    crafted = rezipped(good, "negative.dln", header, zipfile.ZIP_STORED)
+    with pytest.raises(ValueError, match="Invalid learning rate") as info:
+        Network.load(str(crafted))
+    assert info.value.__notes__ == [f"while rebuilding the network archived in {crafted}"]
+
+
 def rezipped(path: Path, name: str, header: dict | None = None, compress: int = zipfile.ZIP_DEFLATED) -> Path:
     """The archive at ``path`` written again as ``name``, its members compressed with ``compress``
     and its header replaced by ``header`` when given."""

@@ -323,7 +323,7 @@ def _module(header: dict, url: str) -> torch.nn.Module:
 
 def _optimizer(spec: dict, url: str) -> functools.partial:
     """``functools.partial(torch.optim.<class>, **kwargs)`` for a concrete ``torch.optim`` class whose
-    arguments it accepts (tried on a throwaway parameter, so a bad one is named here)."""
+    signature takes those arguments."""
     cls = getattr(torch.optim, spec["class"], None)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise CorruptDataError(f"{url}: network.json field 'optimizer.class' names unknown optimizer {spec['class']!r}")
@@ -332,14 +332,13 @@ def _optimizer(spec: dict, url: str) -> functools.partial:
             f"{url}: network.json field 'optimizer.class' names {spec['class']!r}, an abstract optimizer "
             "(it implements no step); an archive names a concrete torch.optim class such as 'SGD' or 'Adam'"
         )
-    factory = functools.partial(cls, **spec["kwargs"])
     try:
-        factory([torch.nn.Parameter(torch.zeros(1))])
-    except (TypeError, ValueError) as e:
+        inspect.signature(cls).bind(None, **spec["kwargs"])  # None stands for the parameters
+    except TypeError as e:
         raise CorruptDataError(
             f"{url}: network.json field 'optimizer.kwargs' does not fit torch.optim.{spec['class']}: {e}"
         ) from e
-    return factory
+    return functools.partial(cls, **spec["kwargs"])
 
 
 def load(
@@ -371,7 +370,11 @@ def load(
             raise
     if optimizer is None and header.get("optimizer") is not None:
         optimizer = _optimizer(header["optimizer"], url)
-    network = Network(module, loss, optimizer)
+    try:
+        network = Network(module, loss, optimizer)
+    except ValueError as e:  # e.g. an archived optimizer argument out of range, such as a negative lr
+        e.add_note(f"while rebuilding the network archived in {url}")
+        raise
     if header.get("factory") is not None:
         network.factory = (header["factory"]["name"], header["factory"]["kwargs"])
     if network.num_params() != header["num_params"]:
