@@ -37,11 +37,9 @@ def _check_mask(mask: torch.Tensor | None, data: torch.Tensor, name: str, labels
     same first two dimensions of its labels) or ``[examples]``."""
     if mask is None:
         return
-    allowed = {tuple(data.shape[:2]): "[examples, time] / [examples, outputs]" if labels else "[examples, time]"}
-    if data.dim() < 2:
-        allowed = {}
-    if labels:
-        allowed = {tuple(data.shape[:1]): "[examples]", **allowed}
+    allowed = {tuple(data.shape[:1]): "[examples]"} if labels else {}
+    if data.dim() >= 2:
+        allowed[tuple(data.shape[:2])] = "[examples, time] / [examples, outputs]" if labels else "[examples, time]"
     if tuple(mask.shape) not in allowed:
         kind = "labels" if labels else "features"
         shapes = " or ".join(f"{form} = {shape}" for shape, form in allowed.items())
