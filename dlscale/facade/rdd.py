@@ -678,16 +678,15 @@ class RDD:
             self._reduce(partial(_ops.foreach_partition, f), _ops.sum_ints)
 
     def toLocalIterator(self, prefetchPartitions: bool = False) -> Iterator[Any]:
-        """Every element, one partition at a time (the driver holds at most two partitions)."""
-
-        parts = self._bag.to_delayed()
-        client = self.ctx.client
+        """Every element, one partition at a time: a partition is computed when the iteration reaches it
+        (with ``prefetchPartitions``, the next one too), so the driver holds at most two. What several
+        partitions share (a shuffle's map side) is computed once and kept on the workers until the
+        iteration ends or the iterator is dropped."""
+        jobs = _graph.PartitionJobs(self.ctx.client, self._bag)
         pending = None
-        for i in range(len(parts)):
-            future = pending if pending is not None else client.compute(parts[i])
-            pending = None
-            if prefetchPartitions and i + 1 < len(parts):
-                pending = client.compute(parts[i + 1])
+        for i in range(len(jobs)):
+            future = pending if pending is not None else jobs.submit(i)
+            pending = jobs.submit(i + 1) if prefetchPartitions and i + 1 < len(jobs) else None
             yield from future.result()
 
     # -- output --------------------------------------------------------------------------
