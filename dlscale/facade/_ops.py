@@ -201,6 +201,19 @@ def aggregate_partition(zero: Any, seq_op: Callable, it: Iterable) -> Any:
     return reduce(seq_op, it, copy.deepcopy(zero))
 
 
+def aggregate_partition_list(zero: Any, seq_op: Callable, _i: int, it: Iterable) -> list:
+    return [aggregate_partition(zero, seq_op, it)]
+
+
+def only(it: Iterable) -> Any:
+    (x,) = it
+    return x
+
+
+def reduce_all(f: Callable, parts: Iterable) -> Any:
+    return reduce(f, parts)
+
+
 def reduce_partition(f: Callable, it: Iterable) -> list:
     it = iter(it)
     try:
@@ -292,8 +305,13 @@ def histogram_partition(buckets: list, even: bool, inc: Any, it: Iterable) -> li
     return counters
 
 
-def add_counters(parts: list[list[int]]) -> list[int]:
-    return [sum(c) for c in zip(*parts)]
+def add_counters(buckets: int, parts: Iterable[list[int]]) -> list[int]:
+    """Per-bucket sums of the partitions' counts; zeros when every partition was empty (Dask's reduction
+    then hands the combining step no partition at all)."""
+    totals = [0] * buckets
+    for counts in parts:
+        totals = [a + b for a, b in zip(totals, counts, strict=True)]
+    return totals
 
 
 def comparable(x: Any) -> bool:

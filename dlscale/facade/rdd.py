@@ -23,7 +23,7 @@ import dask
 from dask.utils import funcname
 from distributed import Future
 
-from dlscale.facade import _graph, _io, _ops, persist
+from dlscale.facade import _graph, _hll, _io, _ops, persist
 from dlscale.facade._hash import portable_hash
 from dlscale.facade._sampling import RangeSampler, Sampler, fraction_for_sample_size
 from dlscale.facade.persist import StorageLevel
@@ -65,7 +65,7 @@ class RDD:
         self._plan = bag
         self.ctx = ctx
         self.partitioner = partitioner
-        self._id = ctx._new_rdd_id()
+        self._id: int | None = None  # given on first use, see id()
         self._name: str | None = None
         self._stored: Any = None  # dlscale.persist.Stored when persisted
 
@@ -85,7 +85,11 @@ class RDD:
         return self.ctx
 
     def id(self) -> int:
-        """A number unique to this RDD within its context."""
+        """A number unique to this RDD within its context, given when first asked for: the context's next
+        number, so that a new RDD's id is the previous one's plus one (as in Spark, where the RDDs a
+        chain of narrow operations builds in between are one pipelined RDD and take no number)."""
+        if self._id is None:
+            self._id = self.ctx._new_rdd_id()
         return self._id
 
     def name(self) -> str | None:
@@ -105,7 +109,7 @@ class RDD:
 
     def __repr__(self) -> str:
         label = f"{self._name} " if self._name else ""
-        return f"{label}RDD[{self._id}] with {self.getNumPartitions()} partitions"
+        return f"{label}RDD[{self.id()}] with {self.getNumPartitions()} partitions"
 
     # -- building blocks -----------------------------------------------------------------
     def _derive(self, bag: Bag, partitioner: Partitioner | None = None) -> RDD:
@@ -425,6 +429,20 @@ class RDD:
 
         return self.partitionBy(n, range_partitioner)._partitionwise("sortPartition", sort, True)
 
+    def repartitionAndSortWithinPartitions(
+        self,
+        numPartitions: int | None = None,
+        partitionFunc: Callable[[Any], int] = portable_hash,
+        ascending: bool = True,
+        keyfunc: Callable[[Any], Any] = lambda x: x,
+    ) -> RDD:
+        """Pairs moved to partition ``partitionFunc(key) % numPartitions`` (``partitionBy``), each partition
+        then sorted by ``keyfunc(key)``, descending unless ``ascending``."""
+        keyfunc = _ops.user_function(keyfunc, "repartitionAndSortWithinPartitions", "keyfunc")
+        n = self._reduce_partitions(numPartitions)
+        sort = partial(_ops.sort_partition, keyfunc, ascending)
+        return self.partitionBy(n, partitionFunc)._partitionwise("sortPartition", sort, True)
+
     def sortBy(self, keyfunc: Callable[[Any], Any], ascending: bool = True, numPartitions: int | None = None) -> RDD:
         keyfunc = _ops.user_function(keyfunc, "sortBy", "keyfunc")
         return self.keyBy(keyfunc).sortByKey(ascending, numPartitions).values()
@@ -494,7 +512,8 @@ class RDD:
     def treeAggregate(
         self, zeroValue: Any, seqOp: Callable[[Any, Any], Any], combOp: Callable[[Any, Any], Any], depth: int = 2
     ) -> Any:
-        """``aggregate`` with partial results combined in a tree of the given depth on the workers."""
+        """``aggregate`` with partial results combined in a tree of the given depth on the workers. Every
+        partition, an empty one too, starts from ``zeroValue`` (as in PySpark)."""
         seqOp = _ops.user_function(seqOp, "treeAggregate", "seqOp")
         combOp = _ops.user_function(combOp, "treeAggregate", "combOp")
         if depth < 1:
@@ -503,11 +522,10 @@ class RDD:
         if n == 0:
             return zeroValue
         scale = max(math.ceil(n ** (1.0 / depth)), 2)
-        return self._reduce(
-            partial(_ops.aggregate_partition, zeroValue, seqOp),
-            lambda parts: reduce(combOp, parts),
-            split_every=scale,
-        )
+        # one partial result per partition: Dask's reduction would skip the empty partitions, whose zero
+        # values PySpark combines too
+        partials = self._partitionwise("aggregatePartition", partial(_ops.aggregate_partition_list, zeroValue, seqOp))
+        return partials._reduce(_ops.only, partial(_ops.reduce_all, combOp), split_every=scale)
 
     def treeReduce(self, f: Callable[[Any, Any], Any], depth: int = 2) -> Any:
         f = _ops.user_function(f, "treeReduce", "f")
@@ -604,8 +622,20 @@ class RDD:
             raise TypeError("buckets should be a list or tuple or number(int or long)")
         if self.getNumPartitions() == 0:
             return edges, [0] * (len(edges) - 1)
-        counts = self._reduce(partial(_ops.histogram_partition, edges, even, inc), _ops.add_counters)
+        counts = self._reduce(
+            partial(_ops.histogram_partition, edges, even, inc), partial(_ops.add_counters, len(edges) - 1)
+        )
         return (buckets if isinstance(buckets, (list, tuple)) else edges), counts
+
+    def countApproxDistinct(self, relativeSD: float = 0.05) -> int:
+        """The approximate number of distinct elements: a HyperLogLog sketch of 2^p registers per
+        partition, p chosen from ``relativeSD`` as Spark chooses it (standard error at most ``relativeSD``,
+        which must be greater than 0.000017; each register is one byte). Elements are hashed with
+        :func:`portable_hash`, so equal elements count once whatever worker sees them."""
+        p = _hll.precision(relativeSD)
+        if self.getNumPartitions() == 0:
+            return 0
+        return _hll.estimate(self._reduce(partial(_hll.registers, p), partial(_hll.merge, p)))
 
     def countByValue(self) -> dict:
         if self.getNumPartitions() == 0:
