@@ -32,6 +32,7 @@ _EXPORTS = {
     "read_string_from_file": "dlscale.storage",
     "DlscaleError": "dlscale.errors",
     "BroadcastDestroyedError": "dlscale.errors",
+    "UserStopIterationError": "dlscale.errors",
     "MasterURLError": "dlscale.errors",
     "ClusterConnectionError": "dlscale.errors",
     "StorageError": "dlscale.errors",

@@ -41,6 +41,11 @@ class BroadcastDestroyedError(DlscaleError, RuntimeError):
     """A broadcast variable used after ``destroy()``."""
 
 
+class UserStopIterationError(DlscaleError, RuntimeError):
+    """A function given to an RDD operation raised ``StopIteration``: the task fails (as in PySpark) rather
+    than let the loop over the partition that called the function end early and drop elements silently."""
+
+
 class LabelError(DlscaleError, ValueError):
     """An example whose label cannot be derived (e.g. an image in a folder that is not a known class)."""
 
