@@ -21,6 +21,10 @@ class StorageError(DlscaleError, OSError):
     """A storage location that is missing, unreadable or unwritable."""
 
 
+class IncompleteExportError(StorageError):
+    """A folder of exported minibatches whose export did not finish: its files are only part of the data."""
+
+
 class UnsafePickleError(DlscaleError, pickle.UnpicklingError):
     """A file on storage asked to load an object that is not on the allowed list."""
 
@@ -35,6 +39,11 @@ class OutputExistsError(DlscaleError, FileExistsError):
 
 class BroadcastDestroyedError(DlscaleError, RuntimeError):
     """A broadcast variable used after ``destroy()``."""
+
+
+class UserStopIterationError(DlscaleError, RuntimeError):
+    """A function given to an RDD operation raised ``StopIteration``: the task fails (as in PySpark) rather
+    than let the loop over the partition that called the function end early and drop elements silently."""
 
 
 class LabelError(DlscaleError, ValueError):

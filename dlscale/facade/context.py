@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
+import shutil
 import ssl
+import sys
 import tempfile
 import threading
 import time
@@ -16,6 +19,7 @@ from typing import Any, ClassVar, Self
 import distributed
 from dask.bag import Bag
 from distributed.comm.core import FatalCommClosedError
+from distributed.diagnostics.plugin import UploadFile
 
 from dlscale import __version__, config, storage
 from dlscale.errors import ClusterConnectionError, DlscaleError, MasterURLError
@@ -136,6 +140,8 @@ class SparkContext:
         self._persisted: weakref.WeakValueDictionary[int, RDD] = weakref.WeakValueDictionary()
         self._disk_blocks = persist.DiskBlocks(self)
         self._broadcasts: weakref.WeakSet[Broadcast] = weakref.WeakSet()
+        self._py_files: str | None = None  # the driver's copies of addPyFile's files, made on first use
+        self._py_paths: list[str] = []  # what addPyFile put on the driver's sys.path
         self._stopped = False
         with SparkContext._lock:
             SparkContext._running.append(self)
@@ -230,6 +236,7 @@ class SparkContext:
         for b in list(self._broadcasts):
             b.destroy()
         self._stopped = True
+        self._remove_py_files()
         if self._owns_client:
             self._client.close()
         if self._owned_cluster is not None:
@@ -334,25 +341,47 @@ class SparkContext:
         return Broadcast(self, value)
 
     def addPyFile(self, path: str, *, storage_options: dict[str, Any] | None = None) -> None:
-        """Make a ``.py`` module or a ``.zip`` / ``.egg`` of packages importable on every worker,
-        those that join later included (Dask's upload plugin). ``path`` is a local file or a URL
-        with a protocol (``s3://...``); the driver imports it from its own ``sys.path`` as usual."""
+        """Make a ``.py`` module or a ``.zip`` / ``.egg`` of packages importable on every worker, those
+        that join later included (Dask's upload plugin), and on the driver until this context stops (as
+        PySpark: the driver imports a copy, put on its ``sys.path``). ``path`` is a local file or a URL
+        with a protocol (``s3://...``)."""
         name = os.path.basename(path.rstrip("/"))
         if not name.endswith((".py", ".zip", ".egg")):
             raise ValueError(f"addPyFile takes a .py, .zip or .egg file, got {path!r}")
-        if not storage.has_protocol(path):
-            path = os.path.expanduser(path)
-            if not os.path.isfile(path):
+        client = self.client
+        if self._py_files is None:
+            self._py_files = tempfile.mkdtemp(prefix=f"dlscale-pyfiles-{self.applicationId}-")
+        local = os.path.join(self._py_files, name)
+        if storage.has_protocol(path):
+            fs, remote = storage.open_fs(path, storage_options)
+            if not fs.isfile(remote):
                 raise FileNotFoundError(f"addPyFile: no such file {path!r}")
-            self.client.upload_file(path)
-            return
-        fs, remote = storage.open_fs(path, storage_options)
-        if not fs.isfile(remote):
-            raise FileNotFoundError(f"addPyFile: no such file {path!r}")
-        with tempfile.TemporaryDirectory() as tmp:  # the upload keeps the file's name
-            local = os.path.join(tmp, name)
             fs.get_file(remote, local)
-            self.client.upload_file(local)
+        else:
+            source = os.path.expanduser(path)
+            if not os.path.isfile(source):
+                raise FileNotFoundError(f"addPyFile: no such file {path!r}")
+            shutil.copyfile(source, local)
+        # the workers' plugin only: Dask's upload_file would also import the file in the scheduler, which
+        # for local[N] is the driver's process, and leave it there after this context stops
+        client.register_plugin(UploadFile(local), name=f"dlscale-pyfile-{name}-{uuid.uuid4().hex[:8]}")
+        entry = self._py_files if name.endswith(".py") else local
+        if entry not in self._py_paths:
+            sys.path.insert(1, entry)
+            self._py_paths.append(entry)
+        importlib.invalidate_caches()
+
+    def _remove_py_files(self) -> None:
+        """Take addPyFile's files off the driver's ``sys.path`` and delete them: a module not yet imported
+        cannot be imported from a stopped context's files (as in PySpark, where they go with the context)."""
+        for entry in self._py_paths:
+            if entry in sys.path:
+                sys.path.remove(entry)
+        self._py_paths.clear()
+        if self._py_files is not None:
+            shutil.rmtree(self._py_files, ignore_errors=True)
+            self._py_files = None
+        importlib.invalidate_caches()
 
     def textFile(
         self,
