@@ -166,7 +166,7 @@ def test_a_bar_in_a_terminal_of_80_columns(tmp_path: Path) -> None:
     assert any(re.search(r"\| \d\d:\d\d<\d\d:\d\d, loss [\d.e-]+, [\d.]+k? ex/s", s) for s in bars)  # an ETA
     # left on the screen: whole lines of the logger (the panel's address first), and the finished bar
     screen = [line for line in _screen(fit) if line]
-    assert re.match(LOGGED + r"training panel at http://127\.0\.0\.1:\d+/dlscale/training$", screen[0])
+    assert re.match(LOGGED + r"training panel at http://127\.0\.0\.1:\d+/training$", screen[0])
     assert [line for line in screen if not re.match(LOGGED, line)] == [bars[-1].rstrip()]
     assert re.match(r"gradient sharing: epoch 3/3 100%\|█+\| \d\d:\d\d<00:00, loss", bars[-1])
 
@@ -179,7 +179,7 @@ def test_outside_a_terminal_a_line_per_epoch_and_the_panel_once(tmp_path: Path) 
     )
     assert done.returncode == 0, done.stderr
     assert "\r" not in done.stderr
-    panel = re.findall(LOGGED + r"training panel at http://127\.0\.0\.1:\d+/dlscale/training\n", done.stderr)
+    panel = re.findall(LOGGED + r"training panel at http://127\.0\.0\.1:\d+/training\n", done.stderr)
     assert len(panel) == 1  # two fits, one context
     epoch = LOGGED + r"gradient sharing: epoch (\d/\d), loss [\d.e-]+, [\d,]+ examples/s, [\d.]+ s\n"
     assert re.findall(epoch, done.stderr) == ["1/3", "2/3", "3/3", "4/6", "5/6", "6/6"], done.stderr

@@ -28,6 +28,7 @@ from dlscale.facade.broadcast import Broadcast
 from dlscale.facade.conf import SparkConf, spark_size_to_bytes
 from dlscale.facade.embedded import EmbeddedCluster
 from dlscale.facade.rdd import RDD
+from dlscale.runtime.extensions import install_dashboard_pages
 
 _LOCAL = re.compile(r"^local(?:\[(\d+|\*)\])?$")
 _ADDRESS = re.compile(r"^(tcp|tls|ws|wss|inproc)://.+")
@@ -131,6 +132,7 @@ class SparkContext:
             self.master = master or self._conf.get("spark.master") or "local[*]"
             self._client = self._connect(self.master, security)
         self._conf.set("spark.master", self.master).set("spark.app.name", self.appName)
+        install_dashboard_pages(self._client)
 
         self.startTime = int(time.time() * 1000)
         self.applicationId = f"app-{time.strftime('%Y%m%d%H%M%S')}-{uuid.uuid4().hex[:8]}"

@@ -88,6 +88,8 @@ class FitRun:
         try:
             if self._progress is not None:
                 self._progress.close()
+            if error is None and self.stats is not None:
+                panel.record_phases(self.client, self.fit_id, self.stats)
             panel.close_fit(self.client, self.fit_id)
             alive = set(self.client.scheduler_info(n_workers=-1)["workers"])  # a lost worker would take a timeout
             self.client.run(
@@ -142,5 +144,7 @@ class FitRun:
             self._progress.advance(epoch, minibatches, examples, score)
         if rows:
             panel.record(self.client, self.fit_id, rows)
+            if self.stats is not None:
+                panel.record_phases(self.client, self.fit_id, self.stats)
         for listener in self.listeners:
             listener.iteration_done(network, network.iteration, self.first_epoch + epoch, score, examples)
