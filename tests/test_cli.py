@@ -268,17 +268,19 @@ def test_the_documented_evaluate_flow_through_the_command(tmp_path) -> None:
     """docs/running.md: the main job saves its network, and dlscale evaluate --import dlscale.demo
     rebuilds it; without the import, one line says what is missing."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DASK_DLSCALE__STORAGE__ROOT": str(tmp_path)}
+    installed = Path(sys.executable).parent / "dlscale"  # the console script pip installs beside python
+    assert installed.is_file(), f"{installed} is missing: install dlscale (pip install -e .) to run this test"
 
     def command(*argv: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=600)
+        return subprocess.run([*argv], env=env, capture_output=True, text=True, timeout=600)
 
-    job = command("-m", "dlscale.demo", "--epochs", "1")
+    job = command(sys.executable, "-m", "dlscale.demo", "--epochs", "1")
     assert job.returncode == 0, job.stderr
     archive = "demo/digits/digits-cnn.dln"
-    evaluated = command("-m", "dlscale.cli", "evaluate", archive, "demo/digits/test", "--import", "dlscale.demo")
+    evaluated = command(str(installed), "evaluate", archive, "demo/digits/test", "--import", "dlscale.demo")
     assert evaluated.returncode == 0, evaluated.stderr
     assert "Accuracy" in evaluated.stdout and "Traceback" not in evaluated.stderr
-    unknown = command("-m", "dlscale.cli", "evaluate", archive, "demo/digits/test")
+    unknown = command(str(installed), "evaluate", archive, "demo/digits/test")
     assert unknown.returncode == 2 and "Traceback" not in unknown.stderr
     (line,) = [line for line in unknown.stderr.splitlines() if line.startswith("dlscale: error:")]
     assert "dlscale.demo:digits_cnn" in line

@@ -21,15 +21,7 @@ from typing import TYPE_CHECKING, Any
 from bokeh.application import Application
 from bokeh.application.handlers.function import FunctionHandler
 from bokeh.layouts import column, row
-from bokeh.models import (
-    ColumnDataSource,
-    DataTable,
-    Div,
-    HoverTool,
-    NumberFormatter,
-    Select,
-    TableColumn,
-)
+from bokeh.models import ColumnDataSource, Div, HoverTool, Select
 from bokeh.palettes import Category10_10
 from bokeh.plotting import figure
 from bokeh.server.contexts import ApplicationContext
@@ -38,6 +30,7 @@ from bokeh.server.urls import per_app_patterns
 from bokeh.server.views.ws import WSHandler
 from distributed.dashboard.components.scheduler import BOKEH_THEME, env
 from distributed.dashboard.scheduler import template_variables
+from distributed.dashboard.utils import update
 
 from dlscale.monitor.panel import PAGE, PLOT, RATE_WINDOW, Fit, Point, TrainingPanel, _Row
 from dlscale.monitor.stats import PHASES
@@ -145,7 +138,7 @@ class TrainingDocument:
         names = sorted(f.rows)
         colours = {name: Category10_10[i % 10] for i, name in enumerate(names)}
         self.sources = {name: ColumnDataSource({"t": [], "row": [], **{s: [] for s in _SERIES}}) for name in names}
-        self.table = ColumnDataSource(_table(f, self.panel.clock()))
+        self.table = Div(sizing_mode="stretch_width", stylesheets=[_TABLE_CSS])
         self.phase_source = ColumnDataSource(_phases(f))
         self.round_source = ColumnDataSource(_rounds(f))
         sharing = any(r.threshold is not None for r in f.rows.values()) or f.approach == "gradient sharing"
@@ -163,16 +156,16 @@ class TrainingDocument:
         else:
             charts.append(self._round_chart())
         grid = [row(*charts[i : i + 2], sizing_mode="stretch_width") for i in range(0, len(charts), 2)]
-        self.body.children = [_table_view(self.table), *grid]
+        self.body.children = [self.table, *grid]
         self._refresh(f)
 
     def _refresh(self, f: Fit) -> None:
         """Send what is new of ``f``: points appended, or a row's series redrawn after a merge."""
         now = self.panel.clock()
         self.status.text = _status(f, now)
-        self.table.data = _table(f, now)
-        self.phase_source.data = _phases(f)
-        self.round_source.data = _rounds(f)
+        self.table.text = _table(f, now)
+        update(self.phase_source, _phases(f))
+        update(self.round_source, _rounds(f))
         for name, r in f.rows.items():
             h = r.history
             generation, sent = self.shown.get(name, (-1, 0))
@@ -271,48 +264,55 @@ def _positive(x: float | None) -> float:
     return x if x is not None and math.isfinite(x) and x > 0 else math.nan
 
 
-def _table(f: Fit, now: float) -> dict[str, list[Any]]:
-    names = sorted(f.rows)
-    rows = [f.rows[n] for n in names]
-    return {
-        "row": names,
-        "worker": [r.worker for r in rows],
-        "minibatches": [r.minibatches for r in rows],
-        "examples": [r.examples for r in rows],
-        "rate": [r.rates()[0] for r in rows],
-        "loss": [r.loss for r in rows],
-        "threshold": [math.nan if r.threshold is None else r.threshold for r in rows],
-        "sparsity": [math.nan if r.sparsity is None else r.sparsity for r in rows],
-        "bytes_sent": [r.bytes_sent for r in rows],
-        "state": [_state(r, f, now) for r in rows],
-    }
+_TABLE_CSS = """
+table { border-collapse: collapse; font-size: 12px; width: 100%; }
+th, td { padding: 3px 8px; border-bottom: 1px solid #e6e6e6; text-align: right; white-space: nowrap; }
+th:nth-child(-n+2), td:nth-child(-n+2), td:last-child, th:last-child { text-align: left; }
+tr.stalled td { color: #d62728; font-weight: bold; }
+"""
+_HEAD = (
+    "trainer / worker",
+    "worker",
+    "minibatches",
+    "examples",
+    "examples/s",
+    "loss",
+    "threshold",
+    "sparsity",
+    "bytes sent",
+    "state",
+)
+
+
+def _table(f: Fit, now: float) -> str:
+    """The rows of ``f`` as an HTML table, every text escaped."""
+    out = ["<table><tr>" + "".join(f"<th>{h}</th>" for h in _HEAD) + "</tr>"]
+    for name, r in sorted(f.rows.items()):
+        cells = (
+            name,
+            r.worker,
+            f"{r.minibatches:,}",
+            f"{r.examples:,}",
+            _number(r.rates()[0], ",.0f"),
+            _number(r.loss, ".4f"),
+            _number(r.threshold, ".3g"),
+            _number(r.sparsity, ".3g"),
+            f"{r.bytes_sent:,}",
+            _state(r, f, now),
+        )
+        cls = ' class="stalled"' if r.stalled else ""
+        out.append(f"<tr{cls}>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    return "".join(out) + "</table>"
+
+
+def _number(x: float | None, spec: str) -> str:
+    return "" if x is None or not math.isfinite(x) else format(x, spec)
 
 
 def _state(r: _Row, f: Fit, now: float) -> str:
     if r.stalled:
-        return f"STALLED: nothing fitted for {now - r.since:.0f} s"
+        return f"stalled: nothing fitted for {now - r.since:.0f} s"
     return "finished" if f.ended is not None else "fitting"
-
-
-def _table_view(source: ColumnDataSource) -> DataTable:
-    number = NumberFormatter(format="0,0")
-    small = NumberFormatter(format="0.000e+0")
-    columns = [
-        TableColumn(field="row", title="trainer / worker", width=200),
-        TableColumn(field="worker", title="worker", width=170),
-        TableColumn(field="minibatches", title="minibatches", formatter=number),
-        TableColumn(field="examples", title="examples", formatter=number),
-        TableColumn(field="rate", title="examples/s", formatter=number),
-        TableColumn(field="loss", title="loss", formatter=NumberFormatter(format="0.0000")),
-        TableColumn(field="threshold", title="threshold", formatter=small),
-        TableColumn(field="sparsity", title="sparsity", formatter=small),
-        TableColumn(field="bytes_sent", title="bytes sent", formatter=number),
-        TableColumn(field="state", title="state", width=240),
-    ]
-    height = 30 + 26 * max(1, len(source.data["row"]))
-    return DataTable(
-        source=source, columns=columns, height=min(height, 320), index_position=None, sizing_mode="stretch_width"
-    )
 
 
 def _phases(f: Fit) -> dict[str, list[Any]]:
