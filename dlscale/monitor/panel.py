@@ -145,6 +145,7 @@ class Fit:
     ended: float | None = None
     rows: dict[str, _Row] = field(default_factory=dict)
     rounds: list[tuple[float, float]] = field(default_factory=list)  # parameter averaging: (end, seconds)
+    last_round: float | None = None  # when the latest round's reports came
 
     def done(self) -> int:
         return sum(r.minibatches for r in self.rows.values())
@@ -264,9 +265,10 @@ class TrainingPanel(SchedulerPlugin):
                     examples,
                 )
             )
-        if round:
-            last = f.rounds[-1][0] if f.rounds else f.started
-            f.rounds.append((now, now - last))
+        if round:  # a round's time is from the report of the round before (the first has none)
+            if f.last_round is not None:
+                f.rounds.append((now, now - f.last_round))
+            f.last_round = now
         if any(report["minibatches"] for report in rows):
             self._check_stalls(f, now)
 
