@@ -35,6 +35,7 @@ from dlscale.encoding import (
     encode,
     sent_indices,
 )
+from dlscale.errors import NonFiniteUpdateError
 from dlscale.training._heap import training_heap
 from dlscale.training._worker import decode, replica, state_of
 from dlscale.training.sharing._exceptions import SessionAbortedError, SessionStoppedError
@@ -283,7 +284,11 @@ class _Trainer:
                     residual.add_(params.sub_(before).cpu())
                 params.copy_(before)
                 t = self._phase("fit", t)
-                message = encode(residual, thresholds.threshold)
+                try:
+                    message = encode(residual, thresholds.threshold)
+                except NonFiniteUpdateError as e:
+                    e.add_note(f"after fitting minibatch {self.refs[item % len(self.refs)]}")
+                    raise
                 post.process(step, message.threshold, residual)
                 thresholds.update(message.sparsity, message.length)
                 apply(message, self.host)  # on a GPU, flushed with the next step's received updates

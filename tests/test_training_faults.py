@@ -1,0 +1,115 @@
+"""Training through faults, on real multi-process clusters: a worker killed (SIGKILL) mid-fit under
+both masters and both ways of holding an RDD's minibatches, non-finite values in the data, and the
+error type of a failed gradient-sharing fit. The accuracy reference is single-process PyTorch."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from dlscale import (
+    NonFiniteUpdateError,
+    ParameterAveragingTrainingMaster,
+    SharedTrainingMaster,
+    SparkContext,
+    SparkNet,
+)
+from dlscale.data import DataSet, export_minibatches, list_paths
+from tests.test_sharing import BATCH, accuracy, digits, examples_rdd, mlp
+
+SIZES = [64, 32, 10]
+LR = 0.05
+EPOCHS = 6
+PER_EPOCH = 75  # minibatches of 16 in 1,200 examples
+ROUNDS = 5  # rounds an epoch on three workers averaging every 5 minibatches
+ROUND_ITERATIONS = 5  # parameter averaging counts iterations as minibatches per worker
+
+
+@pytest.fixture(scope="module")
+def data() -> tuple[torch.Tensor, ...]:
+    return digits()
+
+
+@pytest.fixture(scope="module")
+def reference(data: tuple[torch.Tensor, ...]) -> float:
+    """Test accuracy of single-process SGD on the same model, epochs and minibatch size."""
+    x, y, tx, ty = data
+    net = mlp(SIZES, lr=LR)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(EPOCHS):
+        order = torch.randperm(len(x), generator=g)
+        net.fit([DataSet(x[order[i : i + BATCH]], y[order[i : i + BATCH]]) for i in range(0, len(x), BATCH)])
+    return accuracy(net, tx, ty)
+
+
+# -- non-finite values --------------------------------------------------------------------------
+
+
+def _poisoned(x: torch.Tensor, how: str, at: int) -> torch.Tensor:
+    x = x.clone()
+    if how == "all nan":
+        x[:] = float("nan")
+    else:
+        x[at, 5] = float("nan") if how == "one nan" else float("inf")
+    return x
+
+
+@pytest.mark.parametrize("how", ["one nan", "one inf", "all nan"])
+def test_averaging_refuses_non_finite_values_naming_the_minibatch(
+    sc: SparkContext, data: tuple[torch.Tensor, ...], tmp_path: object, how: str
+) -> None:
+    x, y, _, _ = data
+    at = 700  # in minibatch 43 (examples 688-703)
+    bad = _poisoned(x[:960], how, at)
+    net = mlp(SIZES, lr=LR)
+    before = net.params().clone()
+    master = ParameterAveragingTrainingMaster(BATCH, export_directory=str(tmp_path), rng_seed=0)
+    where = r"dataset_0+43\.dlb" if how != "all nan" else r"dataset_\d{8}\.dlb"  # all nan: whichever comes first
+    with pytest.raises(NonFiniteUpdateError, match=f"minibatch .*{where}"):
+        SparkNet(sc, net, master).fit(examples_rdd(sc, bad, y[:960], 3), epochs=2)
+    assert torch.equal(net.params(), before) and net.iteration == 0 and net.epoch == 0
+
+
+def test_averaging_direct_names_the_partition_of_a_non_finite_minibatch(
+    sc: SparkContext, data: tuple[torch.Tensor, ...]
+) -> None:
+    x, y, _, _ = data
+    bad = _poisoned(x[:960], "one nan", 700)
+    net = mlp(SIZES, lr=LR)
+    before = net.params().clone()
+    master = ParameterAveragingTrainingMaster(BATCH, rdd_training_approach="direct", rng_seed=0)
+    with pytest.raises(NonFiniteUpdateError, match=r"minibatch 43 \(examples 688-703 of the RDD, in partition 2\)"):
+        SparkNet(sc, net, master).fit(examples_rdd(sc, bad, y[:960], 3), epochs=2)
+    assert torch.equal(net.params(), before)
+
+
+def _files(sc: SparkContext, x: torch.Tensor, y: torch.Tensor, url: str) -> list[str]:
+    export_minibatches([DataSet(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, len(x), BATCH)], url, BATCH)
+    return sorted(list_paths(sc, url).collect())
+
+
+def test_fit_paths_names_the_file_of_a_non_finite_minibatch(
+    sc: SparkContext, data: tuple[torch.Tensor, ...], tmp_path: object
+) -> None:
+    x, y, _, _ = data
+    paths = _files(sc, _poisoned(x[:480], "one inf", 100), y[:480], f"{tmp_path}/train")
+    net = mlp(SIZES, lr=LR)
+    before = net.params().clone()
+    with pytest.raises(NonFiniteUpdateError, match=os.path.basename(paths[6])):
+        SparkNet(sc, net, ParameterAveragingTrainingMaster(BATCH)).fit_paths(sc.parallelize(paths, 2), epochs=2)
+    assert torch.equal(net.params(), before)
+
+
+def test_sharing_refuses_non_finite_values_naming_the_minibatch(
+    sc: SparkContext, data: tuple[torch.Tensor, ...], tmp_path: object
+) -> None:
+    x, y, _, _ = data
+    paths = _files(sc, _poisoned(x[:480], "one nan", 100), y[:480], f"{tmp_path}/train")
+    net = mlp(SIZES, lr=LR)
+    before = net.params().clone()
+    with pytest.raises(NonFiniteUpdateError) as failure:
+        SparkNet(sc, net, SharedTrainingMaster(BATCH)).fit_paths(sc.parallelize(paths, 2), epochs=2)
+    assert any(paths[6] in note for note in failure.value.__notes__), failure.value.__notes__
+    assert torch.equal(net.params(), before)
