@@ -5,16 +5,19 @@ error type of a failed gradient-sharing fit. The accuracy reference is single-pr
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
 
 from dlscale import (
+    CorruptDataError,
     NonFiniteUpdateError,
     ParameterAveragingTrainingMaster,
     SharedTrainingMaster,
     SparkContext,
     SparkNet,
+    TrainerLostWarning,
 )
 from dlscale.data import DataSet, export_minibatches, list_paths
 from tests.test_sharing import BATCH, accuracy, digits, examples_rdd, mlp
@@ -113,3 +116,35 @@ def test_sharing_refuses_non_finite_values_naming_the_minibatch(
         SparkNet(sc, net, SharedTrainingMaster(BATCH)).fit_paths(sc.parallelize(paths, 2), epochs=2)
     assert any(paths[6] in note for note in failure.value.__notes__), failure.value.__notes__
     assert torch.equal(net.params(), before)
+
+
+# -- the error of a failed gradient-sharing fit ------------------------------------------------------
+
+
+def _sharing_fails_on_a_corrupt_file(sc: SparkContext, paths: list[str]) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TrainerLostWarning)
+        with pytest.raises(CorruptDataError, match=os.path.basename(paths[20])) as failure:
+            SparkNet(sc, mlp(SIZES, lr=LR), SharedTrainingMaster(BATCH)).fit_paths(sc.parallelize(paths, 2), epochs=3)
+    assert any("gradient-sharing trainer" in note for note in failure.value.__notes__), failure.value.__notes__
+
+
+@pytest.fixture(scope="module")
+def corrupt_paths(sc: SparkContext, data: tuple[torch.Tensor, ...], tmp_path_factory: pytest.TempPathFactory) -> list:
+    x, y, _, _ = data
+    paths = _files(sc, x[:480], y[:480], str(tmp_path_factory.mktemp("corrupt") / "train"))
+    with open(paths[20], "r+b") as f:  # a minibatch of the middle of every epoch
+        f.seek(40)
+        f.write(b"\xff" * 16)
+    return paths
+
+
+@pytest.mark.parametrize("run", range(2))
+def test_a_failed_sharing_fit_raises_the_trainers_error(sc: SparkContext, corrupt_paths: list, run: int) -> None:
+    _sharing_fails_on_a_corrupt_file(sc, corrupt_paths)
+
+
+@pytest.mark.slow
+def test_a_failed_sharing_fit_always_raises_the_trainers_error(sc: SparkContext, corrupt_paths: list) -> None:
+    for _ in range(10):
+        _sharing_fails_on_a_corrupt_file(sc, corrupt_paths)

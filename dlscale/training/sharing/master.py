@@ -196,6 +196,12 @@ class _Session:
             for item, examples, score in progress["reports"]:
                 self.run.step(item // n, 1, examples, score, iterations=1)
             failed = [f for f in futures.values() if f.status == "error" and not _lost_worker(f)]
+            if progress["failed"] and not failed and progress["failed_by"] in futures:
+                # the trainer that failed tells the scheduler just before its task ends with the error itself
+                culprit = futures[progress["failed_by"]]
+                with contextlib.suppress(TimeoutError):
+                    wait([culprit], timeout=self.config.end_timeout)
+                failed = [culprit] if culprit.status == "error" and not _lost_worker(culprit) else []
             if failed or progress["failed"]:
                 error = failed[0].exception() if failed else None
                 trace = failed[0].traceback() if failed else None
