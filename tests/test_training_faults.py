@@ -4,8 +4,12 @@ error type of a failed gradient-sharing fit. The accuracy reference is single-pr
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
+import time
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -20,7 +24,7 @@ from dlscale import (
     TrainerLostWarning,
 )
 from dlscale.data import DataSet, export_minibatches, list_paths
-from tests.test_sharing import BATCH, accuracy, digits, examples_rdd, mlp
+from tests.test_sharing import BATCH, _KillAt, accuracy, digits, examples_rdd, mlp
 
 SIZES = [64, 32, 10]
 LR = 0.05
@@ -45,6 +49,58 @@ def reference(data: tuple[torch.Tensor, ...]) -> float:
         order = torch.randperm(len(x), generator=g)
         net.fit([DataSet(x[order[i : i + BATCH]], y[order[i : i + BATCH]]) for i in range(0, len(x), BATCH)])
     return accuracy(net, tx, ty)
+
+
+@pytest.fixture(scope="module")
+def cluster3() -> Iterator[SparkContext]:
+    """Three worker processes of one thread, for the tests that kill one (its nanny starts a new one)."""
+    with SparkContext("local[3]", "training-faults") as ctx:
+        yield ctx
+
+
+def _pids(ctx: SparkContext) -> dict[str, int]:
+    """The pids of three live workers, once a worker killed before is gone and its successor is up."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        ctx.client.wait_for_workers(3, timeout=120)
+        with contextlib.suppress(OSError):  # a killed worker not yet removed
+            pids = ctx.client.run(os.getpid)
+            if len(pids) == 3:
+                return pids
+        time.sleep(0.5)
+    raise TimeoutError("the cluster did not get back to three workers")
+
+
+@pytest.fixture
+def sc3(cluster3: SparkContext) -> SparkContext:
+    _pids(cluster3)
+    return cluster3
+
+
+def _victim(ctx: SparkContext, rng: random.Random) -> tuple[str, int]:
+    pids = _pids(ctx)
+    address = rng.choice(sorted(pids))
+    return address, pids[address]
+
+
+@pytest.mark.timeout(300)
+def test_sharing_direct_finishes_when_a_worker_holding_minibatches_dies(
+    sc3: SparkContext, data: tuple[torch.Tensor, ...], reference: float
+) -> None:
+    """The killed worker held a third of the minibatches: Dask recomputes them from the RDD and the
+    trainers waiting for them are told, rather than waiting forever."""
+    x, y, tx, ty = data
+    victim, pid = _victim(sc3, random.Random(0))
+    net = mlp(SIZES, lr=LR)
+    master = SharedTrainingMaster(BATCH, rdd_training_approach="direct", rng_seed=0, collect_training_stats=True)
+    spark_net = SparkNet(sc3, net, master)
+    killer = _KillAt(pid, at=EPOCHS * PER_EPOCH // 3)
+    spark_net.set_listeners(killer)
+    with pytest.warns(TrainerLostWarning, match=victim):
+        spark_net.fit(examples_rdd(sc3, x, y, 3), epochs=EPOCHS)
+    assert killer.killed and net.epoch == EPOCHS
+    assert len(spark_net.training_stats.trainers) == 2
+    assert accuracy(net, tx, ty) >= reference - 0.05  # asynchronous: runs differ by a few points
 
 
 # -- non-finite values --------------------------------------------------------------------------
