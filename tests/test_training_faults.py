@@ -7,8 +7,10 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import signal
 import time
 import warnings
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -24,6 +26,8 @@ from dlscale import (
     TrainerLostWarning,
 )
 from dlscale.data import DataSet, export_minibatches, list_paths
+from dlscale.nn import Network
+from dlscale.nn.listeners import TrainingListener
 from tests.test_sharing import BATCH, _KillAt, accuracy, digits, examples_rdd, mlp
 
 SIZES = [64, 32, 10]
@@ -81,6 +85,65 @@ def _victim(ctx: SparkContext, rng: random.Random) -> tuple[str, int]:
     pids = _pids(ctx)
     address = rng.choice(sorted(pids))
     return address, pids[address]
+
+
+def _averaging(approach: str, seed: int) -> ParameterAveragingTrainingMaster:
+    return ParameterAveragingTrainingMaster(
+        BATCH, averaging_frequency=5, rdd_training_approach=approach, rng_seed=seed, collect_training_stats=True
+    )
+
+
+class _KillStateHolder(TrainingListener):
+    """Kills, when the driver has seen epoch ``epoch`` end, the worker holding the state the last share
+    of its last round left: the one copy of part of what the next epoch starts from (that worker also
+    fitted the last share of the epoch before)."""
+
+    def __init__(self, ctx: SparkContext, epoch: int) -> None:
+        self.ctx, self.epoch, self.killed = ctx, epoch, False
+
+    def iteration_done(self, network: Network, iteration: int, epoch: int, score: float, examples: int) -> None:
+        if not self.killed and iteration == ROUND_ITERATIONS * ROUNDS * (self.epoch + 1):
+            last = f"-e{epoch}-r{ROUNDS - 1}-2"  # the fit task of the epoch's last round and share
+            (holder,) = {w for k, ws in self.ctx.client.who_has().items() if k.endswith(last) for w in ws}
+            os.kill(self.ctx.client.run(os.getpid, workers=[holder])[holder], signal.SIGKILL)
+            self.killed = True
+
+
+def _fit_averaging_killed(
+    ctx: SparkContext, data: tuple[torch.Tensor, ...], approach: str, seed: int, holder: bool = False
+) -> Network:
+    """Fit with parameter averaging, killing a random worker after a random number of rounds (or, with
+    ``holder``, one holding a state at the end of the third epoch); checks that the fit finished and
+    that every minibatch of every epoch was fitted exactly once."""
+    x, y, _, _ = data
+    rng = random.Random(seed)
+    at = ROUND_ITERATIONS * rng.randint(1, EPOCHS * ROUNDS - 2)
+    killer = _KillStateHolder(ctx, epoch=2) if holder else _KillAt(_victim(ctx, rng)[1], at)
+    net = mlp(SIZES, lr=LR)
+    spark_net = SparkNet(ctx, net, _averaging(approach, seed))
+    spark_net.set_listeners(killer)
+    spark_net.fit(examples_rdd(ctx, x, y, 3), epochs=EPOCHS)
+    assert killer.killed
+    assert net.epoch == EPOCHS
+    fitted = Counter((r.epoch, b) for r in spark_net.training_stats.rounds for w in r.workers for b in w.batches)
+    assert len(fitted) == EPOCHS * PER_EPOCH and set(fitted.values()) == {1}
+    return net
+
+
+def test_averaging_finishes_when_a_worker_holding_the_last_state_dies(
+    sc3: SparkContext, data: tuple[torch.Tensor, ...], reference: float
+) -> None:
+    net = _fit_averaging_killed(sc3, data, "export", seed=3, holder=True)
+    assert accuracy(net, data[2], data[3]) >= reference - 0.02
+
+
+@pytest.mark.slow
+def test_averaging_survives_kills_at_random_points(
+    sc3: SparkContext, data: tuple[torch.Tensor, ...], reference: float
+) -> None:
+    for seed in range(10):
+        net = _fit_averaging_killed(sc3, data, "export" if seed % 2 else "direct", seed=100 + seed)
+        assert accuracy(net, data[2], data[3]) >= reference - 0.02, seed
 
 
 @pytest.mark.timeout(300)
