@@ -32,10 +32,12 @@ _EXPORTS = {
     "read_string_from_file": "dlscale.storage",
     "DlscaleError": "dlscale.errors",
     "BroadcastDestroyedError": "dlscale.errors",
+    "UserStopIterationError": "dlscale.errors",
     "MasterURLError": "dlscale.errors",
     "ClusterConnectionError": "dlscale.errors",
     "StorageError": "dlscale.errors",
     "OutputExistsError": "dlscale.errors",
+    "IncompleteExportError": "dlscale.errors",
     "CorruptDataError": "dlscale.errors",
     "UnsafePickleError": "dlscale.errors",
     "LabelError": "dlscale.errors",
@@ -45,6 +47,7 @@ _EXPORTS = {
     "EvaluationError": "dlscale.errors",
     "IncompatibleEvaluationError": "dlscale.errors",
     "DeviceError": "dlscale.errors",
+    "MinibatchTooLargeError": "dlscale.errors",
 }
 
 __all__ = [*sorted(_EXPORTS), "__version__"]

@@ -21,6 +21,10 @@ class StorageError(DlscaleError, OSError):
     """A storage location that is missing, unreadable or unwritable."""
 
 
+class IncompleteExportError(StorageError):
+    """A folder of exported minibatches whose export did not finish: its files are only part of the data."""
+
+
 class UnsafePickleError(DlscaleError, pickle.UnpicklingError):
     """A file on storage asked to load an object that is not on the allowed list."""
 
@@ -35,6 +39,11 @@ class OutputExistsError(DlscaleError, FileExistsError):
 
 class BroadcastDestroyedError(DlscaleError, RuntimeError):
     """A broadcast variable used after ``destroy()``."""
+
+
+class UserStopIterationError(DlscaleError, RuntimeError):
+    """A function given to an RDD operation raised ``StopIteration``: the task fails (as in PySpark) rather
+    than let the loop over the partition that called the function end early and drop elements silently."""
 
 
 class LabelError(DlscaleError, ValueError):
@@ -60,6 +69,13 @@ class EvaluationError(DlscaleError, ValueError):
 
 class IncompatibleEvaluationError(DlscaleError, TypeError):
     """Two evaluations that cannot be merged (different types or settings), or JSON of another type."""
+
+
+class MinibatchTooLargeError(MemoryError, DlscaleError):
+    """A minibatch file too large for the memory of the worker that is to load it (refused unread).
+
+    MemoryError comes first: it has a constructor of its own, which unpickling (an error sent back
+    from a worker) can call only when it is the first base."""
 
 
 class DeviceError(DlscaleError, RuntimeError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 import sys
 import textwrap
 import uuid
@@ -14,7 +15,7 @@ import fsspec
 import pytest
 import torch
 
-from dlscale import ParameterAveragingTrainingMaster, SparkNet
+from dlscale import ParameterAveragingTrainingMaster, SparkContext, SparkNet
 from dlscale.data import DataSet
 from dlscale.nn import Network
 
@@ -78,3 +79,32 @@ def test_bad_paths_are_named(sc, tmp_path) -> None:
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(ValueError, match=r"\.py, \.zip or \.egg file, got .*notes.txt"):
         sc.addPyFile(str(tmp_path / "notes.txt"))
+
+
+def test_added_files_go_with_their_context(tmp_path) -> None:
+    """PySpark's order of events (its test_add_py_file, then test_add_py_file_locally in a new context):
+    a file added to a context is importable by its workers and its driver, and not by the driver of a
+    later context until added there too."""
+    name = f"userlibrary_{uuid.uuid4().hex[:8]}"
+    path = tmp_path / f"{name}.py"
+    path.write_text("class UserClass:\n    def hello(self):\n        return 'Hello World!'\n")
+
+    def hello(_: int) -> str:
+        return importlib.import_module(name).UserClass().hello()
+
+    try:
+        with SparkContext("local[1]") as first:
+            with pytest.raises(ModuleNotFoundError, match=name):
+                first.parallelize([0]).map(hello).first()
+            first.addPyFile(str(path))
+            assert first.parallelize([0]).map(hello).first() == "Hello World!"
+            assert name not in sys.modules  # the job ran on the worker only
+        with SparkContext("local[1]") as second:
+            with pytest.raises(ImportError):
+                importlib.import_module(name)
+            second.addPyFile(str(path))
+            assert hello(0) == "Hello World!"  # on the driver
+            copies = second._py_files
+        assert copies not in sys.path and not os.path.exists(copies)
+    finally:
+        sys.modules.pop(name, None)

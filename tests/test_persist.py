@@ -118,7 +118,9 @@ def test_disk_only_replication_needs_shared_storage(sc: SparkContext, tmp_path: 
 
 def _block_files(sc: SparkContext, rdd_id: int) -> dict[str, list[str]]:
     def find(dask_worker: Any) -> list[str]:
-        return sorted(glob.glob(os.path.join(dask_worker.local_directory, "dlscale-blocks", "*", f"rdd-{rdd_id}", "*")))
+        return sorted(
+            glob.glob(os.path.join(dask_worker.local_directory, "dlscale-blocks", "*", f"rdd-{rdd_id}-*", "*"))
+        )
 
     return sc.client.run(find)
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import fsspec
 
+from dlscale.data.loaders import check_minibatch_size
 from dlscale.errors import CorruptDataError, StorageError
 from dlscale.storage import check_empty, find_files, open_fs, write_bytes
 
@@ -105,7 +106,9 @@ class FileBatch:
 
     @classmethod
     def read(cls, url: str, storage_options: dict[str, Any] | None = None) -> FileBatch:
-        """Read a file batch with one request; a damaged or foreign file raises an error naming it."""
+        """Read a file batch with one request; a damaged or foreign file raises an error naming it, and
+        on a worker one too large for its memory is refused unread (:func:`check_minibatch_size`)."""
+        check_minibatch_size(url, storage_options)
         fs, path = open_fs(url, storage_options)
         try:
             data = fs.cat_file(path)

@@ -10,15 +10,21 @@ evaluation tasks on the workers call it through :func:`prefetch`.
 
 from __future__ import annotations
 
+import contextvars
 import queue
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
+from dask.utils import format_bytes
+from distributed import get_worker
+
 from dlscale import config
 from dlscale.data.dataset import DataSet, MultiDataSet
 from dlscale.data.format import load
+from dlscale.errors import MinibatchTooLargeError
 from dlscale.registry import Registry
+from dlscale.storage import open_fs
 
 
 @runtime_checkable
@@ -32,13 +38,54 @@ class Loader(Protocol):
     def __call__(self, path: str) -> DataSet | MultiDataSet: ...
 
 
+def check_minibatch_size(url: str, storage_options: dict[str, Any] | None = None) -> None:
+    """On a worker with a memory limit, refuse the minibatch file at ``url`` before it is read when
+    it is larger than ``dlscale.data.max-minibatch-fraction`` (default 0.5) of that limit.
+
+    Loading such a file would grow the worker until its nanny kills it, and the fit would fail with
+    Dask's "already forgotten" instead of naming the file. The bound: a loaded ``.dlb`` minibatch
+    takes its file's size in memory (its tensors are views of one buffer; measured 1.00x), and a
+    training step needs at least as much again (measured 2.1x the file at its peak for float32
+    features through an MLP, more where a module makes uint8 images float), so a file over half the
+    limit cannot be trained on. Off a worker, or where the size cannot be read (the read that follows
+    names the problem), nothing is checked.
+    """
+    fraction = config.get("data.max-minibatch-fraction")
+    if fraction is None:
+        return
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or fraction <= 0:
+        raise ValueError(f"dlscale.data.max-minibatch-fraction must be a positive number or null, got {fraction!r}")
+    try:
+        worker = get_worker()
+    except ValueError:  # not on a worker: no memory limit to keep
+        return
+    limit = worker.memory_manager.memory_limit
+    if not limit:
+        return
+    fs, path = open_fs(url, storage_options)
+    try:
+        size = fs.size(path)
+    except Exception:  # noqa: BLE001 - missing or unreadable: the loader's read reports it in its own words
+        return
+    if size is not None and size > fraction * limit:
+        raise MinibatchTooLargeError(
+            f"minibatch {url} is {format_bytes(size)}, more than {fraction:g} of the {format_bytes(limit)} "
+            f"memory limit of worker {worker.address}: loaded, it takes at least its file's size in memory "
+            "and a training step as much again. Write smaller minibatches (a smaller batch size), give the "
+            "workers more memory (spark.executor.memory, dlscale.local.memory-limit, dask worker "
+            "--memory-limit), or raise dlscale.data.max-minibatch-fraction"
+        )
+
+
 class MinibatchLoader:
-    """Loads a ``.dlb`` file, whichever kind of minibatch it holds: the default loader."""
+    """Loads a ``.dlb`` file, whichever kind of minibatch it holds: the default loader. On a worker,
+    a file too large for its memory is refused unread (:func:`check_minibatch_size`)."""
 
     def __init__(self, storage_options: dict[str, Any] | None = None) -> None:
         self.storage_options = storage_options
 
     def __call__(self, path: str) -> DataSet | MultiDataSet:
+        check_minibatch_size(path, self.storage_options)
         return load(path, self.storage_options)
 
     def __repr__(self) -> str:
@@ -103,7 +150,8 @@ def prefetch(paths: Iterable[Any], loader: Loader, depth: int | None = None) -> 
 
     ``depth`` defaults to ``dlscale.data.prefetch``; 0 loads each one when it is asked for. At most
     ``depth + 1`` minibatches are in memory besides the one in use. An error while loading is raised
-    here, when its minibatch is reached; closing the iterator stops the thread.
+    here, when its minibatch is reached; closing the iterator stops the thread. The thread runs in
+    the caller's context, so a loader sees the worker of the task that iterates (``get_worker``).
     """
     depth = config.get("data.prefetch") if depth is None else depth
     if not isinstance(depth, int) or depth < 0:
@@ -133,7 +181,8 @@ def prefetch(paths: Iterable[Any], loader: Loader, depth: int | None = None) -> 
             return
         put((True, _DONE))
 
-    thread = threading.Thread(target=read, name="dlscale-prefetch", daemon=True)
+    context = contextvars.copy_context()
+    thread = threading.Thread(target=context.run, args=(read,), name="dlscale-prefetch", daemon=True)
     thread.start()
     try:
         while True:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import itertools
 import operator
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 from dask._task_spec import Alias, DataNode, List, Task, TaskRef
@@ -24,6 +25,9 @@ from distributed.protocol import (
     deserialize,
     serialize,
 )
+
+if TYPE_CHECKING:
+    from distributed import Client, Future
 
 _counter = itertools.count()
 
@@ -172,3 +176,39 @@ def product(prefix: str, left: Bag, right: Bag, func: Callable[[list, list], Ite
             key = (name, i * right.npartitions + j)
             dsk[key] = Task(key, partition_of, fn, TaskRef((left.name, i)), TaskRef((right.name, j)))
     return _bag(name, dsk, [left, right], left.npartitions * right.npartitions)
+
+
+class PartitionJobs:
+    """Computes a bag's partitions one job at a time (``toLocalIterator``), each when asked for.
+
+    What more than one partition depends on (a shuffle's split tasks, a cartesian product's inputs) is
+    computed with the first partition that needs it and held until this object is dropped, as Spark
+    keeps a shuffle's output for the jobs after the first: otherwise every partition of a shuffled RDD
+    would compute the whole map side again. Each job sends only the tasks its partition still needs.
+    """
+
+    def __init__(self, client: Client, bag: Bag) -> None:
+        self._client = client
+        self._keys = bag.__dask_keys__()
+        self._dsk = dict(bag.__dask_optimize__(bag.__dask_graph__(), self._keys))
+        dependents = Counter(dep for node in self._dsk.values() for dep in node.dependencies)
+        self._shared = {key for key, n in dependents.items() if n > 1 and key in self._dsk}
+        self._held: dict[Any, Future] = {}
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def submit(self, i: int) -> Future:
+        """Start computing partition ``i``; its future."""
+        tasks: dict = {}
+        stack = [self._keys[i]]
+        while stack:
+            key = stack.pop()
+            if key in tasks or key in self._held or key not in self._dsk:
+                continue  # already sent, held from an earlier job, or held outside (a persisted RDD)
+            tasks[key] = node = self._dsk[key]
+            stack.extend(node.dependencies)
+        shared = [key for key in tasks if key in self._shared]
+        futures = self._client.get(tasks, [self._keys[i], *shared], sync=False)
+        self._held.update(zip(shared, futures[1:], strict=True))
+        return futures[0]

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from functools import reduce
 from typing import TYPE_CHECKING, Any
 
+from dlscale.errors import UserStopIterationError
 from dlscale.facade._graph import Partition
 from dlscale.facade.statcounter import StatCounter
 
@@ -39,10 +40,55 @@ class ResultIterable(Iterable):
         return f"ResultIterable({self.data!r})"
 
 
-# -- per-partition functions (module level so that they pickle small) -----------------------
-def check_callable(f: Any, name: str) -> None:
+class UserFunction:
+    """A function given to an RDD operation, called so that a ``StopIteration`` it raises fails the task.
+
+    Operations loop over a partition calling the function (``map``, ``filter``, ``reduce``, ``sorted``
+    with a key): a ``StopIteration`` escaping from it would end that loop early and drop the rest of the
+    partition without a word. PySpark wraps user functions with ``fail_on_stopiteration`` for the same
+    reason, and raises the same message. Equal when the wrapped functions are (partitioners compare them).
+    """
+
+    def __init__(self, f: Callable, operation: str, name: str) -> None:
+        self.f = f
+        self.operation = operation
+        self.name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.f(*args, **kwargs)
+        except StopIteration as e:
+            raise UserStopIterationError(
+                f"Caught StopIteration thrown from user's code; failing the task: {e} "
+                f"(StopIteration raised by {self.name} of {self.operation})"
+            ) from e
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, UserFunction) and self.f == other.f
+
+    def __hash__(self) -> int:
+        return hash(self.f)
+
+    def __repr__(self) -> str:
+        return f"UserFunction({self.f!r})"
+
+
+def user_function(f: Any, operation: str, name: str) -> UserFunction:
+    """``f`` checked to be callable (a ``TypeError`` naming the parameter if not) and wrapped in a
+    :class:`UserFunction`; the one place where functions given to RDD operations are wrapped."""
+    if isinstance(f, UserFunction):
+        return f
     if not callable(f):
-        raise TypeError(f"{name} must be callable, got {type(f).__name__}")
+        raise TypeError(f"{name} must be callable, got {type(f).__name__} (in {operation})")
+    return UserFunction(f, operation, name)
+
+
+def user_key(key: Any, operation: str) -> UserFunction | None:
+    """An optional ``key`` function, wrapped as :func:`user_function` wraps it."""
+    return None if key is None else user_function(key, operation, "key")
+
+
+# -- per-partition functions (module level so that they pickle small) -----------------------
 
 
 def map_elements(f: Callable, _i: int, it: Iterable) -> Iterator:
@@ -122,6 +168,20 @@ def combine_values(create: Callable, merge_value: Callable, _i: int, it: Iterabl
     return combined.items()
 
 
+def reduce_by_key_partition(func: Callable, it: Iterable) -> list[dict]:
+    combined: dict = {}
+    for kv in it:
+        k, v = pair(kv)
+        combined[k] = func(combined[k], v) if k in combined else v
+    return [combined]
+
+
+def merge_maps(func: Callable, a: dict, b: dict) -> dict:
+    for k, v in b.items():
+        a[k] = func(a[k], v) if k in a else v
+    return a
+
+
 def combine_combiners(merge: Callable, _i: int, it: Iterable) -> Iterable:
     combined: dict = {}
     for k, c in it:
@@ -139,6 +199,19 @@ def fold_partition(zero: Any, op: Callable, it: Iterable) -> list:
 
 def aggregate_partition(zero: Any, seq_op: Callable, it: Iterable) -> Any:
     return reduce(seq_op, it, copy.deepcopy(zero))
+
+
+def aggregate_partition_list(zero: Any, seq_op: Callable, _i: int, it: Iterable) -> list:
+    return [aggregate_partition(zero, seq_op, it)]
+
+
+def only(it: Iterable) -> Any:
+    (x,) = it
+    return x
+
+
+def reduce_all(f: Callable, parts: Iterable) -> Any:
+    return reduce(f, parts)
 
 
 def reduce_partition(f: Callable, it: Iterable) -> list:
@@ -232,8 +305,13 @@ def histogram_partition(buckets: list, even: bool, inc: Any, it: Iterable) -> li
     return counters
 
 
-def add_counters(parts: list[list[int]]) -> list[int]:
-    return [sum(c) for c in zip(*parts)]
+def add_counters(buckets: int, parts: Iterable[list[int]]) -> list[int]:
+    """Per-bucket sums of the partitions' counts; zeros when every partition was empty (Dask's reduction
+    then hands the combining step no partition at all)."""
+    totals = [0] * buckets
+    for counts in parts:
+        totals = [a + b for a, b in zip(totals, counts, strict=True)]
+    return totals
 
 
 def comparable(x: Any) -> bool:

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
+import shutil
+import ssl
+import sys
 import tempfile
 import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar, Self
 
 import dask.config
 import distributed
 from dask.bag import Bag
+from distributed.comm.core import FatalCommClosedError
+from distributed.diagnostics.plugin import UploadFile
 
 from dlscale import __version__, config, storage
 from dlscale.errors import ClusterConnectionError, DlscaleError, MasterURLError
@@ -27,6 +33,46 @@ _LOCAL = re.compile(r"^local(?:\[(\d+|\*)\])?$")
 _ADDRESS = re.compile(r"^(tcp|tls|ws|wss|inproc)://.+")
 _RESOURCE = re.compile(r"^spark\.executor\.resource\.([^.]+)\.amount$")
 _SPARK_MANAGERS = ("spark://", "yarn", "mesos://", "k8s://")
+_SCHEDULER_PORT = 8786  # Dask's default, for an address without a port
+
+
+def _chain(e: BaseException) -> Iterator[BaseException]:
+    """``e`` and the exceptions that caused it, most recent first."""
+    seen: set[int] = set()
+    cause: BaseException | None = e
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        yield cause
+        cause = cause.__cause__ or cause.__context__
+
+
+def _cause(e: BaseException) -> str:
+    """What went wrong, never empty: ``e`` and its causes up to the first that explains itself
+    (Dask raises some connection errors with no text and the reason in their cause)."""
+    parts = []
+    for cause in _chain(e):
+        text = str(cause)
+        parts.append(f"{type(cause).__name__}: {text}" if text else repr(cause))
+        if text:
+            break
+    return ", from ".join(parts)
+
+
+def _tls_failure(e: BaseException) -> bool:
+    """Whether a failed ``tls://`` connection got an answer that was no TLS handshake: an SSL error,
+    a connection Dask gave up at once, or tornado refusing to start TLS on the stream."""
+    return any(isinstance(c, (ssl.SSLError, FatalCommClosedError, ValueError)) for c in _chain(e))
+
+
+def _dashboard_address(setting: Any) -> str | None:
+    """Where an embedded cluster's dashboard listens (``dlscale.local.dashboard-address``): a port
+    alone (``":0"``, ``8787``) is bound to 127.0.0.1, as the scheduler and workers are; a host is
+    used as given (``"0.0.0.0:8787"`` for every interface); ``None`` starts no dashboard."""
+    if setting is None:
+        return None
+    address = str(setting)
+    port = address.removeprefix(":")
+    return f"127.0.0.1:{port}" if port.isdigit() else address
 
 
 def _parse_local(master: str) -> int | None:
@@ -92,7 +138,10 @@ class SparkContext:
         self._block_key = os.urandom(32)
         self._rdd_ids = iter(range(1 << 62))
         self._persisted: weakref.WeakValueDictionary[int, RDD] = weakref.WeakValueDictionary()
+        self._disk_blocks = persist.DiskBlocks(self)
         self._broadcasts: weakref.WeakSet[Broadcast] = weakref.WeakSet()
+        self._py_files: str | None = None  # the driver's copies of addPyFile's files, made on first use
+        self._py_paths: list[str] = []  # what addPyFile put on the driver's sys.path
         self._stopped = False
         with SparkContext._lock:
             SparkContext._running.append(self)
@@ -106,20 +155,35 @@ class SparkContext:
             self._owned_cluster = distributed.LocalCluster(**self._local_cluster_kwargs(n))
             return distributed.Client(self._owned_cluster)
         if _ADDRESS.match(master):
+            scheme, location = distributed.comm.parse_address(master)
+            if scheme != "inproc":
+                try:
+                    distributed.comm.parse_host_port(location, _SCHEDULER_PORT)
+                except ValueError as e:
+                    raise MasterURLError(f"master {master!r} is not a valid scheduler address: {e}") from e
             timeout = config.get("connect-timeout")
             try:
                 return distributed.Client(master, timeout=timeout, security=security)
             except TypeError as e:
-                if not master.startswith("tls://"):
+                if scheme != "tls":
                     raise
                 raise ClusterConnectionError(
                     f"{master} needs TLS credentials: pass security=distributed.Security(...) or set "
                     "distributed.comm.tls.ca-file and distributed.comm.tls.client.cert/key in Dask's "
                     f"configuration ({e})"
                 ) from e
-            except (OSError, TimeoutError) as e:
+            except (OSError, TimeoutError, ValueError) as e:
+                if scheme == "tls" and _tls_failure(e):
+                    raise ClusterConnectionError(
+                        f"the TLS handshake with the Dask scheduler at {master} failed ({_cause(e)}): the scheduler "
+                        f"may speak plain TCP (then give tcp://{location}), or not accept these credentials (check "
+                        "security= or distributed.comm.tls.* in Dask's configuration)"
+                    ) from e
+                if isinstance(e, ValueError):
+                    raise
                 raise ClusterConnectionError(
-                    f"could not reach the Dask scheduler at {master} within {timeout} (dlscale.connect-timeout): {e}"
+                    f"could not reach the Dask scheduler at {master} within {timeout} (dlscale.connect-timeout): "
+                    f"{_cause(e)}"
                 ) from e
         hint = ""
         if master.startswith(_SPARK_MANAGERS):
@@ -153,7 +217,7 @@ class SparkContext:
             "threads_per_worker": threads,
             "processes": True,
             "memory_limit": memory,
-            "dashboard_address": config.get("local.dashboard-address"),
+            "dashboard_address": _dashboard_address(config.get("local.dashboard-address")),
             **({"resources": resources} if resources else {}),
         }
 
@@ -165,14 +229,17 @@ class SparkContext:
         return self._client
 
     def stop(self) -> None:
-        """Release every persisted RDD and close the client and cluster this context created."""
+        """Release every persisted RDD, delete the application's DISK_ONLY blocks (waiting for tasks still
+        writing them), and close the client and cluster this context created."""
         if self._stopped:
             return
         for rdd in list(self._persisted.values()):
-            rdd.unpersist(blocking=True)
+            rdd.unpersist()
+        self._disk_blocks.close()
         for b in list(self._broadcasts):
             b.destroy()
         self._stopped = True
+        self._remove_py_files()
         if self._owns_client:
             self._client.close()
         if self._owned_cluster is not None:
@@ -277,25 +344,47 @@ class SparkContext:
         return Broadcast(self, value)
 
     def addPyFile(self, path: str, *, storage_options: dict[str, Any] | None = None) -> None:
-        """Make a ``.py`` module or a ``.zip`` / ``.egg`` of packages importable on every worker,
-        those that join later included (Dask's upload plugin). ``path`` is a local file or a URL
-        with a protocol (``s3://...``); the driver imports it from its own ``sys.path`` as usual."""
+        """Make a ``.py`` module or a ``.zip`` / ``.egg`` of packages importable on every worker, those
+        that join later included (Dask's upload plugin), and on the driver until this context stops (as
+        PySpark: the driver imports a copy, put on its ``sys.path``). ``path`` is a local file or a URL
+        with a protocol (``s3://...``)."""
         name = os.path.basename(path.rstrip("/"))
         if not name.endswith((".py", ".zip", ".egg")):
             raise ValueError(f"addPyFile takes a .py, .zip or .egg file, got {path!r}")
-        if not storage.has_protocol(path):
-            path = os.path.expanduser(path)
-            if not os.path.isfile(path):
+        client = self.client
+        if self._py_files is None:
+            self._py_files = tempfile.mkdtemp(prefix=f"dlscale-pyfiles-{self.applicationId}-")
+        local = os.path.join(self._py_files, name)
+        if storage.has_protocol(path):
+            fs, remote = storage.open_fs(path, storage_options)
+            if not fs.isfile(remote):
                 raise FileNotFoundError(f"addPyFile: no such file {path!r}")
-            self.client.upload_file(path)
-            return
-        fs, remote = storage.open_fs(path, storage_options)
-        if not fs.isfile(remote):
-            raise FileNotFoundError(f"addPyFile: no such file {path!r}")
-        with tempfile.TemporaryDirectory() as tmp:  # the upload keeps the file's name
-            local = os.path.join(tmp, name)
             fs.get_file(remote, local)
-            self.client.upload_file(local)
+        else:
+            source = os.path.expanduser(path)
+            if not os.path.isfile(source):
+                raise FileNotFoundError(f"addPyFile: no such file {path!r}")
+            shutil.copyfile(source, local)
+        # the workers' plugin only: Dask's upload_file would also import the file in the scheduler, which
+        # for local[N] is the driver's process, and leave it there after this context stops
+        client.register_plugin(UploadFile(local), name=f"dlscale-pyfile-{name}-{uuid.uuid4().hex[:8]}")
+        entry = self._py_files if name.endswith(".py") else local
+        if entry not in self._py_paths:
+            sys.path.insert(1, entry)
+            self._py_paths.append(entry)
+        importlib.invalidate_caches()
+
+    def _remove_py_files(self) -> None:
+        """Take addPyFile's files off the driver's ``sys.path`` and delete them: a module not yet imported
+        cannot be imported from a stopped context's files (as in PySpark, where they go with the context)."""
+        for entry in self._py_paths:
+            if entry in sys.path:
+                sys.path.remove(entry)
+        self._py_paths.clear()
+        if self._py_files is not None:
+            shutil.rmtree(self._py_files, ignore_errors=True)
+            self._py_files = None
+        importlib.invalidate_caches()
 
     def textFile(
         self,

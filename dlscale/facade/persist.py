@@ -7,42 +7,56 @@
   partition as one byte blob: its size is known exactly and spilling it is a plain write.
 - ``DISK_ONLY`` writes each partition to a block file (the worker's local directory, or
   ``dlscale.persist.disk-dir`` on shared storage) and keeps only a small record in memory.
-  Blocks carry a keyed BLAKE2b tag, so a block altered or planted on disk is refused rather
-  than unpickled.
+  Each block carries a keyed BLAKE2b tag bound to its application, RDD, partition and version,
+  so a block altered, swapped or planted on disk is refused rather than unpickled.
 
-Lost partitions (a dead worker) are recomputed from lineage by Dask.
+A persisted RDD's graph is a :class:`PersistedLayer` over the held futures. Once the RDD is
+unpersisted, :func:`resolve` swaps that layer for the RDD's lineage in every graph built on it,
+so children recompute (PySpark's behaviour) instead of asking for released keys. Partitions lost
+with a worker are recomputed from lineage by Dask; a lost ``DISK_ONLY`` block makes the scheduler
+recompute the partition that wrote it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import shutil
 import struct
+import threading
+import time
+import uuid
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import fsspec
+from dask._task_spec import Alias
+from dask.bag import Bag
+from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from dask.sizeof import sizeof
-from distributed import WorkerPlugin, get_worker
+from dask.utils import parse_timedelta
+from distributed import WorkerPlugin, get_client, get_worker
 from distributed.client import futures_of
 from distributed.protocol import deserialize_bytes, serialize_bytes
 from distributed.utils import sync
 
 from dlscale import config
-from dlscale.errors import CorruptDataError, StorageError
+from dlscale.errors import CorruptDataError, DlscaleError, StorageError
 from dlscale.facade import _graph
 from dlscale.runtime.extensions import Extension, install
 from dlscale.runtime.replicas import set_replication
-from dlscale.storage import atomic_write
+from dlscale.storage import as_storage_error, atomic_write
 
 if TYPE_CHECKING:
-    from dask.bag import Bag
-
     from dlscale.facade.context import SparkContext
     from dlscale.facade.rdd import RDD
+
+logger = logging.getLogger("dlscale.persist")
 
 
 class StorageLevel:
@@ -121,6 +135,16 @@ class RDDInfo:
     diskSize: int
 
 
+@dataclass(frozen=True)
+class _BlockSpec:
+    app_id: str
+    rdd_id: int
+    dir_name: str  # of this persist's blocks, unique: a new persist never meets an old one's deletion
+    key: bytes
+    shared_dir: str | None  # on shared storage: the directory of this RDD's blocks
+    storage_options: dict
+
+
 @dataclass
 class Stored:
     """The persisted state of one RDD."""
@@ -128,7 +152,53 @@ class Stored:
     level: StorageLevel
     lineage: Bag  # the graph that computes the partitions, restored on unpersist
     futures: list  # the persisted keys: partitions, blobs or block records
-    block_dir: str | None = None  # DISK_ONLY on shared storage: the directory of this RDD's blocks
+    blocks: _BlockSpec | None = None  # DISK_ONLY: where the blocks go and the key that signs them
+    released: bool = False  # unpersisted: graphs built on the RDD compute it from lineage again
+
+
+class PersistedLayer(MaterializedLayer):
+    """The graph layer that reads a persisted RDD's partitions from its held futures.
+
+    It carries its :class:`Stored`, so that :func:`resolve` can put the lineage back once the RDD is
+    unpersisted: a graph built on the RDD must not ask for keys that were released.
+    """
+
+    def __init__(self, mapping: dict, stored: Stored) -> None:
+        super().__init__(mapping)
+        self.stored = stored
+
+
+def _released(layer: Any) -> bool:
+    return isinstance(layer, PersistedLayer) and layer.stored.released
+
+
+def resolve(bag: Bag) -> Bag:
+    """``bag`` with the layer of each unpersisted RDD in it replaced by that RDD's lineage."""
+    graph = bag.__dask_graph__()
+    if not any(map(_released, graph.layers.values())):
+        return bag
+    layers, deps = dict(graph.layers), {name: set(d) for name, d in graph.dependencies.items()}
+    dead = [name for name, layer in layers.items() if _released(layer)]
+    while dead:
+        name = dead.pop()
+        lineage = layers[name].stored.lineage
+        for held in deps[name]:  # the released futures; at MEMORY_ONLY their layer has the lineage's name
+            del layers[held], deps[held]
+        layers[name] = MaterializedLayer({k: Alias(k, (lineage.name, k[1])) for k in layers[name]})
+        deps[name] = {lineage.name}
+        sub = lineage.__dask_graph__()
+        for n, layer in sub.layers.items():
+            if n not in layers:
+                layers[n], deps[n] = layer, set(sub.dependencies[n])
+                if _released(layer):
+                    dead.append(n)
+    return Bag(HighLevelGraph(layers, deps), bag.name, bag.npartitions)
+
+
+def _persisted_bag(reader: Bag, stored: Stored) -> Bag:
+    graph = reader.__dask_graph__()
+    layers = {**graph.layers, reader.name: PersistedLayer(graph.layers[reader.name].mapping, stored)}
+    return Bag(HighLevelGraph(layers, graph.dependencies), reader.name, reader.npartitions)
 
 
 # -- serialized partitions -----------------------------------------------------------------
@@ -142,8 +212,9 @@ def _deserialize(_i: int, blobs: list) -> list:
 
 
 # -- disk blocks ---------------------------------------------------------------------------
-_MAGIC = b"DLSBLK1\n"
+_MAGIC = b"DLSBLK2\n"
 _HEADER = struct.Struct("<8s32sQ")  # magic, tag, payload length
+_MAX_RECOMPUTES = 3  # a block lost this often in one worker process is an error, not bad luck
 
 
 @dataclass(frozen=True)
@@ -153,37 +224,35 @@ class BlockRecord:
     url: str  # a local path on ``worker`` (worker-local blocks) or a shared fsspec URL
     nbytes: int
     worker: str | None  # address of the worker whose disk holds it; None on shared storage
+    version: str  # random per write: part of the file name and bound into the tag
 
 
-@dataclass(frozen=True)
-class _BlockSpec:
-    app_id: str
-    rdd_id: int
-    key: bytes
-    shared_dir: str | None
-    storage_options: dict
+def _tag(spec: _BlockSpec, i: int, version: str, payload: bytes | memoryview) -> bytes:
+    """HMAC-BLAKE2b of ``payload`` bound to its place: application, RDD, partition and version."""
+    app = spec.app_id.encode()
+    mac = hmac.new(spec.key, digestmod=hashlib.blake2b)
+    mac.update(struct.pack("<Q", len(app)) + app + struct.pack("<QQ", spec.rdd_id, i) + bytes.fromhex(version))
+    mac.update(payload)
+    return mac.digest()[:32]
 
 
-def _tag(key: bytes, payload: bytes | memoryview) -> bytes:
-    return hmac.new(key, payload, hashlib.blake2b).digest()[:32]
-
-
-def _local_block_dir(worker: Any, app_id: str, rdd_id: int | None = None) -> str:
+def _local_block_dir(worker: Any, app_id: str, dir_name: str | None = None) -> str:
     base = os.path.join(worker.local_directory, "dlscale-blocks", app_id)
-    return base if rdd_id is None else os.path.join(base, f"rdd-{rdd_id}")
+    return base if dir_name is None else os.path.join(base, dir_name)
 
 
 def _write_block(spec: _BlockSpec, i: int, part: Any) -> list[BlockRecord]:
     payload = serialize_bytes(list(part))
-    header = _HEADER.pack(_MAGIC, _tag(spec.key, payload), len(payload))
-    name = f"part-{i:05d}.blk"
+    version = uuid.uuid4().hex
+    header = _HEADER.pack(_MAGIC, _tag(spec, i, version, payload), len(payload))
+    name = f"part-{i:05d}-{version}.blk"
     if spec.shared_dir is None:
         worker = get_worker()
-        url = os.path.join(_local_block_dir(worker, spec.app_id, spec.rdd_id), name)
-        record = BlockRecord(url, len(payload), worker.address)
+        url = os.path.join(_local_block_dir(worker, spec.app_id, spec.dir_name), name)
+        record = BlockRecord(url, len(payload), worker.address, version)
     else:
         url = f"{spec.shared_dir}/{name}"
-        record = BlockRecord(url, len(payload), None)
+        record = BlockRecord(url, len(payload), None, version)
     fs, path = fsspec.core.url_to_fs(url, **spec.storage_options)
     atomic_write(fs, path, [header, payload])
     return [record]
@@ -194,27 +263,78 @@ def _read_local(path: str) -> bytearray:
         return bytearray(f.read())
 
 
-def _read_block(spec: _BlockSpec, i: int, records: list[BlockRecord]) -> list:
-    rec = records[0]
+def _fetch_block(spec: _BlockSpec, rec: BlockRecord) -> bytearray:
     if rec.worker is None:
         with fsspec.open(rec.url, "rb", **spec.storage_options) as f:
-            data = bytearray(f.read())
-    else:
-        worker = get_worker()
-        if worker.address == rec.worker:
-            data = _read_local(rec.url)
-        else:  # the task ran elsewhere: fetch the block from the worker whose disk holds it
-            data = bytearray(sync(worker.loop, worker.rpc(rec.worker).dlscale_read_block, path=rec.url))
+            return bytearray(f.read())
+    worker = get_worker()
+    if worker.address == rec.worker:
+        return _read_local(rec.url)
+    # the task ran elsewhere: fetch the block from the worker whose disk holds it, if that one is alive
+    # (connecting to a dead worker would take distributed.comm.timeouts.connect to fail)
+    if not get_client().run_on_scheduler(_is_worker, rec.worker):
+        raise ConnectionError(f"worker {rec.worker}, whose disk held the block, is gone")
+    return bytearray(sync(worker.loop, worker.rpc(rec.worker).dlscale_read_block, path=rec.url))
+
+
+def _is_worker(address: str, dask_scheduler: Any = None) -> bool:
+    return address in dask_scheduler.workers
+
+
+def _read_block(spec: _BlockSpec, held: str, i: int, records: list[BlockRecord]) -> list:
+    rec = records[0]
+    try:
+        data = _fetch_block(spec, rec)
+    except DlscaleError:
+        raise
+    except OSError as e:  # deleted, or on the disk of a worker that is gone
+        raise _lost(spec, held, i, rec, e) from e
     if len(data) < _HEADER.size:
         raise CorruptDataError(f"persisted block {rec.url} is truncated ({len(data)} bytes)")
     magic, tag, length = _HEADER.unpack_from(data)
     payload = memoryview(data)[_HEADER.size :]
-    if magic != _MAGIC or length != len(payload) or not hmac.compare_digest(tag, _tag(spec.key, payload)):
+    if magic != _MAGIC or length != len(payload) or not hmac.compare_digest(tag, _tag(spec, i, rec.version, payload)):
         raise CorruptDataError(
-            f"persisted block {rec.url} of partition {i} was altered on disk or not written by this "
-            "application; refusing to load it"
+            f"persisted block {rec.url} of RDD {spec.rdd_id} partition {i} was altered on disk, swapped with "
+            "another block or not written by this application; refusing to load it"
         )
     return deserialize_bytes(payload)
+
+
+_recomputes: Counter = Counter()  # lost blocks met in this worker process, by (application, directory, partition)
+
+
+def _lost(spec: _BlockSpec, held: str, i: int, rec: BlockRecord, cause: Exception) -> StorageError:
+    """Have the scheduler recompute a lost block's partition from lineage, as Spark does.
+
+    The scheduler forgets the block's record, which Dask then recomputes (writing a new block), and
+    reschedules this reading task, so the error returned, raised by the task, is ignored; it reaches
+    the user only when the scheduler would not (the reader was stale or the RDD unpersisted) or the
+    block was lost again and again.
+    """
+    what = f"DISK_ONLY block {rec.url} of RDD {spec.rdd_id} partition {i} is lost ({type(cause).__name__}: {cause})"
+    _recomputes[spec.app_id, spec.dir_name, i] += 1
+    if _recomputes[spec.app_id, spec.dir_name, i] > _MAX_RECOMPUTES:
+        return StorageError(f"{what}, and it was recomputed {_MAX_RECOMPUTES} times already")
+    worker = get_worker()
+    reader = worker.get_current_task()
+    run_id = worker.state.tasks[reader].run_id
+    if get_client().run_on_scheduler(_forget_record, (held, i), reader, run_id, worker.address):
+        logger.warning("%s; recomputing the partition from lineage", what)
+        return StorageError(f"{what}; its partition is being recomputed from lineage")
+    return StorageError(what)
+
+
+def _forget_record(key: Any, reader: Any, run_id: int, worker: str, dask_scheduler: Any = None) -> bool:
+    """Scheduler side: release the record of a lost block, so that Dask recomputes it from lineage and
+    reschedules its readers, unless the reader that found the loss is stale (the record was replaced)."""
+    ts, rts = dask_scheduler.tasks.get(_as_key(key)), dask_scheduler.tasks.get(_as_key(reader))
+    if ts is None or ts.state != "memory" or rts is None or rts.processing_on is None:
+        return False
+    if rts.processing_on.address != worker or rts.run_id != run_id:
+        return False
+    dask_scheduler.transitions({ts.key: "released"}, stimulus_id=f"dlscale-lost-block-{time.time()}")
+    return True
 
 
 class BlockServer(WorkerPlugin):
@@ -239,8 +359,123 @@ class BlockServer(WorkerPlugin):
 BLOCKS = Extension(BlockServer.name, worker_plugin=BlockServer)
 
 
-def _remove_local_blocks(app_id: str, rdd_id: int | None, dask_worker: Any = None) -> None:
-    shutil.rmtree(_local_block_dir(dask_worker, app_id, rdd_id), ignore_errors=True)
+def _remove_local_blocks(app_id: str, dir_name: str | None, dask_worker: Any = None) -> None:
+    shutil.rmtree(_local_block_dir(dask_worker, app_id, dir_name), ignore_errors=True)
+
+
+_SETTLED_ON_SCHEDULER = ("released", "erred", "forgotten")
+_RUNNABLE_ON_WORKER = ("waiting", "ready", "constrained", "executing", "long-running", "cancelled", "resumed")
+
+
+def _computing(keys: list, dask_scheduler: Any = None) -> list:
+    """The keys of the tasks that compute ``keys`` (Dask fuses a block's writer with the lineage under
+    its own key): ``keys`` and, recursively, their dependencies, short of keys that a client holds
+    (another persisted RDD), which write no block of these."""
+    tasks, seen = dask_scheduler.tasks, set()
+    stack = [k for k in map(_as_key, keys) if k in tasks]
+    while stack:
+        k = stack.pop()
+        if k not in seen:
+            seen.add(k)
+            stack.extend(dts.key for dts in tasks[k].dependencies if not dts.who_wants)
+    return list(seen)
+
+
+def _busy_on_scheduler(keys: list, dask_scheduler: Any = None) -> list:
+    tasks = dask_scheduler.tasks
+    return [k for k in map(_as_key, keys) if k in tasks and tasks[k].state not in _SETTLED_ON_SCHEDULER]
+
+
+def _busy_on_worker(keys: list, dask_worker: Any = None) -> list:
+    tasks = dask_worker.state.tasks
+    return [k for k in map(_as_key, keys) if k in tasks and tasks[k].state in _RUNNABLE_ON_WORKER]
+
+
+class DiskBlocks:
+    """The DISK_ONLY blocks of a context that are not deleted yet.
+
+    Blocks are deleted once no task that writes or reads them is pending or running (a writer still
+    running would write its block after the deletion), in the background for a non-blocking
+    unpersist. An RDD stays listed until its blocks are gone, so :meth:`close` (on
+    ``SparkContext.stop``) deletes whatever an earlier deletion left, temporary files of killed
+    writers included.
+    """
+
+    def __init__(self, ctx: SparkContext) -> None:
+        self._ctx = ctx
+        self._pending: dict[str, tuple[Stored, list]] = {}  # directory name: its Stored, the tasks to wait for
+        self._app_dirs: dict[str | None, dict] = {}  # None: the workers' local directories
+        self._janitor: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def add(self, stored: Stored) -> None:
+        spec = stored.blocks
+        app_dir = None if spec.shared_dir is None else spec.shared_dir.rsplit("/", 1)[0]
+        with self._lock:
+            self._pending[spec.dir_name] = (stored, [])
+            self._app_dirs[app_dir] = spec.storage_options
+
+    def drop(self, stored: Stored, writers: list, blocking: bool) -> None:
+        """Delete the blocks of ``stored``, whose futures are released, once the tasks ``writers``
+        (:func:`_computing` the records) are done; now, or in the background."""
+        with self._lock:
+            self._pending[stored.blocks.dir_name] = (stored, writers)
+        if blocking:
+            self._drop(stored, writers)
+            return
+        with self._lock:
+            if self._janitor is None:
+                self._janitor = ThreadPoolExecutor(1, thread_name_prefix="dlscale-unpersist")
+            self._janitor.submit(self._drop_logged, stored, writers)
+
+    def _drop(self, stored: Stored, writers: list) -> None:
+        spec, client = stored.blocks, self._ctx._client
+        timeout = config.get("persist.unpersist-timeout")
+        deadline = time.monotonic() + parse_timedelta(timeout)
+        while busy := client.run_on_scheduler(_busy_on_scheduler, writers) or [
+            k for ks in client.run(_busy_on_worker, writers).values() for k in ks
+        ]:
+            if time.monotonic() > deadline:
+                raise StorageError(
+                    f"the DISK_ONLY blocks of RDD {spec.rdd_id} are still written or read by tasks {busy[:3]} "
+                    f"after {timeout} (dlscale.persist.unpersist-timeout); they are deleted on SparkContext.stop()"
+                )
+            time.sleep(0.05)
+        if spec.shared_dir is None:
+            client.run(_remove_local_blocks, spec.app_id, spec.dir_name)
+        else:
+            _remove_shared(spec.shared_dir, spec.storage_options)
+        with self._lock:
+            self._pending.pop(spec.dir_name, None)
+
+    def _drop_logged(self, stored: Stored, writers: list) -> None:
+        try:
+            self._drop(stored, writers)
+        except Exception as e:  # the RDD stays listed: close() tries again
+            logger.warning("could not delete the DISK_ONLY blocks of RDD %d yet: %s", stored.blocks.rdd_id, e)
+
+    def close(self) -> None:
+        """Finish the deletions under way, then delete every block directory of the application."""
+        if self._janitor is not None:
+            self._janitor.shutdown(wait=True)
+            self._janitor = None
+        for stored, writers in list(self._pending.values()):
+            self._drop_logged(stored, writers)
+        for app_dir, options in self._app_dirs.items():
+            try:
+                if app_dir is None:
+                    self._ctx._client.run(_remove_local_blocks, self._ctx.applicationId, None)
+                else:
+                    _remove_shared(app_dir, options)
+            except Exception as e:  # stopping goes on: the cluster is closed all the same
+                logger.warning("could not delete the DISK_ONLY block directory %s: %s", app_dir or "of the workers", e)
+
+
+def _remove_shared(url: str, storage_options: dict) -> None:
+    with as_storage_error("delete", url):
+        fs, path = fsspec.core.url_to_fs(url, **storage_options)
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
 
 
 # -- persist / unpersist -------------------------------------------------------------------
@@ -260,7 +495,7 @@ def persist(rdd: RDD, level: StorageLevel | None) -> RDD:
         return rdd
     ctx, lineage = rdd.ctx, rdd._bag
     client = ctx.client
-    block_dir = None
+    spec = None
     if level.useDisk and not level.useMemory:
         shared = config.get("persist.disk-dir")
         options = dict(config.get("persist.storage-options") or {})
@@ -269,13 +504,14 @@ def persist(rdd: RDD, level: StorageLevel | None) -> RDD:
                 f"{level!r} needs dlscale.persist.disk-dir set to shared storage: blocks on a "
                 "worker's local disk are not copied to other workers"
             )
+        dir_name, block_dir = f"rdd-{rdd.id()}-{uuid.uuid4().hex[:8]}", None
         if shared is not None:
-            block_dir = f"{str(shared).rstrip('/')}/{ctx.applicationId}/rdd-{rdd.id()}"
+            block_dir = f"{str(shared).rstrip('/')}/{ctx.applicationId}/{dir_name}"
         else:
             install(client, BLOCKS)
-        spec = _BlockSpec(ctx.applicationId, rdd.id(), ctx._block_key, block_dir, options)
+        spec = _BlockSpec(ctx.applicationId, rdd.id(), dir_name, ctx._block_key, block_dir, options)
         to_hold = _graph.partitionwise("diskBlocks", partial(_write_block, spec), lineage)
-        read = partial(_read_block, spec)
+        read = partial(_read_block, spec, to_hold.name)
     elif not level.deserialized:
         to_hold, read = _graph.partitionwise("serialized", _serialize, lineage), _deserialize
     else:
@@ -284,30 +520,40 @@ def persist(rdd: RDD, level: StorageLevel | None) -> RDD:
     futures = futures_of(held)
     if level.replication > 1 and level.useMemory:
         set_replication(client, futures, level.replication)
-    rdd._bag = _graph.partitionwise("readPersisted", read, held) if read is not None else held
-    rdd._stored = Stored(level, lineage, futures, block_dir)
+    stored = Stored(level, lineage, futures, spec)
+    if read is None:
+        reader = _graph.select("persisted", [[(held, i)] for i in range(held.npartitions)], [held])
+    else:
+        reader = _graph.partitionwise("readPersisted", read, held)
+    if spec is not None:
+        ctx._disk_blocks.add(stored)
+    rdd._bag, rdd._stored = _persisted_bag(reader, stored), stored
     ctx._persisted[rdd.id()] = rdd
     return rdd
 
 
 def unpersist(rdd: RDD, blocking: bool = False) -> RDD:
-    """Implements :meth:`RDD.unpersist`."""
+    """Implements :meth:`RDD.unpersist`.
+
+    The futures are released, not cancelled: cancelling also cancels every task that depends on them,
+    and Dask's scheduler fails on a dependent that no client wants (a task of a running or failed
+    job), which drops the client's connection and with it every other persisted RDD.
+    """
     stored = rdd._stored
     if stored is None:
         return rdd
-    rdd._bag, rdd._stored = stored.lineage, None
-    rdd.ctx._persisted.pop(rdd.id(), None)
     client = rdd.ctx._client
     if stored.level.replication > 1 and stored.level.useMemory:
         set_replication(client, stored.futures, 1)
-    client.cancel(stored.futures)
-    if stored.level.useDisk and not stored.level.useMemory:
-        if stored.block_dir is not None:
-            fs, path = fsspec.core.url_to_fs(stored.block_dir, **(config.get("persist.storage-options") or {}))
-            if fs.exists(path):
-                fs.rm(path, recursive=True)
-        else:
-            client.run(_remove_local_blocks, rdd.ctx.applicationId, rdd.id(), wait=blocking)
+    if stored.blocks is not None:
+        writers = client.run_on_scheduler(_computing, [f.key for f in stored.futures])
+    stored.released = True
+    for f in stored.futures:
+        f.release()
+    rdd._bag, rdd._stored = stored.lineage, None
+    rdd.ctx._persisted.pop(rdd.id(), None)
+    if stored.blocks is not None:
+        rdd.ctx._disk_blocks.drop(stored, writers, blocking)
     return rdd
 
 

@@ -23,7 +23,7 @@ import dask
 from dask.utils import funcname
 from distributed import Future
 
-from dlscale.facade import _graph, _io, _ops, persist
+from dlscale.facade import _graph, _hll, _io, _ops, persist
 from dlscale.facade._hash import portable_hash
 from dlscale.facade._sampling import RangeSampler, Sampler, fraction_for_sample_size
 from dlscale.facade.persist import StorageLevel
@@ -45,6 +45,7 @@ class Partitioner:
     def __init__(self, numPartitions: int, partitionFunc: Callable[[Any], int]) -> None:
         self.numPartitions = numPartitions
         self.partitionFunc = partitionFunc
+        self._func = _ops.user_function(partitionFunc, "partitionBy", "partitionFunc")
 
     def __eq__(self, other: object) -> bool:
         return (
@@ -54,19 +55,29 @@ class Partitioner:
         )
 
     def __call__(self, k: Any) -> int:
-        return self.partitionFunc(k) % self.numPartitions
+        return self._func(k) % self.numPartitions
 
 
 class RDD:
     """A partitioned collection, computed lazily on the cluster (PySpark's ``RDD``)."""
 
     def __init__(self, bag: Bag, ctx: SparkContext, partitioner: Partitioner | None = None) -> None:
-        self._bag = bag
+        self._plan = bag
         self.ctx = ctx
         self.partitioner = partitioner
-        self._id = ctx._new_rdd_id()
+        self._id: int | None = None  # given on first use, see id()
         self._name: str | None = None
         self._stored: Any = None  # dlscale.persist.Stored when persisted
+
+    @property
+    def _bag(self) -> Bag:
+        """The graph that computes this RDD, in which RDDs unpersisted since it was built are computed
+        from their lineage again."""
+        return persist.resolve(self._plan)
+
+    @_bag.setter
+    def _bag(self, bag: Bag) -> None:
+        self._plan = bag
 
     # -- identity ------------------------------------------------------------------------
     @property
@@ -74,7 +85,11 @@ class RDD:
         return self.ctx
 
     def id(self) -> int:
-        """A number unique to this RDD within its context."""
+        """A number unique to this RDD within its context, given when first asked for: the context's next
+        number, so that a new RDD's id is the previous one's plus one (as in Spark, where the RDDs a
+        chain of narrow operations builds in between are one pipelined RDD and take no number)."""
+        if self._id is None:
+            self._id = self.ctx._new_rdd_id()
         return self._id
 
     def name(self) -> str | None:
@@ -94,7 +109,7 @@ class RDD:
 
     def __repr__(self) -> str:
         label = f"{self._name} " if self._name else ""
-        return f"{label}RDD[{self._id}] with {self.getNumPartitions()} partitions"
+        return f"{label}RDD[{self.id()}] with {self.getNumPartitions()} partitions"
 
     # -- building blocks -----------------------------------------------------------------
     def _derive(self, bag: Bag, partitioner: Partitioner | None = None) -> RDD:
@@ -114,25 +129,25 @@ class RDD:
 
     # -- narrow transformations ----------------------------------------------------------
     def map(self, f: Callable[[Any], Any], preservesPartitioning: bool = False) -> RDD:
-        _ops.check_callable(f, "f")
+        f = _ops.user_function(f, "map", "f")
         return self._partitionwise("map", partial(_ops.map_elements, f), preservesPartitioning)
 
     def flatMap(self, f: Callable[[Any], Iterable[Any]], preservesPartitioning: bool = False) -> RDD:
-        _ops.check_callable(f, "f")
+        f = _ops.user_function(f, "flatMap", "f")
         return self._partitionwise("flatMap", partial(_ops.flat_map, f), preservesPartitioning)
 
     def filter(self, f: Callable[[Any], bool]) -> RDD:
-        _ops.check_callable(f, "f")
+        f = _ops.user_function(f, "filter", "f")
         return self._partitionwise("filter", partial(_ops.filter_elements, f), True)
 
     def mapPartitions(self, f: Callable[[Iterator[Any]], Iterable[Any]], preservesPartitioning: bool = False) -> RDD:
-        _ops.check_callable(f, "f")
+        f = _ops.user_function(f, "mapPartitions", "f")
         return self._partitionwise("mapPartitions", partial(_ops.map_partitions, f), preservesPartitioning)
 
     def mapPartitionsWithIndex(
         self, f: Callable[[int, Iterator[Any]], Iterable[Any]], preservesPartitioning: bool = False
     ) -> RDD:
-        _ops.check_callable(f, "f")
+        f = _ops.user_function(f, "mapPartitionsWithIndex", "f")
         return self._partitionwise(
             "mapPartitionsWithIndex", partial(_ops.map_partitions_with_index, f), preservesPartitioning
         )
@@ -146,12 +161,12 @@ class RDD:
         the future, so the value lives as long as this RDD or one derived from it, and a lost partition
         is recomputed like any other. Tasks are named after ``f``.
         """
-        _ops.check_callable(f, "f")
+        wrapped = _ops.user_function(f, "map_partitions_with_future", "f")
         if not isinstance(future, Future):
             raise TypeError(f"future must be a distributed.Future (from Client.scatter), not {type(future).__name__}")
         name = funcname(f).lstrip("_") or "map_partitions_with_future"
         return self._derive(
-            _graph.partitionwise(name, partial(_ops.map_partitions_with_value, f), self._bag, shared=future)
+            _graph.partitionwise(name, partial(_ops.map_partitions_with_value, wrapped), self._bag, shared=future)
         )
 
     def glom(self) -> RDD:
@@ -159,7 +174,7 @@ class RDD:
         return self._partitionwise("glom", _ops.glom)
 
     def keyBy(self, f: Callable[[Any], Any]) -> RDD:
-        _ops.check_callable(f, "f")
+        f = _ops.user_function(f, "keyBy", "f")
         return self.map(lambda x: (f(x), x))
 
     def keys(self) -> RDD:
@@ -169,11 +184,11 @@ class RDD:
         return self.map(lambda kv: _ops.pair(kv)[1])
 
     def mapValues(self, f: Callable[[Any], Any]) -> RDD:
-        _ops.check_callable(f, "f")
+        f = _ops.user_function(f, "mapValues", "f")
         return self.map(lambda kv: (_ops.pair(kv)[0], f(kv[1])), preservesPartitioning=True)
 
     def flatMapValues(self, f: Callable[[Any], Iterable[Any]]) -> RDD:
-        _ops.check_callable(f, "f")
+        f = _ops.user_function(f, "flatMapValues", "f")
         return self.flatMap(lambda kv: ((_ops.pair(kv)[0], x) for x in f(kv[1])), preservesPartitioning=True)
 
     def zip(self, other: RDD) -> RDD:
@@ -271,12 +286,9 @@ class RDD:
         partitionFunc: Callable[[Any], int] = portable_hash,
     ) -> RDD:
         """Per-key combination: combined within each partition first, then across partitions."""
-        for f, name in (
-            (createCombiner, "createCombiner"),
-            (mergeValue, "mergeValue"),
-            (mergeCombiners, "mergeCombiners"),
-        ):
-            _ops.check_callable(f, name)
+        createCombiner = _ops.user_function(createCombiner, "combineByKey", "createCombiner")
+        mergeValue = _ops.user_function(mergeValue, "combineByKey", "mergeValue")
+        mergeCombiners = _ops.user_function(mergeCombiners, "combineByKey", "mergeCombiners")
         n = self._reduce_partitions(numPartitions)
         local = self._partitionwise("combineLocally", partial(_ops.combine_values, createCombiner, mergeValue), True)
         shuffled = local.partitionBy(n, partitionFunc)
@@ -288,7 +300,15 @@ class RDD:
         numPartitions: int | None = None,
         partitionFunc: Callable[[Any], int] = portable_hash,
     ) -> RDD:
+        func = _ops.user_function(func, "reduceByKey", "func")
         return self.combineByKey(lambda x: x, func, func, numPartitions, partitionFunc)
+
+    def reduceByKeyLocally(self, func: Callable[[Any, Any], Any]) -> dict:
+        """The values of each key combined with ``func``, as a dict on the driver (no shuffle: each
+        partition's dict is merged into the next)."""
+        func = _ops.user_function(func, "reduceByKeyLocally", "func")
+        maps = self.mapPartitions(partial(_ops.reduce_by_key_partition, func))
+        return maps.reduce(partial(_ops.merge_maps, func))
 
     def aggregateByKey(
         self,
@@ -298,6 +318,8 @@ class RDD:
         numPartitions: int | None = None,
         partitionFunc: Callable[[Any], int] = portable_hash,
     ) -> RDD:
+        seqFunc = _ops.user_function(seqFunc, "aggregateByKey", "seqFunc")
+        combFunc = _ops.user_function(combFunc, "aggregateByKey", "combFunc")
         return self.combineByKey(
             lambda v: seqFunc(copy.deepcopy(zeroValue), v), seqFunc, combFunc, numPartitions, partitionFunc
         )
@@ -309,6 +331,7 @@ class RDD:
         numPartitions: int | None = None,
         partitionFunc: Callable[[Any], int] = portable_hash,
     ) -> RDD:
+        func = _ops.user_function(func, "foldByKey", "func")
         return self.combineByKey(lambda v: func(copy.deepcopy(zeroValue), v), func, func, numPartitions, partitionFunc)
 
     def groupByKey(self, numPartitions: int | None = None, partitionFunc: Callable[[Any], int] = portable_hash) -> RDD:
@@ -322,7 +345,7 @@ class RDD:
         numPartitions: int | None = None,
         partitionFunc: Callable[[Any], int] = portable_hash,
     ) -> RDD:
-        _ops.check_callable(f, "f")
+        f = _ops.user_function(f, "groupBy", "f")
         return self.map(lambda x: (f(x), x)).groupByKey(numPartitions, partitionFunc)
 
     def distinct(self, numPartitions: int | None = None) -> RDD:
@@ -387,6 +410,7 @@ class RDD:
         keyfunc: Callable[[Any], Any] = lambda x: x,
     ) -> RDD:
         """Sorted by key, range-partitioned with bounds from a sample (as PySpark)."""
+        keyfunc = _ops.user_function(keyfunc, "sortByKey", "keyfunc")
         n = self._reduce_partitions(numPartitions)
         sort = partial(_ops.sort_partition, keyfunc, ascending)
         if n == 1:
@@ -405,8 +429,22 @@ class RDD:
 
         return self.partitionBy(n, range_partitioner)._partitionwise("sortPartition", sort, True)
 
+    def repartitionAndSortWithinPartitions(
+        self,
+        numPartitions: int | None = None,
+        partitionFunc: Callable[[Any], int] = portable_hash,
+        ascending: bool = True,
+        keyfunc: Callable[[Any], Any] = lambda x: x,
+    ) -> RDD:
+        """Pairs moved to partition ``partitionFunc(key) % numPartitions`` (``partitionBy``), each partition
+        then sorted by ``keyfunc(key)``, descending unless ``ascending``."""
+        keyfunc = _ops.user_function(keyfunc, "repartitionAndSortWithinPartitions", "keyfunc")
+        n = self._reduce_partitions(numPartitions)
+        sort = partial(_ops.sort_partition, keyfunc, ascending)
+        return self.partitionBy(n, partitionFunc)._partitionwise("sortPartition", sort, True)
+
     def sortBy(self, keyfunc: Callable[[Any], Any], ascending: bool = True, numPartitions: int | None = None) -> RDD:
-        _ops.check_callable(keyfunc, "keyfunc")
+        keyfunc = _ops.user_function(keyfunc, "sortBy", "keyfunc")
         return self.keyBy(keyfunc).sortByKey(ascending, numPartitions).values()
 
     # -- actions -------------------------------------------------------------------------
@@ -449,7 +487,7 @@ class RDD:
 
     def reduce(self, f: Callable[[Any, Any], Any]) -> Any:
         """Combine all elements with the associative, commutative ``f``."""
-        _ops.check_callable(f, "f")
+        f = _ops.user_function(f, "reduce", "f")
         vals = (
             self._reduce(partial(_ops.reduce_partition, f), partial(_ops.reduce_results, f))
             if self.getNumPartitions()
@@ -461,33 +499,36 @@ class RDD:
 
     def fold(self, zeroValue: Any, op: Callable[[Any, Any], Any]) -> Any:
         """Fold each partition from ``zeroValue``, then the partition results from ``zeroValue``."""
-        _ops.check_callable(op, "op")
+        op = _ops.user_function(op, "fold", "op")
         vals = self.mapPartitions(partial(_ops.fold_partition, zeroValue, op)).collect()
         return reduce(op, vals, zeroValue)
 
     def aggregate(self, zeroValue: Any, seqOp: Callable[[Any, Any], Any], combOp: Callable[[Any, Any], Any]) -> Any:
-        _ops.check_callable(seqOp, "seqOp")
-        _ops.check_callable(combOp, "combOp")
+        seqOp = _ops.user_function(seqOp, "aggregate", "seqOp")
+        combOp = _ops.user_function(combOp, "aggregate", "combOp")
         vals = self.mapPartitions(lambda it: [_ops.aggregate_partition(zeroValue, seqOp, it)]).collect()
         return reduce(combOp, vals, zeroValue)
 
     def treeAggregate(
         self, zeroValue: Any, seqOp: Callable[[Any, Any], Any], combOp: Callable[[Any, Any], Any], depth: int = 2
     ) -> Any:
-        """``aggregate`` with partial results combined in a tree of the given depth on the workers."""
+        """``aggregate`` with partial results combined in a tree of the given depth on the workers. Every
+        partition, an empty one too, starts from ``zeroValue`` (as in PySpark)."""
+        seqOp = _ops.user_function(seqOp, "treeAggregate", "seqOp")
+        combOp = _ops.user_function(combOp, "treeAggregate", "combOp")
         if depth < 1:
             raise ValueError(f"Depth cannot be smaller than 1 but got {depth}.")
         n = self.getNumPartitions()
         if n == 0:
             return zeroValue
         scale = max(math.ceil(n ** (1.0 / depth)), 2)
-        return self._reduce(
-            partial(_ops.aggregate_partition, zeroValue, seqOp),
-            lambda parts: reduce(combOp, parts),
-            split_every=scale,
-        )
+        # one partial result per partition: Dask's reduction would skip the empty partitions, whose zero
+        # values PySpark combines too
+        partials = self._partitionwise("aggregatePartition", partial(_ops.aggregate_partition_list, zeroValue, seqOp))
+        return partials._reduce(_ops.only, partial(_ops.reduce_all, combOp), split_every=scale)
 
     def treeReduce(self, f: Callable[[Any, Any], Any], depth: int = 2) -> Any:
+        f = _ops.user_function(f, "treeReduce", "f")
         if depth < 1:
             raise ValueError(f"Depth cannot be smaller than 1 but got {depth}.")
         n = self.getNumPartitions()
@@ -498,9 +539,11 @@ class RDD:
         raise ValueError("Cannot reduce empty RDD.")
 
     def max(self, key: Callable[[Any], Any] | None = None) -> Any:
+        key = _ops.user_key(key, "max")
         return _ops.plain(self.reduce(max if key is None else lambda a, b: max(a, b, key=key)))
 
     def min(self, key: Callable[[Any], Any] | None = None) -> Any:
+        key = _ops.user_key(key, "min")
         return _ops.plain(self.reduce(min if key is None else lambda a, b: min(a, b, key=key)))
 
     def sum(self) -> Any:
@@ -579,8 +622,20 @@ class RDD:
             raise TypeError("buckets should be a list or tuple or number(int or long)")
         if self.getNumPartitions() == 0:
             return edges, [0] * (len(edges) - 1)
-        counts = self._reduce(partial(_ops.histogram_partition, edges, even, inc), _ops.add_counters)
+        counts = self._reduce(
+            partial(_ops.histogram_partition, edges, even, inc), partial(_ops.add_counters, len(edges) - 1)
+        )
         return (buckets if isinstance(buckets, (list, tuple)) else edges), counts
+
+    def countApproxDistinct(self, relativeSD: float = 0.05) -> int:
+        """The approximate number of distinct elements: a HyperLogLog sketch of 2^p registers per
+        partition, p chosen from ``relativeSD`` as Spark chooses it (standard error at most ``relativeSD``,
+        which must be greater than 0.000017; each register is one byte). Elements are hashed with
+        :func:`portable_hash`, so equal elements count once whatever worker sees them."""
+        p = _hll.precision(relativeSD)
+        if self.getNumPartitions() == 0:
+            return 0
+        return _hll.estimate(self._reduce(partial(_hll.registers, p), partial(_hll.merge, p)))
 
     def countByValue(self) -> dict:
         if self.getNumPartitions() == 0:
@@ -602,6 +657,7 @@ class RDD:
 
     def top(self, num: int, key: Callable[[Any], Any] | None = None) -> list:
         """The ``num`` largest elements, largest first."""
+        key = _ops.user_key(key, "top")
         if self.getNumPartitions() == 0 or num <= 0:
             return []
         return self._reduce(partial(_ops.nlargest, num, key), partial(_ops.nlargest_merge, num, key))
@@ -610,6 +666,7 @@ class RDD:
         """The ``num`` smallest elements, smallest first."""
         if num < 0:
             raise ValueError("top N cannot be negative.")
+        key = _ops.user_key(key, "takeOrdered")
         if num == 0 or self.getNumPartitions() == 0:
             return []
         return self._reduce(partial(_ops.nsmallest, num, key), partial(_ops.nsmallest_merge, num, key))
@@ -641,26 +698,25 @@ class RDD:
 
     def foreach(self, f: Callable[[Any], None]) -> None:
         """Run ``f`` on every element, on the workers."""
-        _ops.check_callable(f, "f")
+        f = _ops.user_function(f, "foreach", "f")
         if self.getNumPartitions():
             self._reduce(partial(_ops.foreach, f), _ops.sum_ints)
 
     def foreachPartition(self, f: Callable[[Iterator[Any]], None]) -> None:
-        _ops.check_callable(f, "f")
+        f = _ops.user_function(f, "foreachPartition", "f")
         if self.getNumPartitions():
             self._reduce(partial(_ops.foreach_partition, f), _ops.sum_ints)
 
     def toLocalIterator(self, prefetchPartitions: bool = False) -> Iterator[Any]:
-        """Every element, one partition at a time (the driver holds at most two partitions)."""
-
-        parts = self._bag.to_delayed()
-        client = self.ctx.client
+        """Every element, one partition at a time: a partition is computed when the iteration reaches it
+        (with ``prefetchPartitions``, the next one too), so the driver holds at most two. What several
+        partitions share (a shuffle's map side) is computed once and kept on the workers until the
+        iteration ends or the iterator is dropped."""
+        jobs = _graph.PartitionJobs(self.ctx.client, self._bag)
         pending = None
-        for i in range(len(parts)):
-            future = pending if pending is not None else client.compute(parts[i])
-            pending = None
-            if prefetchPartitions and i + 1 < len(parts):
-                pending = client.compute(parts[i + 1])
+        for i in range(len(jobs)):
+            future = pending if pending is not None else jobs.submit(i)
+            pending = jobs.submit(i + 1) if prefetchPartitions and i + 1 < len(jobs) else None
             yield from future.result()
 
     # -- output --------------------------------------------------------------------------

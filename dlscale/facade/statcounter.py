@@ -19,13 +19,13 @@ class StatCounter:
     Values may be numbers or numpy arrays (statistics are then element-wise), as in PySpark.
     """
 
-    def __init__(self, values: Iterable[Any] = ()) -> None:
+    def __init__(self, values: Iterable[Any] | None = None) -> None:
         self.n = 0
         self.mu = 0.0
         self.m2 = 0.0
         self.maxValue = float("-inf")
         self.minValue = float("inf")
-        for v in values:
+        for v in values if values is not None else ():
             self.merge(v)
 
     def merge(self, value: Any) -> StatCounter:
@@ -40,6 +40,8 @@ class StatCounter:
 
     def mergeStats(self, other: StatCounter) -> StatCounter:
         """Add every value summarised by ``other``."""
+        if not isinstance(other, StatCounter):
+            raise TypeError(f"Can only merge StatCounter but got {type(other)}")
         if other is self:
             return self.mergeStats(other.copy())
         if self.n == 0:
@@ -95,15 +97,17 @@ class StatCounter:
         return _py(np.sqrt(self.sampleVariance()))
 
     def asDict(self, sample: bool = False) -> dict[str, Any]:
-        """The statistics as a dict (sample or population variance and stdev)."""
+        """The statistics as a dict. As in PySpark, ``stdev`` and ``variance`` are the sample ones by
+        default (dividing by n - 1) and the population ones with ``sample=True``: the flag's name reads
+        backwards, and programs written for PySpark rely on what it does."""
         return {
             "count": self.count(),
             "mean": self.mean(),
             "sum": self.sum(),
             "min": self.min(),
             "max": self.max(),
-            "stdev": self.sampleStdev() if sample else self.stdev(),
-            "variance": self.sampleVariance() if sample else self.variance(),
+            "stdev": self.stdev() if sample else self.sampleStdev(),
+            "variance": self.variance() if sample else self.sampleVariance(),
         }
 
     def __repr__(self) -> str:

@@ -94,7 +94,11 @@ def fit_share(
                 w = time.perf_counter()
                 batch = next(batches)
                 wait += time.perf_counter() - w
-                score = network.fit_batch(batch)
+                try:
+                    score = network.fit_batch(batch)
+                except Exception as e:
+                    e.add_note(f"while fitting minibatch {name}")
+                    raise
                 check_finite(network, score, name)
                 examples += batch.num_examples()
         finally:
