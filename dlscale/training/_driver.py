@@ -87,6 +87,10 @@ class FitRun:
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
         try:
+            if self._progress is not None:
+                self._progress.close()
+            if error is None and self.stats is not None:
+                panel.record_phases(self.client, self.fit_id, self.stats)
             panel.close_fit(self.client, self.fit_id)
             alive = set(self.client.scheduler_info(n_workers=-1)["workers"])  # a lost worker would take a timeout
             self.client.run(
@@ -117,16 +121,10 @@ class FitRun:
         self.client.submit(_worker.probe, key, self.blob, b.refs[0], b.loader, pure=False).result()
 
     def show_progress(self, fit: str | None = None) -> None:
-        """Open the fit's record in the dashboard panel (under ``fit``, or a new id) and the progress bar."""
+        """Open the fit's record in the dashboard panel (under ``fit``, or a new id) and its progress."""
         total = len(self.batches.refs)
         self.fit_id = panel.open_fit(self.client, self.master.approach, self.epochs * total, fit=fit)
-        self._progress = Progress(
-            self.master.approach,
-            total,
-            self.epochs,
-            self.first_epoch,
-            panel_url=panel.url(self.client, self.fit_id),
-        )
+        self._progress = Progress(self.master.approach, total, self.epochs, self.first_epoch)
 
     def step(
         self,
@@ -139,13 +137,15 @@ class FitRun:
     ) -> None:
         """A step done in epoch ``epoch`` of the fit: ``minibatches`` trained on ``examples`` examples
         with mean loss ``score``, moving the network on by ``iterations``; ``rows`` go to the panel.
-        Advances the bar, the network's counters and calls every listener."""
+        Advances the progress, the network's counters and calls every listener."""
         network = self.network
         network.iteration += iterations
         network.epoch = max(network.epoch, self.first_epoch + epoch)
         if self._progress is not None:
-            self._progress.advance(minibatches, examples, score)
+            self._progress.advance(epoch, minibatches, examples, score)
         if rows:
             panel.record(self.client, self.fit_id, rows)
+            if self.stats is not None:
+                panel.record_phases(self.client, self.fit_id, self.stats)
         for listener in self.listeners:
             listener.iteration_done(network, network.iteration, self.first_epoch + epoch, score, examples)
