@@ -28,6 +28,7 @@ from dlscale.facade import _graph, _io, _ops, persist
 from dlscale.facade.broadcast import Broadcast
 from dlscale.facade.conf import SparkConf, spark_size_to_bytes
 from dlscale.facade.rdd import RDD
+from dlscale.runtime.cluster import cluster_workers
 
 _LOCAL = re.compile(r"^local(?:\[(\d+|\*)\])?$")
 _ADDRESS = re.compile(r"^(tcp|tls|ws|wss|inproc)://.+")
@@ -268,8 +269,7 @@ class SparkContext:
         """Total worker threads (``spark.default.parallelism`` when set)."""
         if self._conf.contains("spark.default.parallelism"):
             return int(self._conf.get("spark.default.parallelism"))
-        info = self.client.scheduler_info(n_workers=-1)
-        return max(1, sum(w["nthreads"] for w in info["workers"].values()))
+        return max(1, sum(w["nthreads"] for w in cluster_workers(self.client).values()))
 
     @property
     def defaultMinPartitions(self) -> int:
