@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import json
 import os
 import random
 import signal
@@ -221,7 +222,22 @@ def main() -> None:
     parser.add_argument(
         "--baseline", type=int, default=3, help="of those, how many seeds also fit without a fault (default 3)"
     )
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        default=[f"{m}:{a}" for m, a in CONFIGS],
+        choices=[f"{m}:{a}" for m, a in CONFIGS],
+        help="the masters and approaches to run (default all four); the others' results already in "
+        "the results file are kept",
+    )
     args = parser.parse_args()
+    configs = [tuple(c.split(":")) for c in args.configs]
+    kept = []
+    if RESULTS.exists() and len(configs) < len(CONFIGS):
+        earlier = json.loads(RESULTS.read_text())
+        for c in earlier["configs"]:
+            if f"{c['master']}:{c['approach']}" not in args.configs:
+                kept.append({**c, "date": c.get("date", earlier["date"])})
     data = digits()
     x, y, _, _ = data
     report: dict[str, Any] = {
@@ -237,18 +253,18 @@ def main() -> None:
             "fits": args.fits,
             "baseline_fits": args.baseline,
         },
-        "configs": [],
+        "configs": list(kept),
     }
-    summaries = []
+    summaries = [{k: v for k, v in c.items() if not k.endswith("_runs")} for c in kept]
     with (
         dask.config.set({"distributed.deploy.lost-worker-timeout": "300s"}),
         SparkContext(f"local[{WORKERS}]", "faults") as sc,
     ):
         rdd = sc.parallelize([DataSet(x[i : i + 4], y[i : i + 4]) for i in range(0, len(x), 4)], WORKERS).persist()
         expected = _examples(rdd)
-        for kind, approach in CONFIGS:  # one fit of each first, unrecorded: imports and first pickling
+        for kind, approach in configs:  # one fit of each first, unrecorded: imports and first pickling
             _fit(sc, rdd, kind, approach, 0, False, data)
-        for kind, approach in CONFIGS:
+        for kind, approach in configs:
             unfaulted, faulted = [], []
             for i in range(args.fits):
                 seed = 1000 + i
@@ -273,7 +289,7 @@ def main() -> None:
                 if hung:
                     print(f"{kind} {approach}: a fit hung; the rest of these fits are not run", flush=True)
                     break
-            summary = _summary(kind, approach, unfaulted, faulted)
+            summary = {**_summary(kind, approach, unfaulted, faulted), "date": header("faults")["date"]}
             summaries.append(summary)
             report["configs"].append({**summary, "unfaulted_runs": unfaulted, "faulted_runs": faulted})
             report["table"] = _table(summaries)
