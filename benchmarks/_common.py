@@ -47,6 +47,17 @@ def make_data(seed: int = 0) -> tuple[torch.Tensor, ...]:
     return (*sample(TRAIN), *sample(TEST))
 
 
+def digits() -> tuple[torch.Tensor, ...]:
+    """``(x, y, test_x, test_y)``: scikit-learn's digits scaled to [0, 1], 1,200 training and 597 test
+    images in a fixed random split: the small workload of the benchmarks that run many fits."""
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x, y = torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    return x[perm[:1200]], y[perm[:1200]], x[perm[1200:]], y[perm[1200:]]
+
+
 def mlp(seed: int = 0) -> torch.nn.Module:
     """The MLP 784-2048-2048-10, its initial weights fixed by ``seed``."""
     torch.manual_seed(seed)

@@ -26,9 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from sklearn.datasets import load_digits
 
-from benchmarks._common import accuracy, header, mlp, write_results
+from benchmarks._common import accuracy, digits, header, mlp, write_results
 from dlscale import SharedTrainingMaster, SparkContext, SparkNet
 from dlscale.data import DataSet
 from dlscale.encoding import AdaptiveThresholdAlgorithm, decode, encode
@@ -48,13 +47,6 @@ SETTINGS = {  # name: (momentum_masking, small_message_elements)
     "masking": (True, 0),
     "dlscale": (True, 512),
 }
-
-
-def _digits() -> tuple[torch.Tensor, ...]:
-    x, y = load_digits(return_X_y=True)
-    x, y = torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y)
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-    return x[perm[:1200]], y[perm[:1200]], x[perm[1200:]], y[perm[1200:]]
 
 
 def _network(sizes: list[int], lr: float) -> Network:
@@ -118,7 +110,7 @@ def masking_cost(repeats: int = 50) -> dict[str, float]:
 
 
 def main() -> None:
-    data = _digits()
+    data = digits()
     report: dict[str, Any] = {
         **header("momentum_masking"),
         "setup": {

@@ -13,6 +13,7 @@ import warnings
 from collections import Counter
 from collections.abc import Iterator
 
+import dask
 import pytest
 import torch
 
@@ -57,8 +58,13 @@ def reference(data: tuple[torch.Tensor, ...]) -> float:
 
 @pytest.fixture(scope="module")
 def cluster3() -> Iterator[SparkContext]:
-    """Three worker processes of one thread, for the tests that kill one (its nanny starts a new one)."""
-    with SparkContext("local[3]", "training-faults") as ctx:
+    """Three worker processes of one thread, for the tests that kill one (its nanny starts a new one,
+    which may take longer to start on a busy machine than Dask's 15 s before a lost worker's nanny
+    is closed for good)."""
+    with (
+        dask.config.set({"distributed.deploy.lost-worker-timeout": "300s"}),
+        SparkContext("local[3]", "training-faults") as ctx,
+    ):
         yield ctx
 
 

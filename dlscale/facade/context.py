@@ -28,6 +28,7 @@ from dlscale.facade.broadcast import Broadcast
 from dlscale.facade.conf import SparkConf, spark_size_to_bytes
 from dlscale.facade.embedded import EmbeddedCluster
 from dlscale.facade.rdd import RDD
+from dlscale.runtime.cluster import cluster_workers
 from dlscale.runtime.extensions import install_dashboard_pages
 
 _LOCAL = re.compile(r"^local(?:\[(\d+|\*)\])?$")
@@ -267,8 +268,7 @@ class SparkContext:
         """Total worker threads (``spark.default.parallelism`` when set)."""
         if self._conf.contains("spark.default.parallelism"):
             return int(self._conf.get("spark.default.parallelism"))
-        info = self.client.scheduler_info(n_workers=-1)
-        return max(1, sum(w["nthreads"] for w in info["workers"].values()))
+        return max(1, sum(w["nthreads"] for w in cluster_workers(self.client).values()))
 
     @property
     def defaultMinPartitions(self) -> int:

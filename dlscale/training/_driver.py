@@ -24,6 +24,7 @@ from dlscale.monitor.stats import TrainingStats
 from dlscale.nn import shipping
 from dlscale.nn.listeners import TrainingListener
 from dlscale.nn.network import Network
+from dlscale.runtime.cluster import cluster_workers
 from dlscale.training import _worker
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ class FitContext:
 
 def workers(client: Client) -> list[str]:
     """The cluster's workers, sorted; an empty cluster is an error before anything is sent."""
-    found = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    found = sorted(cluster_workers(client))
     if not found:
         raise RuntimeError("the cluster has no workers to train on")
     return found
@@ -92,7 +93,7 @@ class FitRun:
             if error is None and self.stats is not None:
                 panel.record_phases(self.client, self.fit_id, self.stats)
             panel.close_fit(self.client, self.fit_id)
-            alive = set(self.client.scheduler_info(n_workers=-1)["workers"])  # a lost worker would take a timeout
+            alive = set(cluster_workers(self.client))  # a lost worker would take a timeout
             self.client.run(
                 _worker.drop_replicas,
                 self.replicas,

@@ -20,6 +20,7 @@ import numpy as np
 from distributed import Future
 
 from dlscale.monitor.stats import RoundStats, WorkerRound
+from dlscale.runtime.cluster import cluster_workers
 from dlscale.runtime.replicas import keep_newest_copied
 from dlscale.runtime.tasks import check_count
 from dlscale.training import _sources, _worker
@@ -101,7 +102,7 @@ class _Rounds:
                 states = self._epoch(states, epoch)
             _worker.apply_state(run.network, _worker.average(*self.client.gather(states)))
         except Exception as e:
-            lost = sorted(set(run.workers) - set(self.client.scheduler_info(n_workers=-1)["workers"]))
+            lost = sorted(set(run.workers) - set(cluster_workers(self.client)))
             if lost:
                 e.add_note(f"worker(s) {', '.join(lost)} left the cluster during the fit")
             raise

@@ -21,7 +21,7 @@ class SharingConfig:
     coalesce: int  # bytes of waiting messages sent to one peer in one call
     mesh_fanout: int  # children per node of the mesh's tree
     poll_interval: float  # seconds between a waiting trainer's calls to the scheduler
-    end_timeout: float  # seconds a trainer waits for its peers' last updates
+    end_timeout: float  # seconds a trainer waits for its peers' last updates, or for a lost minibatch held in memory
     send_retries: int  # retries of a send that failed with a connection error before its peer is dropped
     send_retry_delay: float  # seconds before the first retry, doubling with each one
 

@@ -32,6 +32,7 @@ from dlscale.encoding import (
 )
 from dlscale.errors import TrainerLostWarning
 from dlscale.monitor.stats import TrainerStats
+from dlscale.runtime.cluster import cluster_workers
 from dlscale.runtime.extensions import install
 from dlscale.runtime.tasks import check_count
 from dlscale.training import _sources, _worker
@@ -185,7 +186,7 @@ class _Session:
             self._call("close")
             if self.held:
                 client.unpublish_dataset(self.batches.loader.dataset)
-            alive = set(client.scheduler_info(n_workers=-1)["workers"])  # a lost worker would take a timeout
+            alive = set(cluster_workers(client))  # a lost worker would take a timeout
             client.run(_close_node, self.session, workers=[w for w in self.workers if w in alive], on_error="ignore")
         self._conclude(results, progress, time.perf_counter() - t0)
 
