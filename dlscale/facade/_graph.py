@@ -19,6 +19,7 @@ from dask._task_spec import Alias, DataNode, List, Task, TaskRef
 from dask.bag import Bag
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
+from dask.sizeof import sizeof
 from distributed.protocol import (
     dask_deserialize,
     dask_serialize,
@@ -50,6 +51,14 @@ def _serialize_partition(p: Partition) -> tuple[dict, list]:
 @dask_deserialize.register(Partition)
 def _deserialize_partition(header: dict, frames: list) -> Partition:
     return Partition(deserialize(header["elements"], frames))
+
+
+@sizeof.register(Partition)
+def _sizeof_partition(p: Partition) -> int:
+    """Dask's estimate for a list. Registered for the class itself: Dask would otherwise run the lazy
+    registration for every ``dlscale`` type on sizing the first partition, which imports torch (seconds
+    of a worker's first task)."""
+    return sizeof.dispatch(list)(p)
 
 
 def _name(prefix: str, *token_args: Any) -> str:
