@@ -37,6 +37,10 @@ class BroadcastDestroyedError(DlscaleError, RuntimeError):
     """A broadcast variable used after ``destroy()``."""
 
 
+class AccumulatorAccessError(DlscaleError, RuntimeError):
+    """An accumulator's value read or set in a task (only the driver may), or added to outside an RDD operation."""
+
+
 class UserStopIterationError(DlscaleError, RuntimeError):
     """A function given to an RDD operation raised ``StopIteration``: the task fails (as in PySpark) rather
     than let the loop over the partition that called the function end early and drop elements silently."""

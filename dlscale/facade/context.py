@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import itertools
 import os
 import re
 import shutil
@@ -25,6 +26,14 @@ from distributed.diagnostics.plugin import UploadFile
 from dlscale import __version__, config, storage
 from dlscale.errors import ClusterConnectionError, DlscaleError, MasterURLError
 from dlscale.facade import _graph, _io, _ops, persist
+from dlscale.facade.accumulators import (
+    COMPLEX_ACCUMULATOR_PARAM,
+    FLOAT_ACCUMULATOR_PARAM,
+    INT_ACCUMULATOR_PARAM,
+    Accumulator,
+    AccumulatorParam,
+    Accumulators,
+)
 from dlscale.facade.broadcast import Broadcast
 from dlscale.facade.conf import SparkConf, spark_size_to_bytes
 from dlscale.facade.rdd import RDD
@@ -140,6 +149,7 @@ class SparkContext:
         self._persisted: weakref.WeakValueDictionary[int, RDD] = weakref.WeakValueDictionary()
         self._disk_blocks = persist.DiskBlocks(self)
         self._broadcasts: weakref.WeakSet[Broadcast] = weakref.WeakSet()
+        self._accumulators = Accumulators()
         self._py_files: str | None = None  # the driver's copies of addPyFile's files, made on first use
         self._py_paths: list[str] = []  # what addPyFile put on the driver's sys.path
         self._stopped = False
@@ -343,6 +353,22 @@ class SparkContext:
         """Send ``value`` to every worker once; tasks read it through ``.value``."""
         return Broadcast(self, value)
 
+    def accumulator(self, value: Any, accum_param: AccumulatorParam | None = None) -> Accumulator:
+        """An :class:`~dlscale.facade.accumulators.Accumulator` starting at ``value``: tasks add to it, the
+        driver reads ``.value``. ``accum_param`` says how to add values (``zero``, ``addInPlace``); ints,
+        floats and complex numbers have one by default. Additions in a task reach the driver with the task's
+        result; each task of an action counts once, however often it ran (docs/facade.md)."""
+        if accum_param is None:
+            if isinstance(value, int):
+                accum_param = INT_ACCUMULATOR_PARAM
+            elif isinstance(value, float):
+                accum_param = FLOAT_ACCUMULATOR_PARAM
+            elif isinstance(value, complex):
+                accum_param = COMPLEX_ACCUMULATOR_PARAM
+            else:
+                raise TypeError(f"No default accumulator param for type {type(value)}")
+        return self._accumulators.new(value, accum_param)
+
     def addPyFile(self, path: str, *, storage_options: dict[str, Any] | None = None) -> None:
         """Make a ``.py`` module or a ``.zip`` / ``.egg`` of packages importable on every worker, those
         that join later included (Dask's upload plugin), and on the driver until this context stops (as
@@ -448,9 +474,15 @@ class SparkContext:
             raise ValueError(f"numSlices must be at least 1, got {numSlices}")
         return numSlices
 
-    def _compute(self, collection: Any) -> Any:
+    def _compute(self, collection: Any, action: set | None = None) -> Any:
+        """The result of an action's graph, after adding the accumulator records it brought back (``action``:
+        the partitions whose records an earlier part of the same action added, see ``Accumulators.deliver``).
+        A reduction's result is unwrapped; a bag is computed partition by partition, so that each keeps its
+        records, and comes back as Dask returns it (its elements in one list)."""
+        if isinstance(collection, Bag):
+            return list(itertools.chain.from_iterable(self._compute(collection.to_delayed(), action)))
         try:
-            return self.client.compute(collection, sync=True)
+            result = self.client.compute(collection, sync=True)
         except TypeError as e:
             # a dlscale error raised while Dask serialized the graph is the real cause: raise that
             cause = e.__cause__ or e.__context__
@@ -459,6 +491,8 @@ class SparkContext:
             if cause is None:
                 raise
             raise cause from None
+        self._accumulators.deliver(_graph.carried(result if isinstance(result, list) else [result]), action)
+        return result.value if isinstance(result, _graph.Carried) else result
 
     def __repr__(self) -> str:
         return f"<SparkContext master={self.master} appName={self.appName}>"

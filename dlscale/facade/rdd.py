@@ -119,13 +119,14 @@ class RDD:
         return self._derive(_graph.partitionwise(prefix, func, self._bag), self.partitioner if preserves else None)
 
     def _reduce(self, per_partition: Callable, combine: Callable, split_every: int = 8) -> Any:
-        return self.ctx._compute(self._bag.reduction(per_partition, combine, split_every=split_every))
+        return self.ctx._compute(_graph.reduction("reduce", self._bag, per_partition, combine, split_every))
 
-    def _run_partitions(self, func: Callable, partitions: Iterable[int]) -> list:
-        """``func(partition)`` for the given partitions only (``SparkContext.runJob``)."""
+    def _run_partitions(self, func: Callable, partitions: Iterable[int], action: set | None = None) -> list:
+        """``func(partition)`` for the given partitions only (``SparkContext.runJob``); ``action`` as in
+        :meth:`SparkContext._compute`."""
         parts = self._bag.to_delayed()
         tasks = [dask.delayed(_graph.partition_of)(func, parts[i]) for i in partitions]
-        return list(self.ctx._compute(tasks)) if tasks else []
+        return list(self.ctx._compute(tasks, action)) if tasks else []
 
     # -- narrow transformations ----------------------------------------------------------
     def map(self, f: Callable[[Any], Any], preservesPartitioning: bool = False) -> RDD:
@@ -463,6 +464,7 @@ class RDD:
         items: list = []
         total = self.getNumPartitions()
         scanned = 0
+        action: set = set()  # the rounds are one action for accumulators
         while len(items) < num and scanned < total:
             to_try = 1
             if scanned > 0:
@@ -471,7 +473,9 @@ class RDD:
                 else:
                     to_try = min(max(int(1.5 * num * scanned / len(items)) - scanned, 1), scanned * 4)
             left = num - len(items)
-            for part in self._run_partitions(partial(_ops.take, left), range(scanned, min(scanned + to_try, total))):
+            for part in self._run_partitions(
+                partial(_ops.take, left), range(scanned, min(scanned + to_try, total)), action
+            ):
                 items.extend(part)
             scanned += to_try
         return items[:num]
@@ -713,11 +717,14 @@ class RDD:
         partitions share (a shuffle's map side) is computed once and kept on the workers until the
         iteration ends or the iterator is dropped."""
         jobs = _graph.PartitionJobs(self.ctx.client, self._bag)
+        action: set = set()  # the iteration is one action for accumulators
         pending = None
         for i in range(len(jobs)):
             future = pending if pending is not None else jobs.submit(i)
             pending = jobs.submit(i + 1) if prefetchPartitions and i + 1 < len(jobs) else None
-            yield from future.result()
+            part = future.result()
+            self.ctx._accumulators.deliver(_graph.carried([part]), action)
+            yield from part
 
     # -- output --------------------------------------------------------------------------
     def saveAsTextFile(
