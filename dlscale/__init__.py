@@ -40,6 +40,7 @@ _EXPORTS = {
     "ClusterConnectionError": "dlscale.errors",
     "StorageError": "dlscale.errors",
     "OutputExistsError": "dlscale.errors",
+    "IncompleteExportError": "dlscale.errors",
     "CorruptDataError": "dlscale.errors",
     "UnsafePickleError": "dlscale.errors",
     "LabelError": "dlscale.errors",

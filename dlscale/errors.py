@@ -21,6 +21,10 @@ class StorageError(DlscaleError, OSError):
     """A storage location that is missing, unreadable or unwritable."""
 
 
+class IncompleteExportError(StorageError):
+    """A folder of exported minibatches whose export did not finish: its files are only part of the data."""
+
+
 class UnsafePickleError(DlscaleError, pickle.UnpicklingError):
     """A file on storage asked to load an object that is not on the allowed list."""
 

@@ -11,6 +11,8 @@ Relative paths are resolved on the driver, so workers always receive absolute UR
 from __future__ import annotations
 
 import os
+import re
+import time
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+from dask.utils import parse_timedelta
 from fsspec.implementations.local import LocalFileSystem
 
 from dlscale import config
@@ -75,6 +78,15 @@ def _display(fs: fsspec.AbstractFileSystem, path: str) -> str:
     return path if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(path)
 
 
+_TEMPORARY = re.compile(r"\..+\.[0-9a-f]{32}\.tmp")
+"""The names of :func:`atomic_write`'s temporary files: ``.<name>.<uuid4 hex>.tmp``."""
+
+
+def _temporary(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    """A fresh temporary file beside ``path``, named by :data:`_TEMPORARY`'s rule."""
+    return f"{fs._parent(path)}/.{os.path.basename(path)}.{uuid.uuid4().hex}.tmp"
+
+
 @contextmanager
 def as_storage_error(action: str, url: str) -> Iterator[None]:
     """Turn an error raised in the block into a :class:`StorageError` that says ``cannot <action> <url>``.
@@ -104,10 +116,9 @@ def atomic_write(fs: fsspec.AbstractFileSystem, path: str, chunks: Iterable[Chun
         if not isinstance(fs, LocalFileSystem):
             fs.pipe_file(path, b"".join(chunks))
             return
-        parent = fs._parent(path)
-        tmp = f"{parent}/.{os.path.basename(path)}.{uuid.uuid4().hex}.tmp"
+        tmp = _temporary(fs, path)
         try:
-            os.makedirs(parent, exist_ok=True)
+            os.makedirs(fs._parent(path), exist_ok=True)
             with open(tmp, "wb") as f:
                 for chunk in chunks:
                     f.write(chunk)
@@ -115,6 +126,27 @@ def atomic_write(fs: fsspec.AbstractFileSystem, path: str, chunks: Iterable[Chun
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
+
+
+def remove_stale_temporaries(url: str, storage_options: dict[str, Any] | None) -> list[str]:
+    """Remove the temporary files that writers killed inside :func:`atomic_write` left in folder ``url``:
+    the files named by its rule (``.<name>.<uuid>.tmp``) last modified longer than
+    ``dlscale.storage.stale-temporary-age`` ago, so that a writer still at work keeps its own. Only
+    local folders hold such files (object stores publish an upload whole). Returns the paths removed."""
+    fs, path = open_fs(url, storage_options)
+    if not isinstance(fs, LocalFileSystem) or not os.path.isdir(path):
+        return []
+    cutoff = time.time() - parse_timedelta(config.get("storage.stale-temporary-age"))
+    removed = []
+    with as_storage_error("clean", url):
+        for entry in os.scandir(path):
+            if _TEMPORARY.fullmatch(entry.name) and entry.is_file() and entry.stat().st_mtime < cutoff:
+                try:
+                    os.remove(entry.path)
+                except FileNotFoundError:  # removed meanwhile by another writer's clean-up
+                    continue
+                removed.append(entry.path)
+    return removed
 
 
 def write_bytes(url: str, *chunks: Chunk, storage_options: dict[str, Any] | None = None) -> None:

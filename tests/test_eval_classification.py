@@ -156,6 +156,18 @@ def test_masked_time_steps(as_input: Callable) -> None:
     assert e == evaluated(y[mask], scores[mask])
 
 
+@pytest.mark.parametrize("as_input", AS_INPUT)
+def test_a_mask_per_sequence_covers_each_of_its_steps(as_input: Callable) -> None:
+    rng = np.random.default_rng(8)
+    n, t, c = 40, 7, 5
+    y, scores = random_data(8, c, n * t)
+    y, scores = y.reshape(n, t), scores.reshape(n, t, c)
+    keep = rng.random(n) < 0.6
+    e = Evaluation()
+    e.eval(as_input(y), as_input(scores), as_input(keep.astype(np.float32)))
+    check_against_sklearn(e, y[keep].reshape(-1), scores[keep].reshape(-1, c).argmax(axis=1), c)
+
+
 def test_one_hot_and_indices_agree() -> None:
     y, scores = random_data(7, 6)
     by_index, by_one_hot = evaluated(y, scores, top_n=3), evaluated(torch.tensor(one_hot(y, 6)), scores, top_n=3)

@@ -241,3 +241,28 @@ def test_bad_input_is_named(sc) -> None:
         do_evaluation(net, sc.parallelize(pieces(x, y), 2), Evaluation(), output=3)
     with pytest.raises(ValueError, match="batch_size"):
         do_evaluation(net, sc.parallelize(pieces(x, y), 2), Evaluation(), batch_size=0)
+
+
+def test_per_example_and_per_output_labels_masks(sc) -> None:
+    x = features()
+    g = torch.Generator().manual_seed(11)
+    keep = torch.rand(N, generator=g) > 0.3
+    _, net, y, _, _ = cases()[0]
+    rdd = sc.parallelize(
+        [DataSet(x[i : i + 50], y[i : i + 50], None, keep[i : i + 50].float()) for i in range(0, N, 50)], 3
+    )
+    (evaluation,) = do_evaluation(net, rdd, Evaluation(), batch_size=64)
+    predicted = net.output(x).argmax(1)
+    assert evaluation.accuracy() == int(((predicted == y) & keep).sum()) / int(keep.sum())
+    assert int(evaluation.confusion_matrix().sum()) == int(keep.sum())  # masked examples are not counted
+
+    _, reg, targets, _, _ = cases()[3]
+    kept = torch.rand(N, 3, generator=g) > 0.5
+    rdd = sc.parallelize(
+        [DataSet(x[i : i + 50], targets[i : i + 50], None, kept[i : i + 50].float()) for i in range(0, N, 50)], 3
+    )
+    (regression,) = do_evaluation(reg, rdd, RegressionEvaluation(), batch_size=64)
+    errors = (reg.output(x).double() - targets.double()) ** 2
+    for j in range(3):  # each column's mean over its unmasked entries, by hand
+        assert regression.example_count(j) == int(kept[:, j].sum())
+        assert regression.mean_squared_error(j) == pytest.approx(float(errors[kept[:, j], j].mean()), rel=1e-9)

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from dlscale import OutputExistsError, SparkContext, StorageError
-from dlscale.data import DataSet, MultiDataSet, export_minibatches, list_paths, load
+from dlscale import IncompleteExportError, OutputExistsError, SparkContext, StorageError
+from dlscale.data import DataSet, MultiDataSet, export_minibatches, list_paths, load, save
 
 
 def sequences(sizes: list[int], seed: int = 0) -> list[DataSet]:
@@ -154,3 +161,99 @@ def test_unreachable_bucket_is_named(s3: dict) -> None:
     }
     with pytest.raises(StorageError, match="s3://test-bucket/nowhere"):
         export_minibatches(sequences([2]), "s3://test-bucket/nowhere", 2, storage_options=broken)
+
+
+def run_and_kill(script: str, *args: str, until: Callable[[], bool], timeout: float = 60) -> None:
+    """Run ``script`` in a fresh Python process and SIGKILL it as soon as ``until()`` holds."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-c", script, *args], env=env, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + timeout
+    try:
+        while not until():
+            assert proc.poll() is None, f"the writer ended by itself: {proc.stderr.read().decode()[-2000:]}"
+            assert time.monotonic() < deadline, "the writer never got there"
+            time.sleep(0.05)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL
+
+
+SLOW_EXPORT = """
+import sys, time, torch
+from dlscale.data import DataSet, export_minibatches
+
+def slowly():
+    for i in range(200):
+        yield DataSet(torch.full((2, 3), float(i)), torch.full((2,), i))
+        time.sleep(0.05)
+
+export_minibatches(slowly(), sys.argv[1], 2)
+"""
+
+
+def test_a_killed_export_is_refused_until_asked_for_what_is_there(sc: SparkContext, tmp_path: Path) -> None:
+    out = tmp_path / "runs" / "train"
+    run_and_kill(SLOW_EXPORT, str(out), until=lambda: len(list(out.glob("dataset_*.dlb"))) >= 5)
+    written = sorted(out.glob("dataset_*.dlb"))
+    assert 5 <= len(written) < 200
+    assert json.loads((out / "_dlscale_export.json").read_text())["complete"] is False
+    for url in (out, tmp_path / "runs", out / "dataset_00000000.dlb"):
+        with pytest.raises(
+            IncompleteExportError, match=f"{re.escape(str(out))}: the export to this folder did not finish"
+        ):
+            list_paths(sc, str(url))
+    partial = list_paths(sc, str(out), require_complete=False).collect()
+    assert partial == [str(p) for p in written]
+    assert [int(load(p).labels[0]) for p in partial] == list(range(len(written)))
+
+
+def test_a_finished_export_says_so_and_other_folders_need_no_manifest(sc: SparkContext, tmp_path: Path) -> None:
+    paths = export_minibatches(sequences([3, 10, 1, 4]), str(tmp_path / "done"), 7)
+    manifest = json.loads((tmp_path / "done" / "_dlscale_export.json").read_text())
+    assert manifest == {
+        "format": "dlscale-export",
+        "version": 1,
+        "complete": True,
+        "batch_size": 7,
+        "batches": 3,
+        "examples": 18,
+    }
+    assert list_paths(sc, str(tmp_path / "done")).collect() == paths
+    mine = tmp_path / "mine"  # minibatch files written one by one, by name: not an export
+    for k, batch in enumerate(sequences([2, 2])):
+        save(batch, str(mine / f"dataset_{k:08d}.dlb"))
+    assert list_paths(sc, str(mine)).count() == 2
+
+
+HANGING_WRITE = """
+import os, sys, time
+from dlscale import storage
+
+def hang(*args):
+    print("written", flush=True)
+    time.sleep(600)
+
+os.replace = hang  # the temporary file is whole; the writer dies before renaming it
+storage.write_bytes(sys.argv[1], b"x" * 1000)
+"""
+
+
+def test_the_next_export_removes_temporaries_that_killed_writers_left(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    run_and_kill(HANGING_WRITE, str(out / "dataset_00000000.dlb"), until=lambda: any(out.glob(".*.tmp")))
+    (left,) = out.iterdir()
+    assert re.fullmatch(r"\.dataset_00000000\.dlb\.[0-9a-f]{32}\.tmp", left.name)
+    (out / ".keep").write_bytes(b"")  # hidden, but not a temporary file: never removed
+    old = time.time() - 2 * 3600
+    os.utime(out / ".keep", (old, old))
+    with pytest.raises(OutputExistsError, match="out"):  # a young temporary may be a live writer's
+        export_minibatches(sequences([4]), str(out), 2)
+    assert left.exists()
+    os.utime(left, (old, old))
+    with pytest.raises(OutputExistsError, match="out"):
+        export_minibatches(sequences([4]), str(out), 2)
+    assert not left.exists() and (out / ".keep").exists()
+    (out / ".keep").unlink()
+    assert len(export_minibatches(sequences([4]), str(out), 2)) == 2

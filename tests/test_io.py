@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+import numpy as np
 import pytest
 import torch
 
@@ -137,6 +138,76 @@ def test_crafted_pickle_file_does_not_run(tmp_path: Path, sc: SparkContext, monk
         sc.pickleFile(str(out)).collect()
     assert not marker.exists()
     assert sc.client.run(lambda: os.path.exists(str(marker))) == dict.fromkeys(sc.client.run(os.getpid), False)
+
+
+STRUCTURED = [
+    np.zeros(2, [("a", "i4"), ("b", "f8")]),
+    np.array(
+        [((1.5, [2.0, 3.0]), b"abc", "xy"), ((4.0, [5.0, 6.0]), b"d", "z")],
+        [("p", [("x", "<f4"), ("y", "<f4", (2,))]), ("q", "S3"), ("r", "<U2")],
+    ),
+    np.array([(1, 2.5), (3, 4.5)], np.dtype([("a", "u1"), ("b", ">f8")], align=True)),
+    np.ones(3, np.dtype({"names": ["a", "b"], "formats": ["<i4", ("<f8", (2, 3))], "offsets": [0, 8], "itemsize": 64})),
+]
+
+
+def same_array(a: Any, b: Any) -> bool:
+    return type(a) is type(b) and a.dtype == b.dtype and a.dtype.descr == b.dtype.descr and a.tobytes() == b.tobytes()
+
+
+def test_pickle_file_keeps_structured_dtypes(tmp_path: Path, sc: SparkContext) -> None:
+    data = [*STRUCTURED, STRUCTURED[1][0]]  # the arrays and a structured scalar (np.void)
+    data[0]["a"], data[0]["b"] = [7, -1], [0.25, 1e300]
+    sc.parallelize(data, 2).saveAsPickleFile(str(tmp_path / "s"))
+    back = sc.pickleFile(str(tmp_path / "s")).collect()
+    assert len(back) == len(data) and all(same_array(a, b) for a, b in zip(data, back))
+    assert back[1]["p"]["y"].tolist() == [[2.0, 3.0], [5.0, 6.0]] and back[1]["r"].tolist() == ["xy", "z"]
+    with pytest.raises(pickle.PicklingError, match="Python objects \\(field 'o'\\)"):
+        sc.parallelize([np.zeros(1, [("i", "i4"), ("o", "O")])], 1).saveAsPickleFile(str(tmp_path / "o"))
+
+
+class CraftedArray:
+    """Pickles as a call of the safe format's array builder with the given dtype description."""
+
+    def __init__(self, dtype: Any, data: bytes) -> None:
+        self.dtype, self.data = dtype, data
+
+    def __reduce__(self) -> tuple:
+        from dlscale.facade._safe_pickle import _rebuild_ndarray
+
+        return _rebuild_ndarray, (self.dtype, (1,), self.data)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "error", "message"),
+    [
+        ({"names": ["o"], "formats": ["O"], "offsets": [0], "itemsize": 8}, UnsafePickleError, "Python objects"),
+        ([["O", [1]], [1]], UnsafePickleError, "Python objects"),
+        ({"names": "o", "formats": ["<i8"], "offsets": [0], "itemsize": 8}, CorruptDataError, "malformed structured"),
+        ({"names": ["o"], "formats": ["<i8"], "offsets": [0], "itemsize": 8, "x": 1}, CorruptDataError, "not a dtype"),
+        (3, CorruptDataError, "not a dtype description: 3"),
+    ],
+)
+def test_crafted_dtype_descriptions_are_refused(
+    tmp_path: Path, sc: SparkContext, dtype: Any, error: type, message: str
+) -> None:
+    out = tmp_path / "crafted"
+    out.mkdir()
+    blob = pickle.dumps([CraftedArray(dtype, bytes(8))])
+    (out / "part-00000").write_bytes(b"DLSPKL1\n" + len(blob).to_bytes(8, "little") + blob)
+    with pytest.raises(error, match=message):
+        sc.pickleFile(str(out)).collect()
+
+
+@pytest.mark.pyspark
+def test_structured_arrays_round_trip_like_pyspark(tmp_path: Path, sc: SparkContext, spark: Any) -> None:
+    sc.parallelize(STRUCTURED, 2).saveAsPickleFile(str(tmp_path / "ours"))
+    spark.parallelize(STRUCTURED, 2).saveAsPickleFile(str(tmp_path / "theirs"))
+    ours = sc.pickleFile(str(tmp_path / "ours")).collect()
+    theirs = spark.pickleFile(str(tmp_path / "theirs")).collect()
+    assert all(same_array(a, b) for a, b in zip(ours, theirs)) and all(
+        same_array(a, b) for a, b in zip(ours, STRUCTURED)
+    )
 
 
 def test_corrupt_pickle_files_name_the_file(tmp_path: Path, sc: SparkContext) -> None:

@@ -129,6 +129,16 @@ def test_truncated_file_is_named(good_file: Path, tmp_path: Path) -> None:
             load(bad)
 
 
+def test_a_short_foreign_file_is_not_a_minibatch_file(good_file: Path, tmp_path: Path) -> None:
+    readme = _write(tmp_path / "README.txt", b"hello")  # shorter than the preamble, and not a minibatch
+    with pytest.raises(CorruptDataError, match="README.txt: not a dlscale minibatch file .*b'hello'"):
+        load(readme)
+    for cut in (0, 3):  # the start of a minibatch file, cut short
+        bad = _write(tmp_path / f"cut{cut}.dlb", good_file.read_bytes()[:cut])
+        with pytest.raises(CorruptDataError, match=f"cut{cut}.dlb: truncated: {cut} bytes"):
+            load(bad)
+
+
 @pytest.mark.parametrize("where", ["header", "data", "checksum"])
 def test_flipped_byte_is_detected(where: str, good_file: Path, tmp_path: Path) -> None:
     data = bytearray(good_file.read_bytes())
@@ -241,3 +251,51 @@ def test_sizeof_counts_tensor_bytes() -> None:
     assert sizeof(ds) >= ds.nbytes() == 1000 * 100 * 4 + 1000 * 8
     mds = MultiDataSet([torch.zeros(100, 100)], [torch.zeros(100, 10)])
     assert sizeof(mds) >= 100 * 110 * 4
+
+
+def test_per_example_and_per_output_labels_masks_round_trip(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(3)
+    flags = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0])
+    batches = [
+        DataSet(torch.randn(6, 4, generator=g), torch.randint(0, 3, (6,), generator=g), None, flags),  # [examples]
+        DataSet(
+            torch.randn(6, 4, generator=g), torch.randn(6, 3, generator=g), None, torch.rand(6, 3, generator=g) > 0.5
+        ),
+        DataSet(torch.randn(6, 5, 2, generator=g), torch.randn(6, 5, 3, generator=g), None, flags),  # sequences
+        MultiDataSet(
+            [torch.randn(6, 4, generator=g)],
+            [torch.randn(6, 2, generator=g), torch.randn(6, 1, generator=g)],
+            None,
+            [flags.bool(), None],
+        ),
+    ]
+    for i, batch in enumerate(batches):
+        save(batch, str(tmp_path / f"{i}.dlb"))
+        assert load(str(tmp_path / f"{i}.dlb")).equals(batch)
+
+
+def test_merging_per_example_masks() -> None:
+    x = torch.arange(5.0)[:, None]
+    a = DataSet(x[:2], torch.tensor([0, 1]), None, torch.tensor([1.0, 0.0]))
+    b = DataSet(x[2:], torch.tensor([2, 0, 1]))  # no mask: every example counts
+    merged = DataSet.merge([a, b])
+    assert merged.labels_mask.tolist() == [1.0, 0.0, 1.0, 1.0, 1.0]
+    seq_a = DataSet(torch.ones(2, 3, 1), torch.ones(2, 3, 1), None, torch.tensor([0.0, 1.0]))
+    seq_b = DataSet(torch.ones(1, 2, 1), torch.ones(1, 2, 1), None, torch.tensor([[1.0, 0.0]]))
+    # padded to 3 steps: an example's flag holds for each of its steps, the padding is masked
+    assert DataSet.merge([seq_a, seq_b]).labels_mask.tolist() == [[0, 0, 0], [1, 1, 1], [1, 0, 0]]
+
+
+def test_a_mask_of_the_wrong_shape_says_which_shapes_fit() -> None:
+    x = torch.randn(8, 5)
+    fits = r"\[examples\] = \(8,\) or \[examples, time\] / \[examples, outputs\] = \(8, 3\)"
+    with pytest.raises(DataShapeError, match=rf"labels_mask has shape \(8, 4\); a labels mask is {fits}"):
+        DataSet(x, torch.randn(8, 3), None, torch.ones(8, 4))
+    with pytest.raises(
+        DataShapeError, match=r"labels_mask has shape \(8, 3\); a labels mask is \[examples\] = \(8,\)$"
+    ):
+        DataSet(x, torch.zeros(8, dtype=torch.long), None, torch.ones(8, 3))
+    with pytest.raises(
+        DataShapeError, match=r"features_mask has shape \(8,\); a features mask is \[examples, time\] = \(8, 5\)"
+    ):
+        DataSet(x, None, torch.ones(8))

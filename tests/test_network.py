@@ -7,9 +7,12 @@ import io
 import json
 import os
 import pickle
+import tracemalloc
 import zipfile
 from pathlib import Path
+from typing import Any
 
+import dask.config
 import pytest
 import torch
 import torch.nn.functional as F
@@ -242,3 +245,179 @@ def test_crafted_and_damaged_archives_are_refused(tmp_path: Path, monkeypatch: p
         Network.load(archive("newer.dln", {**header, "version": 9}, blob))
     with pytest.raises(ValueError, match="holds 195 parameters; the module has"):
         Network.load(str(good), module=mlp(hidden=4))
+
+
+def test_an_archived_muon_optimizer_is_rebuilt(tmp_path: Path) -> None:
+    net = Network(torch.nn.Linear(4, 3, bias=False), "mse", functools.partial(torch.optim.Muon, lr=0.02))
+    net.fit(DataSet(torch.randn(8, 4), torch.randn(8, 3)))
+    net.save(str(tmp_path / "muon.dln"))
+    back = Network.load(str(tmp_path / "muon.dln"), module=torch.nn.Linear(4, 3, bias=False))
+    assert isinstance(back.optimizer, torch.optim.Muon) and torch.equal(back.params(), net.params())
+
+
+def test_an_archived_argument_out_of_range_names_the_archive(tmp_path: Path) -> None:
+    good = tmp_path / "good.dln"
+    trained().save(str(good))
+    with zipfile.ZipFile(good) as z:
+        header = json.loads(z.read("network.json"))
+    header["optimizer"]["kwargs"]["lr"] = -1.0
+    crafted = rezipped(good, "negative.dln", header, zipfile.ZIP_STORED)
+    with pytest.raises(ValueError, match="Invalid learning rate") as info:
+        Network.load(str(crafted))
+    assert info.value.__notes__ == [f"while rebuilding the network archived in {crafted}"]
+
+
+def rezipped(path: Path, name: str, header: dict | None = None, compress: int = zipfile.ZIP_DEFLATED) -> Path:
+    """The archive at ``path`` written again as ``name``, its members compressed with ``compress``
+    and its header replaced by ``header`` when given."""
+    with zipfile.ZipFile(path) as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    if header is not None:
+        members["network.json"] = json.dumps(header).encode()
+    out = path.parent / name
+    with zipfile.ZipFile(out, "w", compress) as z:
+        for n, data in members.items():
+            z.writestr(n, data)
+    return out
+
+
+def test_compressed_members_inflate_within_the_bound(tmp_path: Path) -> None:
+    good = tmp_path / "good.dln"
+    net = trained()
+    net.metadata = {"padding": "0" * 4_000_000}  # 4 MB of header that deflates to a few kB
+    net.save(str(good))
+    bomb = rezipped(good, "bomb.dln")
+    assert bomb.stat().st_size < 100_000
+    back = Network.load(str(bomb))  # within the default bound, a compressed archive loads
+    assert torch.equal(back.params(), net.params())
+    with dask.config.set({"dlscale.nn.max-inflated-bytes": "1MiB"}):
+        tracemalloc.start()
+        try:
+            with pytest.raises(
+                CorruptDataError, match=r"bomb.dln: its compressed members declare \d+ bytes, more than the 1048576"
+            ):
+                Network.load(str(bomb))
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert peak < 1_000_000  # refused from the declared sizes, before anything was inflated
+
+
+def _patch_declared_size(data: bytes, name: bytes, size: int) -> bytes:
+    """``data`` (a zip archive) with member ``name``'s uncompressed size set to ``size`` in its local
+    and central directory headers: a member that lies about how much it inflates to."""
+    out = bytearray(data)
+    for signature, field in ((b"PK\x03\x04", 22), (b"PK\x01\x02", 24)):
+        at = out.index(signature + b"")
+        while out[at + (30 if signature == b"PK\x03\x04" else 46) :].find(name) != 0:
+            at = out.index(signature, at + 4)
+        out[at + field : at + field + 4] = size.to_bytes(4, "little")
+    return bytes(out)
+
+
+def test_a_declared_size_lie_is_stopped_during_inflation(tmp_path: Path) -> None:
+    good = tmp_path / "good.dln"
+    net = trained()
+    net.metadata = {"padding": "0" * 20_000_000}  # inflates to 20 MB
+    net.save(str(good))
+    deflated = rezipped(good, "deflated.dln").read_bytes()
+    liar = tmp_path / "liar.dln"
+    liar.write_bytes(_patch_declared_size(deflated, b"network.json", 5_000))  # says 5 kB
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptDataError, match="liar.dln: .*network.json"):
+            Network.load(str(liar))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2_000_000  # inflation stopped at the declared 5 kB, far short of the 20 MB it holds
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda h: h.pop("tensors"), "has no 'tensors' field"),
+        (lambda h: h.pop("num_params"), "has no 'num_params' field"),
+        (lambda h: h.update(num_params="195"), "field 'num_params' is '195', expected an integer"),
+        (lambda h: h.update(version=True), "field 'version' is True, expected an integer"),
+        (lambda h: h["factory"].pop("name"), "has no 'factory.name' field"),
+        (
+            lambda h: h.update(factory={"name": "tests.test_network:mlp", "kwargs": [16]}),
+            "'factory.kwargs' is \\[16\\]",
+        ),
+        (lambda h: h["factory"].update(kwargs={"width": 3}), "'factory.kwargs' does not fit factory"),
+        (lambda h: h["tensors"][0].pop("offset"), "has no 'tensors\\[0\\].offset' field"),
+        (lambda h: h["tensors"].__setitem__(0, "params"), "'tensors\\[0\\]' is 'params', expected an object"),
+        (lambda h: h["tensors"][0].update(shape=["195"]), "'tensors\\[0\\].shape' is \\['195'\\], expected a list"),
+        (lambda h: h["tensors"][0].update(nbytes=4), "'tensors\\[0\\]' is inconsistent"),
+        (lambda h: h.update(tensors=[]), "'tensors' is empty"),
+        (lambda h: h["optimizer"].update({"class": "Optimizer"}), "'Optimizer', an abstract optimizer"),
+        (lambda h: h["optimizer"].update({"class": "lr_scheduler"}), "unknown optimizer 'lr_scheduler'"),
+        (lambda h: h["optimizer"].update(kwargs={"speed": 1}), "'optimizer.kwargs' does not fit torch.optim.Adam"),
+        (lambda h: h.update(optimizer_state={"tensor": 99}), "'optimizer_state' does not fit the Adam optimizer"),
+        (lambda h: h.update(optimizer_state=[1]), "'optimizer_state' is \\[1\\], expected an object or null"),
+        (lambda h: h.update(metadata="x"), "'metadata' is 'x', expected an object"),
+    ],
+)
+def test_crafted_headers_name_the_field(tmp_path: Path, change: Any, message: str) -> None:
+    good = tmp_path / "good.dln"
+    trained().save(str(good))
+    with zipfile.ZipFile(good) as z:
+        header = json.loads(z.read("network.json"))
+    change(header)
+    crafted = rezipped(good, "crafted.dln", header, zipfile.ZIP_STORED)
+    with pytest.raises(CorruptDataError, match=f"crafted.dln: .*{message}"):
+        Network.load(str(crafted))
+
+
+def _reference_step(module: torch.nn.Module, loss: torch.Tensor, lr: float) -> torch.Tensor:
+    """The parameters after one plain SGD step on ``loss``, computed with torch alone."""
+    grads = torch.autograd.grad(loss, list(module.parameters()))
+    return torch.cat([(p.detach() - lr * g).reshape(-1) for p, g in zip(module.parameters(), grads)])
+
+
+def test_a_labels_mask_per_example_leaves_masked_examples_out() -> None:
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(10, 8, generator=g), torch.randint(0, 3, (10,), generator=g)
+    keep = torch.tensor([1, 0, 1, 1, 0, 0, 1, 1, 1, 0], dtype=torch.bool)
+    batch = DataSet(x, y, None, keep.float())
+    reference = fresh(mlp)
+    ref_loss = F.cross_entropy(reference(x[keep]), y[keep])  # only the unmasked examples, by hand
+    per_example = F.cross_entropy(reference(x), y, reduction="none").detach() * keep
+    net = Network(fresh(mlp), "cross_entropy", functools.partial(torch.optim.SGD, lr=0.1))
+    torch.testing.assert_close(torch.tensor(net.score(batch)), ref_loss.detach())
+    torch.testing.assert_close(net.score_examples(batch), per_example)
+    net.fit_batch(batch)
+    torch.testing.assert_close(net.params(), _reference_step(reference, ref_loss, 0.1))
+
+
+def test_a_labels_mask_per_output_leaves_masked_outputs_out() -> None:
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(10, 8, generator=g), torch.randn(10, 3, generator=g)
+    keep = torch.rand(10, 3, generator=g) > 0.4
+    batch = DataSet(x, y, None, keep.float())
+    reference = fresh(mlp)
+    out = reference(x)
+    ref_loss = ((out - y) ** 2)[keep].mean()  # the mean over unmasked outputs only
+    ref_examples = (((out - y) ** 2) * keep).sum(1).detach() / keep.sum(1).clamp_min(1)
+    net = Network(fresh(mlp), "mse", functools.partial(torch.optim.SGD, lr=0.1))
+    torch.testing.assert_close(torch.tensor(net.score(batch)), ref_loss.detach())
+    torch.testing.assert_close(net.score_examples(batch), ref_examples)
+    net.fit_batch(batch)
+    torch.testing.assert_close(net.params(), _reference_step(reference, ref_loss, 0.1))
+    one_hot = DataSet(x, F.one_hot(y.argmax(1), 3).float(), None, keep.float())
+    with pytest.raises(
+        DataShapeError, match="masks single outputs, but loss 'cross_entropy' gives one value per example"
+    ):
+        Network(fresh(mlp), "cross_entropy").score(one_hot)
+
+
+def test_a_labels_mask_per_example_covers_every_step_of_a_sequence() -> None:
+    g = torch.Generator().manual_seed(6)
+    x, y = torch.randn(6, 5, 8, generator=g), torch.randn(6, 5, 3, generator=g)
+    keep = torch.tensor([True, False, True, False, True, True])
+    reference = fresh(mlp)
+    ref_loss = F.mse_loss(reference(x[keep]), y[keep])
+    net = Network(fresh(mlp), "mse", functools.partial(torch.optim.SGD, lr=0.1))
+    net.fit_batch(DataSet(x, y, None, keep.float()))
+    torch.testing.assert_close(net.params(), _reference_step(reference, ref_loss, 0.1))

@@ -22,7 +22,7 @@ from dlscale import (
     SparkNet,
     TrainerLostWarning,
 )
-from dlscale.data import DataSet, export_minibatches, list_paths
+from dlscale.data import DataSet, export_minibatches, list_paths, save
 from dlscale.encoding import FixedThresholdAlgorithm
 from dlscale.nn import Network
 from dlscale.nn.listeners import TrainingListener
@@ -275,3 +275,16 @@ def test_settings_are_validated() -> None:
         SharedTrainingMaster(32, workers_per_node=0)
     with pytest.raises(ValueError, match="rdd_training_approach"):
         SharedTrainingMaster(32, rdd_training_approach="stream")
+
+
+def test_a_late_bad_label_names_its_minibatch(sc: SparkContext, tmp_path: object) -> None:
+    x, y, _, _ = digits()
+    paths = export_minibatches(
+        [DataSet(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, 160, BATCH)], f"{tmp_path}/train", BATCH
+    )
+    bad = y[96:112].clone()
+    bad[0] = 12  # class 12 of 10
+    save(DataSet(x[96:112], bad), paths[6])
+    with pytest.raises(Exception, match="do not fit loss 'cross_entropy'") as info:
+        SparkNet(sc, mlp([64, 32, 10]), SharedTrainingMaster(BATCH)).fit_paths(list_paths(sc, f"{tmp_path}/train"))
+    assert f"while fitting minibatch {paths[6]}" in info.value.__notes__

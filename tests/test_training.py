@@ -28,6 +28,7 @@ from dlscale.data import (
     export_minibatches,
     list_paths,
     load,
+    save,
 )
 from dlscale.nn import Network, ScoreIterationListener
 from dlscale.training import _worker
@@ -378,3 +379,20 @@ def test_training_tasks_keep_large_temporaries_on_the_heap() -> None:
     inside, outside = map(float, done.stdout.split())
     assert outside > 3000  # 4,096 pages of 4 KiB
     assert inside < 100
+
+
+def test_fit_paths_names_an_element_that_is_not_a_path(sc) -> None:
+    with pytest.raises(TypeError, match="fit_paths trains on an RDD of paths.*element 0 is of type int: 1"):
+        SparkNet(sc, mlp_network(), ParameterAveragingTrainingMaster(8)).fit_paths(sc.parallelize([1, 2, 3], 2))
+
+
+def test_a_late_bad_label_names_its_minibatch(sc, tmp_path) -> None:
+    x, y = data(64)
+    paths = export_minibatches([DataSet(x, y)], str(tmp_path / "files"), 8)
+    bad = y[40:48].clone()
+    bad[3] = 12  # class 12 of 3
+    save(DataSet(x[40:48], bad), paths[5])
+    master = ParameterAveragingTrainingMaster(8, averaging_frequency=2)
+    with pytest.raises(DataShapeError, match="do not fit loss 'cross_entropy'") as info:
+        SparkNet(sc, mlp_network(), master).fit_paths(list_paths(sc, str(tmp_path / "files")))
+    assert f"while fitting minibatch {paths[5]}" in info.value.__notes__

@@ -2,7 +2,9 @@
 
 Examples are along dimension 0. Sequence data is batch-first, ``[examples, time, ...]``, with
 masks of shape ``[examples, time]`` (1 where a step is real, 0 where it is padding), so that
-minibatches of sequences of different lengths can be merged by padding the time dimension.
+minibatches of sequences of different lengths can be merged by padding the time dimension. A labels
+mask may also be ``[examples]`` (one flag per example) or, for labels ``[examples, outputs]``, that
+shape (DL4J's per-output masking: one flag per output of each example).
 """
 
 from __future__ import annotations
@@ -30,13 +32,20 @@ def _check_examples(tensors: dict[str, torch.Tensor | None]) -> int:
     return next(iter(counts.values()), 0)
 
 
-def _check_mask(mask: torch.Tensor | None, data: torch.Tensor, name: str) -> None:
+def _check_mask(mask: torch.Tensor | None, data: torch.Tensor, name: str, labels: bool = False) -> None:
+    """A features mask is ``[examples, time]``; a labels mask is that, ``[examples, outputs]`` (the
+    same first two dimensions of its labels) or ``[examples]``."""
     if mask is None:
         return
-    if mask.dim() != 2 or data.dim() < 2 or mask.shape != data.shape[:2]:
-        raise DataShapeError(
-            f"{name} has shape {tuple(mask.shape)}; a mask is [examples, time] = {tuple(data.shape[:2])}"
-        )
+    allowed = {tuple(data.shape[:1]): "[examples]"} if labels else {}
+    if data.dim() >= 2:
+        allowed[tuple(data.shape[:2])] = "[examples, time] / [examples, outputs]" if labels else "[examples, time]"
+    if tuple(mask.shape) not in allowed:
+        kind = "labels" if labels else "features"
+        shapes = " or ".join(f"{form} = {shape}" for shape, form in allowed.items())
+        if not shapes:
+            shapes = f"[examples, time], which needs {kind} of two or more dimensions, not {tuple(data.shape)}"
+        raise DataShapeError(f"{name} has shape {tuple(mask.shape)}; a {kind} mask is {shapes}")
 
 
 def _pad_time(t: torch.Tensor, length: int) -> torch.Tensor:
@@ -55,6 +64,11 @@ def _merge_with_masks(
     lengths = {d.shape[1] for d in data} if data[0].dim() >= 2 else set()
     if len(lengths) <= 1 and all(m is None for m in masks):
         return torch.cat(list(data)), None
+    if len(lengths) <= 1 and all(m is None or m.dim() == 1 for m in masks):  # one flag per example
+        ones = [torch.ones(d.shape[0], dtype=torch.float32, device=d.device) for d in data]
+        return torch.cat(list(data)), torch.cat([o if m is None else m for o, m in zip(ones, masks)])
+    # an example's flag holds for each of its steps once some masks are per step or the steps are padded
+    masks = [m[:, None].expand(d.shape[:2]) if m is not None and m.dim() == 1 else m for d, m in zip(data, masks)]
     if data[0].dim() < 2 or (data[0].dim() == 2 and all(m is None for m in masks)):
         # only sequences ([examples, time, features...], or [examples, time] with masks) are padded
         raise DataShapeError(f"cannot merge {name} of shapes {[tuple(d.shape) for d in data]}")
@@ -164,7 +178,7 @@ class DataSet(_Minibatch):
         _check_examples(self._fields())
         _check_mask(self.features_mask, self.features, "features_mask")
         if self.labels is not None:
-            _check_mask(self.labels_mask, self.labels, "labels_mask")
+            _check_mask(self.labels_mask, self.labels, "labels_mask", labels=True)
         elif self.labels_mask is not None:
             raise DataShapeError("labels_mask given without labels")
 
@@ -239,7 +253,7 @@ class MultiDataSet(_Minibatch):
         for i, (d, m) in enumerate(zip(self.features, self.features_masks)):
             _check_mask(m, d, f"features_masks[{i}]")
         for i, (d, m) in enumerate(zip(self.labels, self.labels_masks)):
-            _check_mask(m, d, f"labels_masks[{i}]")
+            _check_mask(m, d, f"labels_masks[{i}]", labels=True)
 
     def _layout(self) -> tuple:
         return (len(self.features), len(self.labels))

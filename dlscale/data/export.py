@@ -7,20 +7,29 @@ boundary; those are joined by one small task each. Every batch therefore has exa
 ``batch_size`` examples except the last, in the RDD's order, and no worker holds more than a batch
 beyond its own partition. An RDD that is expensive to compute should be persisted first, since both
 passes compute it.
+
+An export says whether it finished, as Hadoop's ``_SUCCESS`` does: :data:`MANIFEST` is written
+before the first batch with ``"complete": false`` and again after the last with ``true`` and the
+counts, and :func:`list_paths` refuses a folder of exported batches whose manifest does not say
+complete.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import dask
+import fsspec
 
 from dlscale import storage
 from dlscale.data.dataset import DataSet, MultiDataSet
 from dlscale.data.format import entries, save
+from dlscale.errors import IncompleteExportError
 
 if TYPE_CHECKING:
     from dlscale.facade.context import SparkContext
@@ -29,6 +38,11 @@ if TYPE_CHECKING:
 Minibatch = DataSet | MultiDataSet
 PREFIXES = {DataSet: "dataset", MultiDataSet: "multidataset"}
 EXTENSION = ".dlb"
+MANIFEST = "_dlscale_export.json"
+"""The export's manifest in its folder: ``{"format": "dlscale-export", "version": 1, "complete": ...}``,
+with ``batch_size`` and, once complete, the ``batches`` and ``examples`` written."""
+_EXPORTED = re.compile(rf"(?:{'|'.join(PREFIXES.values())})_\d{{8}}{re.escape(EXTENSION)}")
+"""The names :class:`FileSink` gives batches: only a folder holding such files can be an export."""
 
 
 @runtime_checkable
@@ -214,6 +228,11 @@ def export_rdd(rdd: RDD, batch_size: int, make_sink: Callable[[type, int, set], 
     return write_plan(rdd.ctx, plan_export(rdd, batch_size, make_sink))
 
 
+def _write_manifest(url: str, storage_options: dict[str, Any] | None, **fields: Any) -> None:
+    text = json.dumps({"format": "dlscale-export", "version": 1, **fields})
+    storage.write_string_to_file(f"{url.rstrip('/')}/{MANIFEST}", text, storage_options)
+
+
 def export_minibatches(
     data: RDD | Iterable[Minibatch], url: str, batch_size: int, *, storage_options: dict[str, Any] | None = None
 ) -> list[str]:
@@ -221,22 +240,59 @@ def export_minibatches(
 
     ``data`` is an RDD of DataSet or MultiDataSet (written on the workers, in parallel) or a local
     iterable of them (written here). Files are named ``dataset_00000000.dlb``, ... (``multidataset_``
-    for MultiDataSets) so that listing order is write order. Returns the files' URLs in order.
+    for MultiDataSets) so that listing order is write order. The folder's :data:`MANIFEST` says
+    ``"complete": false`` from the first batch on and ``true`` once the last is written, which
+    :func:`list_paths` checks. ``url`` must be missing or empty, once the temporary files of writers
+    killed there are removed (:func:`dlscale.storage.remove_stale_temporaries`). Returns the files'
+    URLs in order.
     """
     from dlscale.facade.rdd import RDD  # imported here: the facade loads distributed, importing dlscale.data does not
 
     check_batch_size(batch_size)
     url, storage_options = storage.resolve(url, storage_options)
+    storage.remove_stale_temporaries(url, storage_options)
     storage.check_empty(url, storage_options)
+
+    def start(kind: type) -> FileSink:
+        _write_manifest(url, storage_options, complete=False, batch_size=batch_size)
+        return FileSink(url, PREFIXES[kind], storage_options)
+
     if isinstance(data, RDD):
-        return export_rdd(data, batch_size, lambda kind, *_: FileSink(url, PREFIXES[kind], storage_options))
-    paths, sink = [], None
-    for k, _, batch in rebatch(data, batch_size, 0, None, "the iterable"):
-        sink = sink or FileSink(url, PREFIXES[type(batch)], storage_options)
-        paths.append(sink.write(k, batch))
-    if not paths:
-        raise ValueError("nothing to export: the iterable has no examples")
+        plan = plan_export(data, batch_size, lambda kind, *_: start(kind))
+        paths, examples = write_plan(data.ctx, plan), plan.total
+    else:
+        paths, examples, sink = [], 0, None
+        for k, _, batch in rebatch(data, batch_size, 0, None, "the iterable"):
+            sink = sink or start(type(batch))
+            paths.append(sink.write(k, batch))
+            examples += batch.num_examples()
+        if not paths:
+            raise ValueError("nothing to export: the iterable has no examples")
+    _write_manifest(url, storage_options, complete=True, batch_size=batch_size, batches=len(paths), examples=examples)
     return paths
+
+
+def _check_complete(fs: fsspec.AbstractFileSystem, files: list[str], display: Callable[[str], str]) -> None:
+    """Refuse the folders among ``files``' that hold exported batches and a manifest that does not
+    say complete. A folder without a manifest is not an export (or predates manifests) and passes."""
+    folders = sorted({fs._parent(p) for p in files if _EXPORTED.fullmatch(p.rsplit("/", 1)[-1])})
+    for folder in folders:
+        manifest = f"{folder}/{MANIFEST}"
+        with storage.as_storage_error("read", display(manifest)):
+            try:
+                text = fs.cat_file(manifest)
+            except FileNotFoundError:
+                continue
+        try:
+            complete = json.loads(text).get("complete") is True
+        except (ValueError, AttributeError):
+            complete = False
+        if not complete:
+            raise IncompleteExportError(
+                f"{display(folder)}: the export to this folder did not finish (its {MANIFEST} does not say "
+                "complete), so its minibatch files are only part of the data; export again to a new folder, "
+                "or pass require_complete=False to list the files that are there"
+            )
 
 
 def list_paths(
@@ -245,13 +301,25 @@ def list_paths(
     storage_options: dict[str, Any] | None = None,
     recursive: bool = True,
     extensions: Iterable[str] | None = None,
+    *,
+    require_complete: bool = True,
 ) -> RDD:
     """An RDD of the URLs of the files under ``url``, sorted (DL4J's ``SparkUtils.listPaths``).
 
     Names starting with ``_`` or ``.`` are skipped (temporary and marker files); ``extensions``
-    (e.g. ``["dlb"]``) keeps only files with those endings.
+    (e.g. ``["dlb"]``) keeps only files with those endings. A folder of batches written by
+    :func:`export_minibatches` whose export did not finish (it was killed, or failed) raises
+    :class:`IncompleteExportError` naming the folder, unless ``require_complete=False``; folders
+    of other files, which have no export manifest, are listed as they are.
     """
     url, storage_options = storage.resolve(url, storage_options)
     fs, files = storage.find_files(url, storage_options, recursive, extensions)
-    urls = [fs.unstrip_protocol(p) for p in files] if storage.has_protocol(url) else files
+    remote = storage.has_protocol(url)
+
+    def display(path: str) -> str:
+        return fs.unstrip_protocol(path) if remote else path
+
+    if require_complete:
+        _check_complete(fs, files, display)
+    urls = [display(p) for p in files]
     return sc.parallelize(urls, min(len(urls), sc.defaultParallelism))

@@ -176,11 +176,12 @@ def from_buffer(buf: bytearray | np.ndarray, source: str = "buffer") -> DataSet 
     def bad(what: str) -> CorruptDataError:
         return CorruptDataError(f"{source}: {what}")
 
+    head = bytes(buf[: len(MAGIC)])
+    if not MAGIC.startswith(head):  # checked first: a short foreign file is foreign, not truncated
+        raise bad(f"not a dlscale minibatch file (starts with {head!r}, expected {MAGIC!r})")
     if len(buf) < _PREAMBLE.size:
         raise bad(f"truncated: {len(buf)} bytes is shorter than the {_PREAMBLE.size}-byte preamble")
-    magic, version, _, hlen, hcrc, _, dlen = _PREAMBLE.unpack_from(buf)
-    if magic != MAGIC:
-        raise bad(f"not a dlscale minibatch file (starts with {bytes(magic)!r}, expected {MAGIC!r})")
+    _, version, _, hlen, hcrc, _, dlen = _PREAMBLE.unpack_from(buf)
     if version > VERSION:
         raise bad(f"written in minibatch format version {version}; this dlscale reads up to version {VERSION}")
     if version < 1:

@@ -62,9 +62,10 @@ def rows(
 
     ``predictions`` is ``[N, C]``, ``[N]`` (one output) or ``[N, T, C]`` (sequences, batch-first).
     ``labels`` has the same shape, or the shape without the last dimension (class indices).
-    ``mask`` is per example (``[N]``, or ``[N, 1]`` for one output), per time step (``[N, T]``), or
-    per output (the shape of ``predictions``; only where ``per_output_mask``). Masked rows are left
-    out; a NaN or infinite prediction or label is refused, as is any shape that does not fit.
+    ``mask`` is per example (``[N]``, or ``[N, 1]`` for one output; for sequences, it holds for every
+    step), per time step (``[N, T]``), or per output (the shape of ``predictions``; only where
+    ``per_output_mask``). Masked rows are left out; a NaN or infinite prediction or label is
+    refused, as is any shape that does not fit.
     """
     p = as_numpy(predictions, "predictions")
     y = as_numpy(labels, "labels")
@@ -113,10 +114,12 @@ def rows(
             keep = None
         elif m.shape in row_shapes:
             keep = m.reshape(-1) != 0
+        elif p.ndim == 3 and m.shape == p.shape[:1]:  # one flag per sequence, for each of its steps
+            keep = np.repeat(m != 0, p.shape[1])
         else:
             raise EvaluationError(
-                f"{who}: mask of shape {m.shape} fits neither the examples {p.shape[:-1]} nor the "
-                f"outputs {p.shape} of predictions"
+                f"{who}: mask of shape {m.shape} fits neither the examples {p.shape[:1]}, the rows "
+                f"{p.shape[:-1]} nor the outputs {p.shape} of predictions"
             )
     else:
         keep = None

@@ -1,4 +1,4 @@
-"""Loss functions by name, with DL4J's label masks: masked time steps do not count."""
+"""Loss functions by name, with DL4J's label masks: masked examples, time steps and outputs do not count."""
 
 from __future__ import annotations
 
@@ -58,22 +58,31 @@ def _unreduced(name: str, output: torch.Tensor, labels: torch.Tensor) -> torch.T
         ) from e
 
 
-def _check_mask(mask: torch.Tensor, per: torch.Tensor) -> None:
-    if per.dim() < 2 or per.shape[:2] != mask.shape:
+def _masked(name: str, per: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loss ``name``'s unreduced values ``per`` averaged down to one value per entry of ``mask``
+    (``[examples]``, ``[examples, time]`` or ``[examples, outputs]``), and the mask in their dtype."""
+    if per.shape[: mask.dim()] != mask.shape:
+        if mask.dim() == 2 and per.dim() < 2:
+            raise DataShapeError(
+                f"labels_mask of shape {tuple(mask.shape)} masks single outputs, but loss {name!r} gives one "
+                f"value per example (shape {tuple(per.shape)}): mask whole examples with a labels mask of shape "
+                "[examples], or use a loss computed per output (mse, l1, smooth_l1, bce, bce_with_logits)"
+            )
         raise DataShapeError(
-            f"labels_mask of shape {tuple(mask.shape)} does not fit a per-step loss of shape "
-            f"{tuple(per.shape)}; a mask is [examples, time]"
+            f"labels_mask of shape {tuple(mask.shape)} does not fit loss {name!r}, whose values have shape "
+            f"{tuple(per.shape)}; a labels mask is [examples], [examples, time] or [examples, outputs]"
         )
+    return per.reshape(*mask.shape, -1).mean(dim=-1), mask.to(per.dtype)
 
 
 def named_loss(name: str, output: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """The mean of loss ``name`` over examples (and time steps), leaving out masked steps."""
+    """The mean of loss ``name`` over examples (and time steps or outputs), leaving out what ``mask``
+    masks: whole examples (``[examples]``), time steps (``[examples, time]``) or single outputs
+    (``[examples, outputs]``, DL4J's per-output masking)."""
     per = _unreduced(name, output, labels)
     if mask is None:
         return per.mean()
-    _check_mask(mask, per)
-    per = per.reshape(*mask.shape, -1).mean(dim=2)
-    mask = mask.to(per.dtype)
+    per, mask = _masked(name, per, mask)
     return (per * mask).sum() / mask.sum().clamp_min(1)
 
 
@@ -115,9 +124,8 @@ def _per_example_named(
     per = _unreduced(name, output, labels)
     if mask is None:
         return per.reshape(per.shape[0], -1).mean(dim=1)
-    _check_mask(mask, per)
-    per = per.reshape(*mask.shape, -1).mean(dim=2)
-    mask = mask.to(per.dtype)
+    per, mask = _masked(name, per, mask)
+    per, mask = per.reshape(per.shape[0], -1), mask.reshape(mask.shape[0], -1)
     return (per * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1)
 
 

@@ -45,6 +45,12 @@ def from_paths(paths: RDD, loader: Callable[[Any], Any] | None) -> Minibatches:
     urls = paths.collect()
     if not urls:
         raise ValueError("the paths RDD is empty: there is nothing to train on")
+    for i, url in enumerate(urls):
+        if not isinstance(url, str):
+            raise TypeError(
+                f"fit_paths trains on an RDD of paths (strings naming minibatch files), but element {i} is of "
+                f"type {type(url).__name__}: {url!r:.80}; an RDD of DataSets trains with fit(rdd)"
+            )
     return Minibatches(urls, [str(u) for u in urls], resolve_loader(loader), None, time.perf_counter() - t0)
 
 

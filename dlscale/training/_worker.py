@@ -88,13 +88,15 @@ def fit_share(
         examples, score, wait = 0, float("nan"), 0.0
         batches = prefetch(refs, loader, depth)
         try:
-            while True:
+            for name in names:
                 w = time.perf_counter()
-                batch = next(batches, None)
+                batch = next(batches)
                 wait += time.perf_counter() - w
-                if batch is None:
-                    break
-                score = network.fit_batch(batch)
+                try:
+                    score = network.fit_batch(batch)
+                except Exception as e:
+                    e.add_note(f"while fitting minibatch {name}")
+                    raise
                 examples += batch.num_examples()
         finally:
             batches.close()

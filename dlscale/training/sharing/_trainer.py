@@ -275,7 +275,11 @@ class _Trainer:
                 self._apply_inbox()
                 t = self._phase("apply", t)
                 before.copy_(params)
-                score = net.fit_batch(batch)
+                try:
+                    score = net.fit_batch(batch)
+                except Exception as e:
+                    e.add_note(f"while fitting minibatch {self.refs[item % len(self.refs)]}")
+                    raise
                 # the optimizer's update joins the residual instead of the parameters
                 if self.host is params:
                     residual.add_(params).sub_(before)
