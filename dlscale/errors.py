@@ -45,6 +45,10 @@ class AccumulatorAccessError(DlscaleError, RuntimeError):
     """An accumulator's value read or set in a task (only the driver may), or added to outside an RDD operation."""
 
 
+class JobCancelledError(DlscaleError, RuntimeError):
+    """An action whose job was cancelled (``cancelJobGroup``, ``cancelJobsWithTag``, ``cancelAllJobs``)."""
+
+
 class UserStopIterationError(DlscaleError, RuntimeError):
     """A function given to an RDD operation raised ``StopIteration``: the task fails (as in PySpark) rather
     than let the loop over the partition that called the function end early and drop elements silently."""

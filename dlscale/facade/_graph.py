@@ -13,9 +13,10 @@ the results an action brings back carry the records of every task behind them.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
@@ -32,6 +33,8 @@ from distributed.protocol import (
 )
 
 from dlscale.facade.accumulators import Updates, collecting
+from dlscale.facade.jobs import interruptible
+from dlscale.facade.taskcontext import running
 
 if TYPE_CHECKING:
     from distributed import Client, Future
@@ -114,10 +117,18 @@ def _bag(name: str, dsk: dict, parents: Sequence[Bag], npartitions: int) -> Bag:
     return Bag(graph, name, npartitions)
 
 
+@contextlib.contextmanager
+def _task(key: Any) -> Iterator[Updates]:
+    """Around the user's functions of the task for partition ``key``: its ``TaskContext``, its accumulator
+    record (yielded), and the mark that lets a cancelled job interrupt it."""
+    with interruptible(), running(key), collecting(key) as own:
+        yield own
+
+
 def compute_partition(key: Any, func: Callable[..., Iterable[Any]], *args: Any) -> Partition:
     """``func(*args)`` as a :class:`Partition`, the partition ``key`` of its graph, carrying the accumulator
     records of the partitions in ``args`` and its own."""
-    with collecting(key) as own:
+    with _task(key) as own:
         out = func(*args)
         if not isinstance(out, Partition) or any(out is a for a in args):
             out = Partition(out)  # a new one: an input may be held (persisted) and must keep its records
@@ -205,7 +216,7 @@ def _pick(buckets: list, j: int) -> Partition:
 
 def _split(key: Any, split: Callable[[int, Iterable[Any]], list], i: int, part: Any) -> list[Partition]:
     """A shuffle's split of partition ``i``; every bucket carries the records (they travel on, once each)."""
-    with collecting(key) as own:
+    with _task(key) as own:
         buckets = split(i, part)
     updates = {**carried([part]), **own}
     for bucket in buckets if updates else ():
@@ -255,13 +266,13 @@ def product(prefix: str, left: Bag, right: Bag, func: Callable[[list, list], Ite
 
 
 def _reduce_partition(key: Any, per_partition: Callable[[Any], Any], part: Any) -> Carried:
-    with collecting(key) as own:
+    with _task(key) as own:
         value = per_partition(part)
     return Carried(value, {**carried([part]), **own})
 
 
 def _reduce_results(key: Any, combine: Callable[[list], Any], parts: list[Carried]) -> Carried:
-    with collecting(key) as own:
+    with _task(key) as own:
         value = combine([p.value for p in parts])
     return Carried(value, {**carried(parts), **own})
 

@@ -22,7 +22,7 @@ import itertools
 import os
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
 from dlscale.errors import AccumulatorAccessError
@@ -135,19 +135,6 @@ def _deserialize_accumulator(aid: int, zero: Any, accum_param: AccumulatorParam)
     acc._deserialized = True
     acc._zero = zero
     return acc
-
-
-def carried(values: Iterable[Any]) -> Updates:
-    """The records carried by ``values`` (a task's inputs or results): partitions, reduction results, and
-    lists of them (a shuffle's buckets)."""
-    out: Updates = {}
-    for v in values:
-        updates = getattr(v, "updates", None)
-        if updates:
-            out.update(updates)
-        elif type(v) is list:
-            out.update(carried(v))
-    return out
 
 
 @contextlib.contextmanager

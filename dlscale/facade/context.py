@@ -36,6 +36,7 @@ from dlscale.facade.accumulators import (
 )
 from dlscale.facade.broadcast import Broadcast
 from dlscale.facade.conf import SparkConf, spark_size_to_bytes
+from dlscale.facade.jobs import INTERRUPT_ON_CANCEL, JOB_DESCRIPTION, JOB_GROUP, Jobs
 from dlscale.facade.rdd import RDD
 
 _LOCAL = re.compile(r"^local(?:\[(\d+|\*)\])?$")
@@ -150,6 +151,7 @@ class SparkContext:
         self._disk_blocks = persist.DiskBlocks(self)
         self._broadcasts: weakref.WeakSet[Broadcast] = weakref.WeakSet()
         self._accumulators = Accumulators()
+        self._jobs = Jobs()
         self._py_files: str | None = None  # the driver's copies of addPyFile's files, made on first use
         self._py_paths: list[str] = []  # what addPyFile put on the driver's sys.path
         self._stopped = False
@@ -369,6 +371,56 @@ class SparkContext:
                 raise TypeError(f"No default accumulator param for type {type(value)}")
         return self._accumulators.new(value, accum_param)
 
+    # -- job control -----------------------------------------------------------------------
+    def setLocalProperty(self, key: str, value: str | None) -> None:
+        """Set a property of the jobs this thread starts (``None`` removes it); tasks read it through
+        ``TaskContext.getLocalProperty``."""
+        self._jobs.set_property(key, value)
+
+    def getLocalProperty(self, key: str) -> str | None:
+        """This thread's local property ``key``, or ``None``."""
+        return self._jobs.properties().get(key)
+
+    def setJobGroup(self, groupId: str, description: str, interruptOnCancel: bool = False) -> None:
+        """Put the jobs this thread starts in group ``groupId`` (``cancelJobGroup`` cancels them). A
+        cancelled job's running tasks are always interrupted: ``interruptOnCancel`` is kept as a property."""
+        self._jobs.set_property(JOB_GROUP, groupId)
+        self._jobs.set_property(JOB_DESCRIPTION, description)
+        self._jobs.set_property(INTERRUPT_ON_CANCEL, str(bool(interruptOnCancel)).lower())
+
+    def setJobDescription(self, value: str) -> None:
+        """Describe the jobs this thread starts."""
+        self._jobs.set_property(JOB_DESCRIPTION, value)
+
+    def addJobTag(self, tag: str) -> None:
+        """Tag the jobs this thread starts with ``tag`` (not empty, no comma)."""
+        self._jobs.add_tag(tag)
+
+    def removeJobTag(self, tag: str) -> None:
+        """Stop tagging this thread's jobs with ``tag`` (nothing happens if it was not added)."""
+        self._jobs.remove_tag(tag)
+
+    def getJobTags(self) -> set[str]:
+        """The tags of the jobs this thread starts."""
+        return self._jobs.tags()
+
+    def clearJobTags(self) -> None:
+        """Remove all of this thread's job tags."""
+        self._jobs.set_tags(set())
+
+    def cancelJobGroup(self, groupId: str) -> None:
+        """Cancel the running jobs of group ``groupId``: their waiting tasks never start, their running tasks
+        are interrupted, and the threads that started them raise ``JobCancelledError``."""
+        self._jobs.cancel_group(self.client, groupId)
+
+    def cancelJobsWithTag(self, tag: str) -> None:
+        """Cancel the running jobs tagged ``tag``, as ``cancelJobGroup`` does."""
+        self._jobs.cancel_tag(self.client, tag)
+
+    def cancelAllJobs(self) -> None:
+        """Cancel every running job of this context, as ``cancelJobGroup`` does."""
+        self._jobs.cancel_all(self.client)
+
     def addPyFile(self, path: str, *, storage_options: dict[str, Any] | None = None) -> None:
         """Make a ``.py`` module or a ``.zip`` / ``.egg`` of packages importable on every worker, those
         that join later included (Dask's upload plugin), and on the driver until this context stops (as
@@ -482,7 +534,7 @@ class SparkContext:
         if isinstance(collection, Bag):
             return list(itertools.chain.from_iterable(self._compute(collection.to_delayed(), action)))
         try:
-            result = self.client.compute(collection, sync=True)
+            result = self._jobs.run(self.client, collection)
         except TypeError as e:
             # a dlscale error raised while Dask serialized the graph is the real cause: raise that
             cause = e.__cause__ or e.__context__
