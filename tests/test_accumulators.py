@@ -213,3 +213,17 @@ def test_a_worker_killed_during_an_action_counts_each_task_once(
     assert program(own_context, log) == expected
     killer.join()
     assert len(log.read_text().splitlines()) > 400  # the killed worker's partitions ran again
+
+
+def union_with_itself(c: Any) -> int:
+    acc = c.accumulator(0)
+    rdd = c.parallelize(range(10), 2).map(lambda x: (acc.add(1), x)[1])
+    assert rdd.union(rdd).count() == 20
+    return acc.value
+
+
+def test_an_rdd_read_twice_by_one_action_adds_once(sc: SparkContext, spark: Any) -> None:
+    """The difference docs/facade.md states: Dask computes a partition once per action however many tasks
+    read it, where Spark computes it, and adds, once per reader."""
+    assert union_with_itself(spark) == 20
+    assert union_with_itself(sc) == 10
