@@ -13,7 +13,7 @@ the measurement). The three systems:
   future per element for the value itself, or, wrapped in a one-element list to make it one value, each
   element serialized on its own, about a millisecond per element on the benchmark machine, linearly:
   1,000 / 10,000 / 100,000 ints took 0.57 / 7.6 / 85 s to serialize once): the list and dict rows time
-  the wrapped form on 0.1% of the value and scale the time by 1,000, marked as extrapolated;
+  the wrapped form on 0.01% of the value and scale the time by 10,000, marked as extrapolated;
 - PySpark: ``SparkContext("local[4]")``, ``sc.broadcast(value)``, then the same action.
 
 Medians of the repeats, every repeat and the ratios against the targets are printed and written to
@@ -43,7 +43,7 @@ from dlscale import SparkContext
 WORKERS = 4
 MB = 2**20
 REPEATS = 3
-SAMPLE = 1000  # the wrapped Dask scatter of a list or dict is timed on 1/SAMPLE of the value
+SAMPLE = 10_000  # the wrapped Dask scatter of a list or dict is timed on 1/SAMPLE of the value
 RESULTS = Path(__file__).resolve().parent / "results" / "broadcast.json"
 SYSTEMS = ("dlscale", "dask", "pyspark")
 TARGETS = {
@@ -124,7 +124,7 @@ def bench_dask(values: dict[str, Any]) -> dict[str, dict[str, list[float]]]:
                 times[name]["dask"] = [t * SAMPLE for t in repeat(lambda v=part: dask_round(sc.client, v))]
             else:
                 times[name]["dask"] = repeat(lambda v=value: dask_round(sc.client, v))
-            print(f"  {name}: dlscale and dask done", flush=True)
+            print(f"  {name}: {times[name]}", flush=True)
     return times
 
 
@@ -141,7 +141,7 @@ def bench_pyspark(values: dict[str, Any]) -> tuple[dict[str, list[float]], str]:
         rdd_round(sc, [0])  # warm-up: the Python workers
         for name, value in values.items():
             times[name] = repeat(lambda v=value: rdd_round(sc, v))
-            print(f"  {name}: pyspark done", flush=True)
+            print(f"  {name}: pyspark {times[name]}", flush=True)
     finally:
         sc.stop()
     return times, java

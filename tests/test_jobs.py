@@ -65,10 +65,10 @@ def test_bad_tags_refused_as_pyspark(sc: SparkContext, spark: Any) -> None:
 
 
 def slow_partition(log: Path) -> Any:
-    """A task that runs for a minute unless stopped, writing a line to ``log`` every 50 ms."""
+    """A task that runs for 20 seconds unless stopped, writing a line to ``log`` every 50 ms."""
 
     def f(i: int, it: Any) -> Any:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             with open(log, "a") as out:
                 out.write(f"{i}\n")
@@ -116,6 +116,7 @@ def cancelled_action(c: Any, log: Path, how: str) -> dict[str, Any]:
     return outcome
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["group", "tag", "all"])
 def test_cancelled_action_as_pyspark(sc: SparkContext, spark: Any, tmp_path: Path, how: str) -> None:
     expected = cancelled_action(spark, tmp_path / "pyspark.log", how)
