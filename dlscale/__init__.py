@@ -37,6 +37,7 @@ _EXPORTS = {
     "BroadcastDestroyedError": "dlscale.errors",
     "AccumulatorAccessError": "dlscale.errors",
     "JobCancelledError": "dlscale.errors",
+    "CheckpointError": "dlscale.errors",
     "UserStopIterationError": "dlscale.errors",
     "MasterURLError": "dlscale.errors",
     "ClusterConnectionError": "dlscale.errors",

@@ -45,6 +45,10 @@ class AccumulatorAccessError(DlscaleError, RuntimeError):
     """An accumulator's value read or set in a task (only the driver may), or added to outside an RDD operation."""
 
 
+class CheckpointError(DlscaleError, RuntimeError):
+    """``checkpoint()`` called before ``SparkContext.setCheckpointDir``."""
+
+
 class JobCancelledError(DlscaleError, RuntimeError):
     """An action whose job was cancelled (``cancelJobGroup``, ``cancelJobsWithTag``, ``cancelAllJobs``)."""
 

@@ -152,6 +152,8 @@ class SparkContext:
         self._broadcasts: weakref.WeakSet[Broadcast] = weakref.WeakSet()
         self._accumulators = Accumulators()
         self._jobs = Jobs()
+        self._checkpoint_dir: tuple[str, dict[str, Any] | None] | None = None  # URL, storage options
+        self._to_checkpoint: weakref.WeakSet[RDD] = weakref.WeakSet()  # marked, not yet checkpointed
         self._py_files: str | None = None  # the driver's copies of addPyFile's files, made on first use
         self._py_paths: list[str] = []  # what addPyFile put on the driver's sys.path
         self._stopped = False
@@ -370,6 +372,19 @@ class SparkContext:
             else:
                 raise TypeError(f"No default accumulator param for type {type(value)}")
         return self._accumulators.new(value, accum_param)
+
+    def setCheckpointDir(self, dirName: str, *, storage_options: dict[str, Any] | None = None) -> None:
+        """Checkpoint RDDs under ``dirName`` (a local path or any fsspec URL), in a new directory of this
+        context's own there, as Spark does."""
+        fs, root = storage.open_fs(dirName, storage_options)
+        path = f"{root.rstrip('/')}/{uuid.uuid4()}"
+        with storage.as_storage_error("create", dirName):
+            fs.makedirs(path, exist_ok=True)
+        self._checkpoint_dir = (fs.unstrip_protocol(path), storage_options)
+
+    def getCheckpointDir(self) -> str | None:
+        """The directory RDDs are checkpointed in, or ``None`` before ``setCheckpointDir``."""
+        return None if self._checkpoint_dir is None else self._checkpoint_dir[0]
 
     # -- job control -----------------------------------------------------------------------
     def setLocalProperty(self, key: str, value: str | None) -> None:

@@ -83,8 +83,12 @@ class _Job:
 
     @property
     def tags(self) -> set[str]:
-        value = self.properties.get(JOB_TAGS)
-        return set(value.split(",")) if value else set()
+        return _tags(self.properties)
+
+
+def _tags(properties: dict[str, str]) -> set[str]:
+    value = properties.get(JOB_TAGS)
+    return set(value.split(",")) if value else set()
 
 
 def _check_tag(tag: str) -> None:
@@ -124,8 +128,7 @@ class Jobs:
             self.properties()[key] = str(value)
 
     def tags(self) -> set[str]:
-        value = self.properties().get(JOB_TAGS)
-        return set(value.split(",")) if value else set()
+        return _tags(self.properties())
 
     def set_tags(self, tags: set[str]) -> None:
         self.set_property(JOB_TAGS, ",".join(sorted(tags)) if tags else None)
