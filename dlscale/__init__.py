@@ -48,6 +48,7 @@ _EXPORTS = {
     "UnsafePickleError": "dlscale.errors",
     "LabelError": "dlscale.errors",
     "NetworkSerializationError": "dlscale.errors",
+    "NonFiniteUpdateError": "dlscale.errors",
     "TrainerLostWarning": "dlscale.errors",
     "EvaluationError": "dlscale.errors",
     "IncompatibleEvaluationError": "dlscale.errors",

@@ -1,11 +1,16 @@
-"""The ``dlscale`` command, spark-submit's counterpart: run a script on a cluster, export data to
-minibatch files, evaluate or apply a saved network, and compare versions across a cluster.
+"""The dlscale command, spark-submit's counterpart: run a script on a cluster,
+export data to minibatch files, evaluate or apply a saved network, and compare
+versions across a cluster.
 
-    dlscale run script.py --master local[4] --workers 2 --worker-memory 8GB -- --epochs 3
-    dlscale export data.npz train/ --batch-size 64
-    dlscale evaluate model.dln test/ --top-n 5 --output results/eval.json
-    dlscale predict model.dln test/ predictions/
-    dlscale info --master tcp://scheduler:8786
+examples:
+  dlscale run train.py --workers 2 --worker-memory 8GB -- --epochs 3
+  dlscale export data.npz train/ --batch-size 64
+  dlscale evaluate model.dln test/ --top-n 5 --output results/eval.json
+  dlscale predict model.dln test/ predictions/
+  dlscale info --master tcp://scheduler:8786
+
+A user error is reported in one line (exit status 2); --debug, or
+DLSCALE_DEBUG=1 in the environment, shows its traceback instead.
 """
 
 from __future__ import annotations
@@ -16,12 +21,16 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from dlscale import __version__
+from dlscale.errors import DlscaleError
 from dlscale.facade.conf import SUBMIT_ENV, SparkConf
 
 DEFAULT_MASTER = "local[2]"
+WIDTH = 80  # what dlscale info fits in
 
 
 def _resource(text: str) -> tuple[str, float]:
@@ -44,11 +53,19 @@ def _positive(text: str) -> int:
 
 def _cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--master", help=f"local[N], local[*], tcp://host:port or tls://host:port (default {DEFAULT_MASTER})"
+        "--master",
+        metavar="URL",
+        help=f"local[N], local[*], tcp://host:port or tls://host:port (default {DEFAULT_MASTER})",
     )
-    p.add_argument("--workers", type=_positive, help="worker processes of an embedded cluster (overrides local[N])")
-    p.add_argument("--threads-per-worker", type=_positive, help="threads per worker process of an embedded cluster")
-    p.add_argument("--worker-memory", help="memory limit per worker of an embedded cluster, e.g. 8GB or 512m")
+    p.add_argument(
+        "--workers", type=_positive, metavar="N", help="worker processes of an embedded cluster (overrides local[N])"
+    )
+    p.add_argument(
+        "--threads-per-worker", type=_positive, metavar="T", help="threads per worker process of an embedded cluster"
+    )
+    p.add_argument(
+        "--worker-memory", metavar="SIZE", help="memory limit per worker of an embedded cluster, e.g. 8GB or 512m"
+    )
     p.add_argument(
         "--resources",
         type=_resource,
@@ -72,7 +89,7 @@ def _settings(args: argparse.Namespace) -> dict[str, str]:
         try:
             settings["spark.executor.memory"] = str(spark_size_to_bytes(args.worker_memory, "--worker-memory"))
         except ValueError as e:
-            raise SystemExit(f"dlscale: error: argument --worker-memory: {e}") from None
+            raise ValueError(f"argument --worker-memory: {e}") from e
     for name, amount in args.resources:
         settings[f"spark.executor.resource.{name}.amount"] = str(amount)
     return settings
@@ -90,7 +107,7 @@ def _import_modules(names: Sequence[str]) -> None:
         try:
             importlib.import_module(name)
         except ImportError as e:
-            raise SystemExit(f"dlscale: error: argument --import: cannot import {name}: {e}") from None
+            raise ImportError(f"argument --import: cannot import {name}: {e}") from e
 
 
 def _load_network(args: argparse.Namespace) -> Any:
@@ -104,7 +121,7 @@ def _load_network(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     """Run ``script`` with the cluster flags handed to its SparkContext; returns its exit status."""
     if not os.path.isfile(args.script):
-        raise SystemExit(f"dlscale: error: argument script: no such file: {args.script}")
+        raise FileNotFoundError(f"argument script: no such file: {args.script}")
     env = dict(os.environ)
     env[SUBMIT_ENV] = json.dumps(_settings(args))
     return subprocess.call([sys.executable, args.script, *args.script_args], env=env)
@@ -118,16 +135,19 @@ def export(args: argparse.Namespace) -> int:
     from dlscale.data import DataSet, export_minibatches
 
     try:
-        with np.load(args.source, allow_pickle=False) as data:
-            missing = [k for k in (args.features, args.labels) if k not in data]
-            if missing:
-                raise SystemExit(
-                    f"dlscale: error: {args.source} has no array {missing[0]!r} "
-                    f"(it has {sorted(data.files)}); name them with --features and --labels"
-                )
-            x, y = torch.from_numpy(data[args.features]), torch.from_numpy(data[args.labels])
+        data = np.load(args.source, allow_pickle=False)
     except (OSError, ValueError) as e:
-        raise SystemExit(f"dlscale: error: argument source: cannot read {args.source} as .npz: {e}") from None
+        raise ValueError(f"argument source: cannot read {args.source} as .npz: {e}") from e
+    if not isinstance(data, np.lib.npyio.NpzFile):
+        raise ValueError(f"argument source: {args.source} holds one array (.npy), not an .npz file of arrays")
+    with data:
+        missing = [k for k in (args.features, args.labels) if k not in data]
+        if missing:
+            raise ValueError(
+                f"{args.source} has no array {missing[0]!r} (it has {sorted(data.files)}); "
+                "name them with --features and --labels"
+            )
+        x, y = torch.from_numpy(data[args.features]), torch.from_numpy(data[args.labels])
     batches = [
         DataSet(x[i : i + args.batch_size], y[i : i + args.batch_size]) for i in range(0, len(x), args.batch_size)
     ]
@@ -178,12 +198,13 @@ def info(args: argparse.Namespace) -> int:
     table, mismatched = version_table(versions)
     print(table)
     if mismatched:
-        print(
-            f"\nMISMATCH: {', '.join(mismatched)} differ between processes; install the same versions "
+        message = (
+            f"MISMATCH: {', '.join(mismatched)} differ between processes; install the same versions "
             "everywhere (tasks and pickled networks may fail in confusing ways otherwise)"
         )
+        print("\n" + textwrap.fill(message, WIDTH))
         return 1
-    print("\nall processes run the same versions")
+    print(f"\nall {len(versions)} processes run the same versions")
     return 0
 
 
@@ -201,16 +222,31 @@ def _versions() -> dict[str, str | None]:
 
 
 def version_table(versions: dict[str, dict[str, str | None]]) -> tuple[str, list[str]]:
-    """A table of package versions per process (client, scheduler, workers), and the packages
-    whose versions differ between processes."""
+    """A table of package versions, one row per package, within :data:`WIDTH` columns however many
+    processes (client, scheduler, workers) there are: a package whose version differs between them
+    gets a row per version, naming the processes that run it. Also returns those packages."""
     names = ["client", "scheduler", *sorted(k for k in versions if k not in ("client", "scheduler"))]
     packages = list(dict.fromkeys(p for n in names for p in versions[n]))
-    mismatched = [p for p in packages if len({versions[n].get(p) for n in names}) > 1]
-    width = max(len(n) for n in names)
-    lines = [f"{'package':12s} " + "  ".join(f"{n:>{width}s}" for n in names)]
+    lines = [f"{'package':12s} version"]
+    mismatched = []
     for p in packages:
-        cells = "  ".join(f"{versions[n].get(p)!s:>{width}s}" for n in names)
-        lines.append(f"{p:12s} {cells}" + ("   <-- differs" if p in mismatched else ""))
+        found: dict[str, list[str]] = {}
+        for n in names:
+            found.setdefault(versions[n].get(p) or "not installed", []).append(n)
+        if len(found) == 1:
+            lines.append(f"{p:12s} {next(iter(found))}")
+            continue
+        mismatched.append(p)
+        lines.append(f"{p:12s} differs between processes:")
+        width = max(len(v) for v in found)
+        for version, where in found.items():
+            lines += textwrap.wrap(
+                ", ".join(where),
+                WIDTH,
+                initial_indent=f"{'':13s}{version:{width}s}  ",
+                subsequent_indent=" " * (15 + width),
+                break_on_hyphens=False,
+            )
     return "\n".join(lines), mismatched
 
 
@@ -220,10 +256,15 @@ def parser() -> argparse.ArgumentParser:
     main_parser = argparse.ArgumentParser(
         prog="dlscale", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    sub = main_parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    main_parser.add_argument("--version", action="version", version=f"dlscale {__version__}")
+    main_parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    sub = main_parser.add_subparsers(dest="command", metavar="COMMAND")
+    # --debug after the command too; SUPPRESS keeps a command's default from hiding the main parser's value
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of an error")
 
     def command(name: str, fn: Callable[[argparse.Namespace], int], help_text: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, parents=[debug])
         p.set_defaults(run=fn)
         return p
 
@@ -233,6 +274,7 @@ def parser() -> argparse.ArgumentParser:
         "run a Python script whose SparkContext uses the cluster given here; the script's own arguments follow --",
     )
     p.add_argument("script", help="the script to run")
+    p.add_argument("script_args", nargs="*", metavar="-- ARGS", help="the script's own arguments, after --")
     _cluster_flags(p)
 
     p = command("export", export, "write the arrays of an .npz file as minibatch files")
@@ -272,14 +314,34 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``dlscale`` command."""
+    """Entry point of the ``dlscale`` command: its exit status, 2 after a user error."""
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)
-    args = parser().parse_args(argv[:split])
+    command_parser = parser()
+    args = command_parser.parse_args(argv[:split])
+    if args.command is None:
+        command_parser.print_help()
+        return 0
+    if getattr(args, "script_args", None):
+        command_parser.error(f"the script's own arguments go after --: {' '.join(args.script_args)}")
     args.script_args = argv[split + 1 :]
     if args.script_args and args.command != "run":
-        parser().error(f"only 'dlscale run' passes arguments after -- (to its script); got {args.script_args}")
-    return args.run(args)
+        command_parser.error(f"only 'dlscale run' passes arguments after -- (to its script); got {args.script_args}")
+    try:
+        return args.run(args)
+    except Exception as e:
+        if args.debug or os.environ.get("DLSCALE_DEBUG", "") not in ("", "0"):
+            raise
+        print(f"dlscale: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+
+
+def _one_line(e: Exception) -> str:
+    """What went wrong, on one line: the message of a dlscale error or an OS, value, type or import
+    error, else the exception's type too."""
+    text = " ".join(line.strip() for line in str(e).splitlines() if line.strip()) or repr(e)
+    plain = (DlscaleError, OSError, ValueError, TypeError, ImportError)
+    return text if isinstance(e, plain) else f"{type(e).__name__}: {text}"
 
 
 if __name__ == "__main__":

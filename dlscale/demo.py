@@ -1,10 +1,12 @@
-"""The main job: ``python -m dlscale.demo`` trains, evaluates, saves and serves a CNN on a cluster.
+"""The main job: python -m dlscale.demo trains, evaluates, saves and serves a CNN on a cluster.
 
-On an embedded ``LocalCluster`` (or any ``--master``): export the bundled handwritten digits to
-minibatch files under ``demo/digits`` in the storage root, train a small CNN with gradient sharing
-(``SharedTrainingMaster``) from those files, evaluate it on the held-out files (accuracy, top-3
+On an embedded cluster (or any --master): export the bundled handwritten digits to minibatch files
+under demo/digits in the storage root, train a small CNN with gradient sharing
+(SharedTrainingMaster) from those files, evaluate it on the held-out files (accuracy, top-3
 accuracy, F1, one-vs-all AUC), save it with its optimizer state, load it back, and run keyed
-inference over the test images, printing progress and a final report.
+inference over the test images, showing progress and printing a final report. The saved network
+names its model factory dlscale.demo:digits_cnn, however the job was started, so that
+dlscale evaluate ... --import dlscale.demo rebuilds it.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--master",
         default=None,
-        help="local[N], local[*] or tcp://host:port (default: local[2], or what `dlscale run --master` set)",
+        help="local[N], local[*] or tcp://host:port (default: local[2], or what dlscale run --master set)",
     )
     parser.add_argument(
         "--storage", default="demo/digits", help="where the job's files go (a relative path is under the storage root)"
@@ -128,4 +130,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    # run the module imported under its own name, whose factory is dlscale.demo:digits_cnn (this
+    # copy's, run as __main__, would be __main__:digits_cnn, which no other process can import)
+    from dlscale import demo
+
+    demo.main()

@@ -1,5 +1,5 @@
 """One registry per plug point: names for threshold algorithms, residual post-processors, evaluation
-types, losses, network factories and minibatch loaders.
+types, losses, network factories, minibatch loaders and the pages a context adds to Dask's dashboard.
 
 Each kind of plug-in has one :class:`Registry` (fsspec's implementation registry is the model): the
 built-ins are registered when their module is imported, a program adds its own with
@@ -43,6 +43,7 @@ _HOMES = {
     "loss": "dlscale.nn.losses",
     "model_factory": "dlscale.nn.archive",
     "loader": "dlscale.data.loaders",
+    "dashboard_page": "dlscale.monitor.panel",
 }
 """Where each kind's registry lives (its module's ``REGISTRY``), imported when first asked for."""
 

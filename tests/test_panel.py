@@ -1,23 +1,29 @@
-"""The live training panel served by the scheduler: what it shows for both masters, compared with
-the trainers' and workers' own statistics, read over HTTP as a user's browser would."""
+"""The training page of the dashboard: what it records for both masters, compared with the trainers'
+and workers' own statistics and read over HTTP as a browser would; its history, its stall warnings
+and the Bokeh document that streams it."""
 
 from __future__ import annotations
 
 import functools
-import io
 import json
+import logging
+import math
 import threading
 import time
 import urllib.request
 
 import dask
+import distributed
+import numpy as np
 import pytest
 import torch
+from bokeh.document import Document
 
-from dlscale import ParameterAveragingTrainingMaster, SharedTrainingMaster, SparkNet
+from dlscale import ParameterAveragingTrainingMaster, SharedTrainingMaster, SparkContext, SparkNet
 from dlscale.data import DataSet
-from dlscale.monitor.panel import PATH, TrainingPanel, open_fit, url
-from dlscale.monitor.progress import Progress
+from dlscale.monitor.dashboard import TrainingDocument
+from dlscale.monitor.panel import HISTORY, JSON, PAGE, PLOT, History, Point, TrainingPanel, close_fit, open_fit, url
+from dlscale.monitor.stats import PHASES
 from dlscale.nn import Network
 
 
@@ -41,7 +47,7 @@ def fetch(address: str) -> str:
 
 
 def newest(sc, approach: str) -> dict:
-    fits = json.loads(fetch(url(sc.client) + ".json"))
+    fits = json.loads(fetch(url(sc.client).rsplit("/", 1)[0] + JSON))
     return next(f for f in fits.values() if f["approach"] == approach)
 
 
@@ -70,10 +76,10 @@ def test_gradient_sharing_rows_match_each_trainers_statistics(sc) -> None:
         else:  # a trainer that got no minibatch still has its row
             assert row["loss"] is None and row["minibatches"] == 0
 
-    page = fetch(url(sc.client))
-    assert "gradient sharing: finished" in page and 'http-equiv="refresh"' not in page
-    assert all(f'data-row="{name}"' in page for name in stats)
-    assert all(f'data-chart="{chart}"' in page for chart in ("loss", "examples/s", "threshold", "sparsity"))
+    assert all(sum(row["phases"].values()) > 0 for row in fit["rows"].values() if row["minibatches"])
+    assert {name: row["phases"] for name, row in fit["rows"].items()} == {
+        name: pytest.approx({p: t.seconds(p) for p in PHASES}) for name, t in stats.items()
+    }
 
 
 def test_parameter_averaging_rows_match_each_workers_rounds(sc, tmp_path) -> None:
@@ -96,70 +102,154 @@ def test_parameter_averaging_rows_match_each_workers_rounds(sc, tmp_path) -> Non
     } == expected
     assert fit["done"] == fit["minibatches"] == sum(c[0] for c in expected.values())
     assert all(row["threshold"] is None for row in fit["rows"].values())
+    assert len(fit["rounds"]) == len(rounds) - 1 and all(seconds > 0 for seconds in fit["rounds"])
+    assert sum(fit["rounds"]) <= fit["seconds"]
+    for name, row in fit["rows"].items():  # fitting and waiting for data, summed over the worker's rounds
+        mine = [w for r in rounds for w in r.workers if w.worker == name]
+        wait = sum(w.wait_seconds for w in mine)
+        assert row["phases"] == pytest.approx({"fit": sum(w.fit_seconds for w in mine) - wait, "wait": wait})
 
 
-def test_the_page_refreshes_while_a_fit_runs_and_escapes_names() -> None:
-    panel = TrainingPanel()
-    panel.begin("f1", "gradient sharing", 10)
-    t0 = time.time()
-    panel.record(
-        "f1",
-        [
-            {
-                "row": "<t>#0",
-                "worker": "tcp://a:1",
-                "minibatches": 2,
-                "examples": 20,
-                "loss": 1.5,
-                "threshold": 1e-3,
-                "sparsity": 0.01,
-                "bytes_sent": 100,
-            }
-        ],
-    )
-    panel.record(
-        "f1",
-        [
-            {
-                "row": "<t>#0",
-                "worker": "tcp://a:1",
-                "minibatches": 3,
-                "examples": 30,
-                "loss": 0.5,
-                "threshold": 2e-3,
-                "sparsity": 0.02,
-                "bytes_sent": 50,
-            }
-        ],
-    )
-    row = panel.view()["f1"]["rows"]["<t>#0"]
-    assert (row["minibatches"], row["examples"], row["bytes_sent"], row["loss"], row["threshold"]) == (
-        5,
-        50,
-        150,
-        0.5,
-        2e-3,
-    )
-    assert row["examples_per_second"] > 30 / (time.time() - t0) * 0.5
-    page = panel.page()
-    assert 'http-equiv="refresh"' in page and "gradient sharing: running" in page and "5 of 10 minibatches" in page
-    assert "<t>" not in page and "&lt;t&gt;#0" in page
-    for i in range(6):  # only the last four fits are kept
-        panel.begin(f"g{i}", "parameter averaging", 1)
-    assert list(panel.view()) == ["g5", "g4", "g3", "g2"]
-    for fit in panel.fits:
-        panel.end(fit)
-    assert 'http-equiv="refresh"' not in panel.page()
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
-def test_a_fit_shows_where_its_panel_is_and_the_panel_can_be_switched_off(sc, tmp_path) -> None:
-    stream = io.StringIO()
-    with dask.config.set({"dlscale.progress": True}):
-        Progress("training", 4, 1, stream=stream, panel_url="http://host:8787" + PATH)
-    assert stream.getvalue() == f"training: live panel at http://host:8787{PATH}\n"
-    with dask.config.set({"dlscale.panel": False}):
-        assert open_fit(sc.client, "parameter averaging", 4) is None
-    assert url(sc.client).endswith(PATH)
+def report(row: str, worker: str, minibatches: int = 1, examples: int = 10, loss: float = 1.0, **more) -> dict:
+    return {"row": row, "worker": worker, "minibatches": minibatches, "examples": examples, "loss": loss, **more}
+
+
+def test_a_long_run_is_kept_evenly_from_its_first_report() -> None:
+    """10,000 reports in at most HISTORY points: the first report's time kept, every point a bucket of
+    the same number of consecutive reports, its loss their mean over examples, counts as after its last."""
+    rng = np.random.default_rng(0)
+    times = np.cumsum(rng.uniform(0.01, 2.0, 10_000))
+    examples = rng.integers(1, 50, 10_000)
+    losses = rng.uniform(0.1, 3.0, 10_000)
+    history = History()
+    for i in range(10_000):
+        history.add(
+            Point(times[i], i + 1, int(examples[: i + 1].sum()), losses[i], 0.0, None, None, 0, int(examples[i]))
+        )
+    points, width = history.points, history.width
+    assert HISTORY // 2 <= len(points) <= HISTORY and width > 1
+    assert len(points) * width + history.pending_reports == 10_000  # every report in a point or the pending bucket
+    assert points[0].time == times[0]
+    for k, p in enumerate(points):
+        bucket = slice(k * width, (k + 1) * width)
+        assert p.time == times[bucket.start] and p.minibatches == bucket.stop
+        assert p.examples == examples[: bucket.stop].sum() and p.weight == examples[bucket].sum()
+        assert p.loss == pytest.approx(np.average(losses[bucket], weights=examples[bucket]))
+
+
+def test_a_trainer_that_fits_nothing_while_others_progress_is_marked_and_warned(caplog) -> None:
+    caplog.set_level(logging.INFO, logger="dlscale")
+    clock = Clock()
+    panel = TrainingPanel(clock)
+    panel.begin("f", "gradient sharing", 100, stall_after=30.0)
+    panel.record("f", [report("a#0", "tcp://a:1", 0, 0, math.nan), report("b#0", "tcp://b:1", 0, 0, math.nan)])
+    for _ in range(5):  # a fits, b not; under 30 s nothing is said
+        clock.now += 5
+        panel.record("f", [report("a#0", "tcp://a:1")])
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    clock.now += 10  # 35 s since b appeared
+    panel.record("f", [report("a#0", "tcp://a:1")])
+    clock.now += 5
+    panel.record("f", [report("a#0", "tcp://a:1")])  # warned once, not at every report
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["trainer b#0 on worker tcp://b:1 has fitted no minibatch for 35 s while others progress"]
+    rows = panel.view()["f"]["rows"]
+    assert rows["b#0"]["stalled_seconds"] == 40 and rows["a#0"]["stalled_seconds"] is None
+    clock.now += 1
+    panel.record("f", [report("b#0", "tcp://b:1")])
+    assert panel.view()["f"]["rows"]["b#0"]["stalled_seconds"] is None
+    assert caplog.records[-1].getMessage() == "trainer b#0 on worker tcp://b:1 fits again"
+
+
+def test_a_lone_trainer_is_never_stalled(caplog) -> None:
+    """Only others' progress shows a trainer stalled: a fit that waits as a whole warns about no one."""
+    clock = Clock()
+    panel = TrainingPanel(clock)
+    panel.begin("f", "parameter averaging", 10, stall_after=1.0)
+    panel.record("f", [report("tcp://a:1", "tcp://a:1"), report("tcp://b:1", "tcp://b:1")], round=True)
+    clock.now += 100
+    panel.record("f", [report("tcp://a:1", "tcp://a:1"), report("tcp://b:1", "tcp://b:1")], round=True)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert panel.view()["f"]["rounds"] == [100.0]  # the second round's; the first has no round before it
+
+
+def test_an_open_page_streams_new_points_and_redraws_a_merged_row() -> None:
+    """The Bokeh document of the page, driven as the dashboard's server does: it waits for a fit, shows
+    the newest, appends only new points to a row's source and replaces them after a merge; the status
+    escapes names."""
+    clock = Clock()
+    panel = TrainingPanel(clock)
+    doc = Document()
+    page = TrainingDocument(panel, doc)
+    assert "Waiting for a fit" in page.status.text
+    panel.begin("f1", "gradient sharing", 10_000, stall_after=0.5)
+    panel.record("f1", [report("<u>#1", "tcp://b:1", 0, 0, math.nan)])
+    clock.now += 1
+    panel.record("f1", [report("<t>#0", "tcp://a:1", threshold=1e-3, sparsity=0.01, bytes_sent=100)])
+    page.update()
+    assert page.fit == "f1" and [v for v, _ in page.select.options] == ["f1"]
+    assert "Stalled" in page.status.text and "&lt;u&gt;#1 on tcp://b:1" in page.status.text
+    assert "<u>" not in page.status.text + page.table.text and "&lt;u&gt;#1" in page.table.text
+    assert '<tr class="stalled"><td>&lt;u&gt;#1</td>' in page.table.text
+    source = page.sources["<t>#0"]
+    shown = source.data  # streaming appends to it; a redraw replaces it
+    for _ in range(3):
+        clock.now += 1
+        panel.record("f1", [report("<t>#0", "tcp://a:1", threshold=1e-3, sparsity=0.01, bytes_sent=100)])
+        page.update()
+    assert source.data is shown and source.data["t"] == [1.0, 2.0, 3.0, 4.0]
+    assert source.data["rate"][1:] == [10.0, 10.0, 10.0] and source.data["bytes_rate"][1:] == [100.0] * 3
+    history = panel.fits["f1"].rows["<t>#0"].history
+    while history.generation == 0:
+        clock.now += 1
+        panel.record("f1", [report("<t>#0", "tcp://a:1")])
+    page.update()
+    assert source.data is not shown and len(source.data["t"]) == len(history.points) == HISTORY // 2
+    panel.begin("f2", "parameter averaging", 4)  # a new fit is followed
+    page.update()
+    assert page.fit == "f2" and [v for v, _ in page.select.options] == ["f2", "f1"]
+    page.select.value = "f1"  # chosen: kept while more fits begin
+    panel.begin("f3", "parameter averaging", 4)
+    page.update()
+    assert page.fit == "f1"
+
+
+def test_the_page_is_in_the_dashboard_from_the_context_start() -> None:
+    """A fresh context's dashboard serves the training page (in its menu and among the individual
+    plots), waiting for a fit; the last fits are kept."""
+    with SparkContext("local[1]") as ctx:
+        base = ctx.uiWebUrl.rsplit("/", 1)[0]
+        assert url(ctx.client) == base + PAGE
+        assert "bokeh" in fetch(base + PAGE).lower()
+        assert "bokeh" in fetch(base + PLOT).lower()
+        assert f'href="{PAGE.strip("/")}"' in fetch(base + "/status")
+        assert PLOT in json.loads(fetch(base + "/individual-plots.json")).values()
+        assert json.loads(fetch(base + JSON)) == {}
+        with dask.config.set({"dlscale.panel-fits": 2}):
+            fits = [open_fit(ctx.client, "parameter averaging", 1) for _ in range(3)]
+        assert list(json.loads(fetch(base + JSON))) == fits[:0:-1]
+
+
+def test_the_first_fit_through_a_client_logs_where_the_panel_is(sc, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="dlscale")
+    with distributed.Client(sc.client.scheduler.address) as client:
+        with dask.config.set({"dlscale.panel": False}):
+            assert open_fit(client, "parameter averaging", 4) is None
+        for _ in range(2):
+            close_fit(client, open_fit(client, "parameter averaging", 4))
+    logged = [r.getMessage() for r in caplog.records if "panel" in r.getMessage()]
+    assert logged == [f"training panel at {url(sc.client)}"]
+    assert url(sc.client).endswith(PAGE)
 
 
 def test_the_panel_is_live_during_a_fit(sc, tmp_path) -> None:
@@ -169,7 +259,7 @@ def test_the_panel_is_live_during_a_fit(sc, tmp_path) -> None:
     def watch(stop: threading.Event) -> None:
         while not stop.is_set():
             try:
-                fits = json.loads(fetch(url(sc.client) + ".json"))
+                fits = json.loads(fetch(url(sc.client).rsplit("/", 1)[0] + JSON))
             except OSError:
                 fits = {}
             seen.extend(f for f in fits.values() if f["ended"] is None and f["done"] > 0)

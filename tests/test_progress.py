@@ -1,10 +1,19 @@
-"""Training progress on the driver: one line per epoch with the example-weighted loss, a live bar on
-terminals, nothing when switched off; and both training masters report through it."""
+"""Training progress on the driver: a tqdm bar on a terminal (driven in a real pseudo-terminal of 80
+columns), a line per epoch through the ``dlscale`` logger elsewhere with each epoch's own figures,
+the training panel's address once per context, nothing when switched off."""
 
 from __future__ import annotations
 
+import fcntl
 import functools
-import io
+import logging
+import os
+import re
+import struct
+import subprocess
+import sys
+import termios
+from pathlib import Path
 
 import dask
 import pytest
@@ -12,51 +21,165 @@ import torch
 
 from dlscale import ParameterAveragingTrainingMaster, SparkNet
 from dlscale.data import DataSet
+from dlscale.monitor import progress
 from dlscale.monitor.progress import Progress
 from dlscale.nn import Network
 
-
-class Terminal(io.StringIO):
-    def isatty(self) -> bool:
-        return True
+ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_a_line_per_epoch_with_the_example_weighted_loss() -> None:
-    stream = io.StringIO()
-    with dask.config.set({"dlscale.progress": True}):
-        bar = Progress("training", per_epoch=3, epochs=2, first_epoch=4, stream=stream)
-    for loss, examples in [(1.0, 10), (4.0, 30), (2.0, 20), (0.5, 10), (0.5, 10), (0.5, 10)]:
-        bar.advance(1, examples, loss)
-    lines = stream.getvalue().splitlines()
-    assert [line.split(",")[0] for line in lines] == ["training: epoch 5/6 done", "training: epoch 6/6 done"]
-    assert "loss 2.8333" in lines[0]  # (10 + 120 + 40) / 60
-    assert "loss 0.5000" in lines[1]
-    assert "\r" not in stream.getvalue()
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
-def test_a_live_bar_on_a_terminal_and_nothing_when_off(monkeypatch) -> None:
-    monkeypatch.setattr("dlscale.monitor.progress.REDRAW_SECONDS", 0.0)
-    terminal = Terminal()
-    with dask.config.set({"dlscale.progress": "auto"}):
-        bar = Progress("training", per_epoch=4, epochs=1, stream=terminal)
-    bar.advance(1, 8, 1.0)
-    assert "\rtraining: epoch 1/1 [######..................] 1/4 minibatches" in terminal.getvalue()
-    quiet = io.StringIO()
-    with dask.config.set({"dlscale.progress": "auto"}):  # not a terminal
-        Progress("training", 4, 1, stream=quiet).advance(4, 32, 1.0)
-    with dask.config.set({"dlscale.progress": False}):
-        Progress("training", 4, 1, stream=quiet).advance(4, 32, 1.0)
-    assert quiet.getvalue() == ""
-    with dask.config.set({"dlscale.progress": "yes"}), pytest.raises(TypeError, match="dlscale.progress"):
-        Progress("training", 4, 1, stream=quiet)
+def test_each_epoch_line_has_the_epochs_own_loss_rate_and_time(monkeypatch, caplog) -> None:
+    """Gradient sharing acknowledges minibatches in bursts, the next epoch's first ones sometimes
+    before this epoch's last: an epoch's figures count its own minibatches, from its start to its end."""
+    clock = Clock()
+    monkeypatch.setattr(progress.time, "perf_counter", clock)
+    caplog.set_level(logging.INFO, logger="dlscale")
+    with dask.config.set({"dlscale.progress": True}):  # standard error is no terminal here
+        bar = Progress("training", per_epoch=3, epochs=2, first_epoch=4)
+    clock.now += 2.0
+    bar.advance(0, 2, 40, 1.0)  # a burst: two minibatches of the first epoch
+    clock.now += 1.0
+    bar.advance(1, 1, 30, 9.0)  # the second epoch's first minibatch, before the first epoch's last
+    clock.now += 1.0
+    bar.advance(1, 1, 5, 1.0)  # a burst of both epochs
+    bar.advance(0, 1, 20, 4.0)
+    clock.now += 1.0
+    bar.advance(1, 1, 5, 1.0)
+    bar.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "dlscale"]
+    assert lines == [
+        "training: epoch 5/6, loss 2, 15 examples/s, 4.0 s",  # (40 + 80) / 60 examples, 60 from t=0 to t=4
+        "training: epoch 6/6, loss 7, 20 examples/s, 2.0 s",  # (270 + 5 + 5) / 40 examples, 40 from t=3 to t=5
+    ]
 
 
-def test_parameter_averaging_reports_each_epoch(sc, tmp_path, capsys) -> None:
+def test_the_setting_and_the_stream_choose_how_progress_shows(monkeypatch) -> None:
+    leader, follower = os.openpty()
+    with open(follower, "w") as terminal, open(os.devnull, "w") as file:
+        for stream, setting, expected in [
+            (terminal, "auto", "bar"),
+            (terminal, True, "bar"),
+            (terminal, False, None),
+            (file, "auto", None),
+            (file, True, "lines"),
+            (file, False, None),
+        ]:
+            monkeypatch.setattr(sys, "stderr", stream)
+            with dask.config.set({"dlscale.progress": setting}):
+                assert progress.mode() == expected, (stream, setting)
+        with dask.config.set({"dlscale.progress": "yes"}), pytest.raises(TypeError, match="dlscale.progress"):
+            progress.mode()
+    os.close(leader)
+
+
+def test_parameter_averaging_reports_each_epoch(sc, tmp_path, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="dlscale")
     torch.manual_seed(0)
     net = Network(torch.nn.Linear(5, 2), "cross_entropy", functools.partial(torch.optim.SGD, lr=0.1))
     rdd = sc.parallelize(DataSet(torch.randn(64, 5), torch.randint(0, 2, (64,))).batch_by(8), 2)
     master = ParameterAveragingTrainingMaster(8, averaging_frequency=2, export_directory=str(tmp_path))
     with dask.config.set({"dlscale.progress": True}):
         SparkNet(sc, net, master).fit(rdd, epochs=2)
-    err = capsys.readouterr().err
-    assert "parameter averaging: epoch 1/2 done" in err and "parameter averaging: epoch 2/2 done" in err
+    lines = [r.getMessage() for r in caplog.records if "epoch" in r.getMessage()]
+    assert [line.split(",")[0] for line in lines] == [
+        "parameter averaging: epoch 1/2",
+        "parameter averaging: epoch 2/2",
+    ]
+
+
+FIT = """
+import functools, sys, torch
+from dlscale import SharedTrainingMaster, SparkContext, SparkNet
+from dlscale.data import DataSet
+from dlscale.nn import Network
+
+torch.manual_seed(0)
+x = torch.randn(3072, 20)
+y = (x[:, 0] > 0).long()
+net = Network(torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 2)),
+              "cross_entropy", functools.partial(torch.optim.SGD, lr=0.1))
+with SparkContext("local[2]") as sc:
+    rdd = sc.parallelize(DataSet(x, y).batch_by(16), 4)
+    for _ in range(int(sys.argv[1])):
+        print("fit begins", flush=True)
+        SparkNet(sc, net, SharedTrainingMaster(16)).fit(rdd, epochs=3)
+        print("fit ends", flush=True)
+"""
+LOGGED = r"\d\d:\d\d:\d\d "  # how the dlscale logger's lines begin while the application configures no logging
+
+
+def _script(tmp_path: Path, fits: int) -> tuple[list[str], dict[str, str]]:
+    (tmp_path / "fit.py").write_text(FIT)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "COLUMNS": "80",
+        "DASK_DLSCALE__LOCAL__DASHBOARD_ADDRESS": ":0",
+        "DASK_LOGGING__DISTRIBUTED": "error",  # Dask's own warnings (a loaded machine's slow event loop) aside
+    }
+    return [sys.executable, str(tmp_path / "fit.py"), str(fits)], env
+
+
+def _screen(output: str) -> list[str]:
+    """The lines a terminal shows for ``output``: a carriage return goes back to the line's start,
+    and what follows overwrites what was there."""
+    lines = []
+    for raw in output.replace("\r\n", "\n").split("\n"):
+        line: list[str] = []
+        for segment in raw.split("\r"):
+            line[: len(segment)] = segment
+        lines.append("".join(line).rstrip())
+    return lines
+
+
+@pytest.mark.slow
+def test_a_bar_in_a_terminal_of_80_columns(tmp_path: Path) -> None:
+    argv, env = _script(tmp_path, fits=1)
+    leader, follower = os.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    proc = subprocess.Popen(argv, stdin=follower, stdout=follower, stderr=follower, env=env)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the terminal's other end closed: the script has ended
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    assert proc.wait(timeout=60) == 0
+    (fit,) = re.findall(r"fit begins\r?\n(.*?)fit ends", b"".join(chunks).decode(), re.S)
+    drawn = [s for s in re.split(r"[\r\n]+", fit) if s.strip()]
+    assert all(len(s) <= 80 for s in drawn), max(drawn, key=len)
+    bars = [s for s in drawn if s.startswith("gradient sharing: epoch")]
+    assert len(bars) >= 3
+    assert any(re.search(r"\| \d\d:\d\d<\d\d:\d\d, loss [\d.e-]+, [\d.]+k? ex/s", s) for s in bars)  # an ETA
+    # left on the screen: whole lines of the logger (the panel's address first), and the finished bar
+    screen = [line for line in _screen(fit) if line]
+    assert re.match(LOGGED + r"training panel at http://127\.0\.0\.1:\d+/training$", screen[0])
+    assert [line for line in screen if not re.match(LOGGED, line)] == [bars[-1].rstrip()]
+    assert re.match(r"gradient sharing: epoch 3/3 100%\|█+\| \d\d:\d\d<00:00, loss", bars[-1])
+
+
+@pytest.mark.slow
+def test_outside_a_terminal_a_line_per_epoch_and_the_panel_once(tmp_path: Path) -> None:
+    argv, env = _script(tmp_path, fits=2)
+    done = subprocess.run(
+        argv, env={**env, "DASK_DLSCALE__PROGRESS": "true"}, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert "\r" not in done.stderr
+    panel = re.findall(LOGGED + r"training panel at http://127\.0\.0\.1:\d+/training\n", done.stderr)
+    assert len(panel) == 1  # two fits, one context
+    epoch = LOGGED + r"gradient sharing: epoch (\d/\d), loss [\d.e-]+, [\d,]+ examples/s, [\d.]+ s\n"
+    assert re.findall(epoch, done.stderr) == ["1/3", "2/3", "3/3", "4/6", "5/6", "6/6"], done.stderr

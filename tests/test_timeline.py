@@ -1,5 +1,5 @@
-"""Training statistics as an HTML report and a PNG: well-formed, escaped, faithful totals, bounded size
-for long runs, parameter averaging, saving to URLs, and the message when matplotlib is missing."""
+"""Training statistics as a Bokeh report (HTML) and a PNG: well-formed, escaped, faithful totals, bounded
+data for long runs, parameter averaging, saving to URLs, and the message when matplotlib is missing."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import io
 import random
 import re
 import sys
-import xml.etree.ElementTree as ET
 from html.parser import HTMLParser
+from typing import Any
 
 import pytest
+from bokeh.models import Line, Quad, Scatter
 
 from dlscale.monitor import timeline
 from dlscale.monitor.stats import PHASES, RoundStats, TrainerStats, TrainingStats, WorkerRound
@@ -135,30 +136,39 @@ def parameter_averaging() -> TrainingStats:
     return TrainingStats("parameter averaging", 2, prepare_seconds=0.5, rounds=rounds)
 
 
+def figures(stats: TrainingStats) -> tuple[Page, dict[str, Any]]:
+    """The report's text (its tables, parsed) and its figures by title."""
+    layout = timeline.report(stats)
+    head, *rest = layout.children
+    return Page(head.text), {f.title.text: f for f in rest}
+
+
+def glyphs(fig: Any, kind: type) -> list[dict[str, list]]:
+    """The data of every renderer of ``fig`` drawing ``kind`` (Line, Quad, Scatter)."""
+    return [r.data_source.data for r in fig.renderers if isinstance(r.glyph, kind)]
+
+
 def test_html_is_well_formed_escaped_and_self_contained() -> None:
-    text = timeline.to_html(gradient_sharing())
-    page = Page(text)
+    stats = gradient_sharing()
+    page, figs = figures(stats)
     assert page.errors == []
-    assert text.startswith("<!DOCTYPE html>")
-    svgs = page.find("svg")
-    assert len(svgs) == 4  # the timeline and three charts
-    for svg in re.findall(r"<svg.*?</svg>", text, re.DOTALL):
-        ET.fromstring(svg)  # every figure is well-formed XML too
-    rows = page.find("g", **{"class": "row"})
-    assert [r["data-label"] for r in rows] == NAMES  # one timeline row per trainer, in order
-    # names are escaped wherever they appear: never raw, always as entities
-    assert "b<&>" not in text
-    assert text.count("b&lt;&amp;&gt;&quot;&#x27;") >= 3  # table, timeline label and row, chart legend
-    # nothing is fetched: no scripts, no external references
-    assert not page.find("script") and not page.find("link") and not page.find("img")
-    assert not re.search(r"(src|href)=|url\(|@import|https?://(?!www\.w3\.org/2000/svg)", text)
-    # the per-step charts have one line per trainer
-    assert len(page.find("polyline")) == 3 * len(NAMES)
+    assert list(figs) == ["Timeline", "Sparsity", "Threshold", "Bytes per step"]
+    labels = figs["Timeline"].yaxis.major_label_overrides
+    assert [labels[k] for k in sorted(labels)] == NAMES  # one timeline row per trainer, in order, from the top
+    for name in ("Sparsity", "Threshold", "Bytes per step"):  # one line per trainer
+        assert [d["label"][0] for d in glyphs(figs[name], Line)] == NAMES
+    # names are escaped in the tables: never raw, always as entities
+    text = "".join(t for _, cells in page.rows for _, t in cells)
+    assert "b<&>\"'" in text and "b&lt;&amp;&gt;" in timeline.report(stats).children[0].text
+    html = timeline.to_html(stats)
+    assert html.startswith("<!DOCTYPE html>") and "b<&>" not in html
+    # nothing is fetched: Bokeh's scripts are inline, no external references
+    assert not re.search(r"<script[^>]*\bsrc=|<link\b|@import", html)
 
 
 def test_table_has_the_phase_totals() -> None:
     stats = gradient_sharing()
-    page = Page(timeline.to_html(stats))
+    page, _ = figures(stats)
     rows = {a["data-trainer"]: cells for a, cells in page.rows if a.get("class") == "trainer"}
     assert list(rows) == NAMES
     for t in stats.trainers:
@@ -184,46 +194,45 @@ def test_long_runs_are_downsampled(monkeypatch: pytest.MonkeyPatch) -> None:
     stats = TrainingStats(
         "gradient sharing", 3, trainers=[big, trainer("small", 50, T0, seed=4), trainer("tiny", 1, T0 + 10)]
     )
-    text = timeline.to_html(stats)
-    page = Page(text)
+    page, figs = figures(stats)
     assert page.errors == []
-    rects = page.find("rect")
-    lanes = [r for r in rects if r.get("class") == "lane"]
-    assert len(lanes) == 3
-    assert len(rects) <= timeline._TIMELINE_BARS + len(lanes)
-    assert len(text) < 400_000
-    for line in page.find("polyline"):
-        assert len(line["points"].split()) <= timeline._PLOT
-    # "small" (0.3 s) and "tiny" (one step) lie in one column of a 700 s run: a dot in each chart
-    assert len(page.find("circle")) == 2 * 3
+    (bars,) = glyphs(figs["Timeline"], Quad)
+    assert len(bars["left"]) <= timeline._TIMELINE_BARS
+    for name in ("Sparsity", "Threshold", "Bytes per step"):
+        assert all(len(d["x"]) <= timeline._PLOT for d in glyphs(figs[name], Line))
+        # "small" (0.3 s) and "tiny" (one step) lie in one column of a 700 s run: a dot each
+        assert [d["label"][0] for d in glyphs(figs[name], Scatter)] == ["small", "tiny"]
     # the stacked columns keep the phases' shares of the time (area of each colour, big row only)
-    big_row = re.search(r'<g class="row" data-label="big">.*?</g>', text, re.DOTALL).group(0)
     area = {p: 0.0 for p in PHASES}
-    for cls, w, h in re.findall(r'<rect class="p-(\w+)" x="[^"]+" y="[^"]+" width="([^"]+)" height="([^"]+)"', big_row):
-        area[cls] += float(w) * float(h)
+    for left, right, bottom, top, phase, row in zip(
+        bars["left"], bars["right"], bars["bottom"], bars["top"], bars["phase"], bars["row"], strict=True
+    ):
+        if row.startswith("big on"):
+            area[phase] += (right - left) * (top - bottom)
     seconds = {p: big.seconds(p) for p in PHASES}
     for p in PHASES:
         assert area[p] / sum(area.values()) == pytest.approx(seconds[p] / sum(seconds.values()), abs=0.03)
     # a tighter budget: fewer, wider columns
     monkeypatch.setattr(timeline, "_TIMELINE_BARS", 300)
-    page = Page(timeline.to_html(stats))
-    assert len(page.find("rect")) <= 300 + len(lanes)
-    assert {r["class"] for r in page.find("rect")} == {"lane", *(f"p-{p}" for p in PHASES)}
+    (bars,) = glyphs(figures(stats)[1]["Timeline"], Quad)
+    assert len(bars["left"]) <= 300 and set(bars["phase"]) == set(PHASES)
 
 
 def test_parameter_averaging_renders_rounds() -> None:
     stats = parameter_averaging()
-    text = timeline.to_html(stats)
-    page = Page(text)
-    assert page.errors == []
-    assert [r["data-label"] for r in page.find("g", **{"class": "row"})] == ["tcp://w0<x>", "tcp://w1<x>"]
-    assert "w0<x>" not in text
+    page, figs = figures(stats)
+    assert page.errors == [] and list(figs) == ["Timeline", "Score per round"]
+    labels = figs["Timeline"].yaxis.major_label_overrides
+    assert [labels[k] for k in sorted(labels)] == ["tcp://w0<x>", "tcp://w1<x>"]  # drawn as text, not HTML
+    assert "w0<x>" not in timeline.report(stats).children[0].text
     workers = {a["data-worker"]: cells for a, cells in page.rows if "data-worker" in a}
     assert [c for _, c in workers["tcp://w1<x>"]] == ["tcp://w1<x>", "4", "20", "640", "3.200", "0.800", "25.0%"]
-    assert len(page.find("rect", **{"class": "p-fit"})) == 8  # one bar per task, 2 workers × 4 rounds
-    assert len(page.find("rect", **{"class": "p-wait"})) == 8
-    assert page.find("svg", **{"data-chart": "score"})
-    assert "4 rounds" in text  # summary()
+    (bars,) = glyphs(figs["Timeline"], Quad)
+    phases = [p.split()[0] for p in bars["phase"]]
+    assert phases.count("fit") == 8 and phases.count("wait") == 8  # one bar per task, 2 workers × 4 rounds
+    (score,) = glyphs(figs["Score per round"], Line)
+    assert list(score["y"]) == [1.0, 0.5, 1 / 3, 0.25]
+    assert "4 rounds" in timeline.report(stats).children[0].text  # summary()
     to = io.BytesIO()
     timeline.to_png(stats, to)
     assert to.getvalue().startswith(PNG_SIGNATURE)
@@ -231,8 +240,9 @@ def test_parameter_averaging_renders_rounds() -> None:
 
 def test_empty_stats_render() -> None:
     stats = TrainingStats("gradient sharing", 2)
-    page = Page(timeline.to_html(stats))
-    assert page.errors == [] and not page.find("svg")
+    page, figs = figures(stats)
+    assert page.errors == [] and figs == {}
+    assert timeline.to_html(stats).startswith("<!DOCTYPE html>")
     to = io.BytesIO()
     timeline.to_png(stats, to)
     assert to.getvalue().startswith(PNG_SIGNATURE)
@@ -243,7 +253,9 @@ def test_save_html_and_png(tmp_path) -> None:
     stats = gradient_sharing()
     stats.save_html(str(tmp_path / "out" / "stats.html"))  # a local path
     stats.save_png(f"file://{tmp_path}/out/stats.png")  # an fsspec URL
-    assert (tmp_path / "out" / "stats.html").read_text(encoding="utf-8") == timeline.to_html(stats)
+    saved = (tmp_path / "out" / "stats.html").read_text(encoding="utf-8")
+    assert saved.startswith("<!DOCTYPE html>") and "<title>Training statistics: gradient sharing</title>" in saved
+    assert all(name in saved for name in ("alpha", "gamma", "Bytes per step"))  # the tables and the figures
     data = (tmp_path / "out" / "stats.png").read_bytes()
     assert data.startswith(PNG_SIGNATURE)
     pixels = image.imread(io.BytesIO(data), format="png")

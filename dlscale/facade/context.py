@@ -17,7 +17,6 @@ import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar, Self
 
-import dask.config
 import distributed
 from dask.bag import Bag
 from distributed.comm.core import FatalCommClosedError
@@ -36,8 +35,10 @@ from dlscale.facade.accumulators import (
 )
 from dlscale.facade.broadcast import Broadcast
 from dlscale.facade.conf import SparkConf, spark_size_to_bytes
+from dlscale.facade.embedded import EmbeddedCluster
 from dlscale.facade.jobs import INTERRUPT_ON_CANCEL, JOB_DESCRIPTION, JOB_GROUP, Jobs
 from dlscale.facade.rdd import RDD
+from dlscale.runtime.extensions import install_dashboard_pages
 
 _LOCAL = re.compile(r"^local(?:\[(\d+|\*)\])?$")
 _ADDRESS = re.compile(r"^(tcp|tls|ws|wss|inproc)://.+")
@@ -141,6 +142,7 @@ class SparkContext:
             self.master = master or self._conf.get("spark.master") or "local[*]"
             self._client = self._connect(self.master, security)
         self._conf.set("spark.master", self.master).set("spark.app.name", self.appName)
+        install_dashboard_pages(self._client)
 
         self.startTime = int(time.time() * 1000)
         self.applicationId = f"app-{time.strftime('%Y%m%d%H%M%S')}-{uuid.uuid4().hex[:8]}"
@@ -166,7 +168,7 @@ class SparkContext:
         if n is not None:
             if n < 1:
                 raise MasterURLError(f"master {master!r} asks for {n} workers; use at least 1")
-            self._owned_cluster = distributed.LocalCluster(**self._local_cluster_kwargs(n))
+            self._owned_cluster = EmbeddedCluster(**self._local_cluster_kwargs(n))
             return distributed.Client(self._owned_cluster)
         if _ADDRESS.match(master):
             scheme, location = distributed.comm.parse_address(master)
@@ -223,16 +225,13 @@ class SparkContext:
             for name in ("target", "spill", "pause")
             if (value := config.get(f"local.memory-{name}")) is not None
         }
-        # the workers' Dask configuration, with these thresholds (a nanny merges it over the global one)
-        worker_config = dask.config.merge(dask.config.config, {"distributed": {"worker": {"memory": memory_settings}}})
         return {
-            **({"config": {"distributed": worker_config["distributed"]}} if memory_settings else {}),
             "n_workers": workers,
             "threads_per_worker": threads,
-            "processes": True,
             "memory_limit": memory,
             "dashboard_address": _dashboard_address(config.get("local.dashboard-address")),
-            **({"resources": resources} if resources else {}),
+            "resources": resources,
+            "config": {"distributed": {"worker": {"memory": memory_settings}}},
         }
 
     @property

@@ -1,96 +1,178 @@
-"""A live training panel in the Dask dashboard: ``<dashboard>/dlscale/training``.
+"""The training page of the Dask dashboard: what every fit on the cluster is doing, live.
 
-A scheduler plugin keeps, for the last few fits, one row per trainer (gradient sharing) or worker
-(parameter averaging): minibatches, examples, throughput, loss and, for gradient sharing, the
-threshold, sparsity and bytes of its updates, with a bounded history of each. Gradient-sharing
-trainers report with the acknowledgements they send the scheduler anyway; parameter averaging's
-driver reports each round. The page (self-contained HTML, refreshed every few seconds while a fit
-runs) and its JSON (``/dlscale/training.json``) are served by the scheduler's own web server, so
-they work for an embedded cluster and for a remote scheduler alike.
+A scheduler plugin keeps, for each fit, one row per trainer (gradient sharing) or worker (parameter
+averaging): minibatches, examples, loss and, for gradient sharing, the threshold, sparsity and bytes
+of its updates, with the whole run's history in a bounded number of points (:class:`History`).
+Gradient-sharing trainers report with the acknowledgements they send the scheduler anyway; parameter
+averaging's driver reports each round; the driver adds each row's phase shares when the fit collects
+statistics. A row that has fitted nothing for ``dlscale.stall-warning`` while others progress is
+marked stalled and warned about in the log, naming its worker.
+
+The page itself is a Bokeh application of the scheduler's dashboard (:mod:`dlscale.monitor.dashboard`),
+added when the plugin starts; the same state is served as JSON at ``/dlscale/training.json``. Both come
+from the scheduler's own web server, so they work for an embedded cluster and a remote scheduler alike.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 import uuid
-from collections import OrderedDict
+import weakref
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import numpy as np
+import dask.config
 import tornado.web
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dlscale import config
-from dlscale.monitor.timeline import _CSS, _SERIES_COLOURS, _chart_svg, _e, _legend
+from dlscale.monitor.stats import PHASES, TrainingStats
+from dlscale.registry import Registry
 from dlscale.runtime.extensions import Extension, install
 
 if TYPE_CHECKING:
     from distributed import Client
     from distributed.scheduler import Scheduler
 
+logger = logging.getLogger("dlscale")
+_announced: weakref.WeakSet[Client] = weakref.WeakSet()  # clients whose first fit logged the address
+
 NAME = "dlscale-panel"
-PATH = "/dlscale/training"
-FITS_KEPT = 4
-HISTORY = 400  # points kept per row; older ones are thinned to every other one
-RATE_WINDOW = 10.0  # seconds over which a row's current throughput is measured
-REFRESH_SECONDS = 2
+PAGE = "/training"  # the page in the dashboard's menu
+PLOT = "/individual-dlscale-training"  # its charts alone, among the dashboard's individual plots
+JSON = "/dlscale/training.json"
+HISTORY = 512  # points kept per row (even): older reports are merged into buckets of equal size
+RATE_WINDOW = 10.0  # seconds over which throughput is measured
+LOSS_SMOOTHING = 0.1  # weight of each report in a row's smoothed loss (an exponential moving average)
+
+
+class Point(NamedTuple):
+    """One bucket of a row's reports: the first report's ``time``; the counts after its last report;
+    ``loss`` the mean over its examples and ``smoothed`` the moving average after its last report;
+    the last ``threshold`` and ``sparsity``; ``weight`` the examples its loss is the mean of."""
+
+    time: float
+    minibatches: int
+    examples: int
+    loss: float
+    smoothed: float
+    threshold: float | None
+    sparsity: float | None
+    bytes_sent: int
+    weight: int
+
+    def merge(self, later: Point) -> Point:
+        """One bucket of this one and the ``later`` one that follows it."""
+        weight = self.weight + later.weight
+        losses = [(p.loss, p.weight) for p in (self, later) if math.isfinite(p.loss)]
+        if losses and sum(w for _, w in losses) > 0:
+            loss = sum(v * w for v, w in losses) / sum(w for _, w in losses)
+        else:
+            loss = later.loss if math.isfinite(later.loss) else self.loss
+        return later._replace(time=self.time, loss=loss, weight=weight)
+
+
+class History:
+    """A whole run's reports in at most ``capacity`` points, every point a bucket of the same number
+    (:attr:`width`) of consecutive reports, so that the run is covered evenly from its first report.
+
+    Each report becomes a point while there is room; a full history merges its points in adjacent
+    pairs (every bucket of ``width`` reports becomes one of ``2 * width``, the first report's time
+    kept) and later reports are gathered ``width`` at a time before they become a point. The
+    unfinished bucket is :attr:`pending`. :attr:`generation` counts the merges, so that a page that
+    has shown the points can tell whether to append the new ones or redraw."""
+
+    def __init__(self, capacity: int = HISTORY) -> None:
+        if capacity < 2 or capacity % 2:
+            raise ValueError(f"a history's capacity is an even number of at least 2, not {capacity!r}")
+        self.capacity = capacity
+        self.width = 1
+        self.points: list[Point] = []
+        self.pending: Point | None = None
+        self.pending_reports = 0
+        self.generation = 0
+
+    def add(self, point: Point) -> None:
+        self.pending = point if self.pending is None else self.pending.merge(point)
+        self.pending_reports += 1
+        if self.pending_reports < self.width:
+            return
+        self.points.append(self.pending)
+        self.pending, self.pending_reports = None, 0
+        if len(self.points) == self.capacity:
+            self.points = [a.merge(b) for a, b in zip(self.points[::2], self.points[1::2], strict=True)]
+            self.width *= 2
+            self.generation += 1
 
 
 @dataclass
 class _Row:
     worker: str
+    since: float  # when the row last fitted a minibatch (or appeared)
     minibatches: int = 0
     examples: int = 0
     loss: float = math.nan
+    smoothed: float = math.nan
     threshold: float | None = None
     sparsity: float | None = None
     bytes_sent: int = 0
-    # (time, examples so far, loss, threshold, sparsity)
-    points: list[tuple[float, int, float, float | None, float | None]] = field(default_factory=list)
+    stalled: bool = False
+    history: History = field(default_factory=History)
+    recent: deque[tuple[float, int, int]] = field(default_factory=deque)  # (time, examples, bytes) in the window
+    phases: dict[str, float] = field(default_factory=dict)  # seconds by phase, when statistics are collected
 
-    def rate(self) -> float:
-        """Examples per second over the last :data:`RATE_WINDOW` seconds of reports."""
-        if len(self.points) < 2:
-            return math.nan
-        t, n = self.points[-1][:2]
-        since = next((p for p in self.points if p[0] >= t - RATE_WINDOW), self.points[0])
-        if since is self.points[-1]:
-            since = self.points[-2]
-        return (n - since[1]) / (t - since[0]) if t > since[0] else math.nan
+    def rates(self) -> tuple[float, float]:
+        """Examples and bytes sent per second over the last :data:`RATE_WINDOW` seconds of reports."""
+        if len(self.recent) < 2:
+            return math.nan, math.nan
+        (t0, e0, b0), (t1, e1, b1) = self.recent[0], self.recent[-1]
+        return ((e1 - e0) / (t1 - t0), (b1 - b0) / (t1 - t0)) if t1 > t0 else (math.nan, math.nan)
 
 
 @dataclass
-class _Fit:
+class Fit:
+    """One fit's record on the scheduler."""
+
     approach: str
     minibatches: int  # in the whole fit
-    started: float = field(default_factory=time.time)
+    started: float
+    stall_after: float
     ended: float | None = None
     rows: dict[str, _Row] = field(default_factory=dict)
+    rounds: list[tuple[float, float]] = field(default_factory=list)  # parameter averaging: (end, seconds)
+    last_round: float | None = None  # when the latest round's reports came
 
-    def view(self) -> dict[str, Any]:
-        done = sum(r.minibatches for r in self.rows.values())
-        elapsed = (self.ended or time.time()) - self.started
+    def done(self) -> int:
+        return sum(r.minibatches for r in self.rows.values())
+
+    def view(self, now: float) -> dict[str, Any]:
+        elapsed = (self.ended or now) - self.started
         return {
             "approach": self.approach,
             "started": self.started,
             "ended": self.ended,
             "minibatches": self.minibatches,
-            "done": done,
+            "done": self.done(),
             "examples": sum(r.examples for r in self.rows.values()),
             "seconds": elapsed,
+            "rounds": [seconds for _, seconds in self.rounds],
             "rows": {
                 name: {
                     "worker": r.worker,
                     "minibatches": r.minibatches,
                     "examples": r.examples,
-                    "examples_per_second": _finite(r.rate()),
+                    "examples_per_second": _finite(r.rates()[0]),
                     "loss": _finite(r.loss),
                     "threshold": r.threshold,
                     "sparsity": r.sparsity,
                     "bytes_sent": r.bytes_sent,
+                    "stalled_seconds": now - r.since if r.stalled else None,
+                    "phases": r.phases,
                 }
                 for name, r in self.rows.items()
             },
@@ -102,161 +184,142 @@ def _finite(x: float) -> float | None:
 
 
 class TrainingPanel(SchedulerPlugin):
-    """The panel's state on the scheduler, its ``dlscale_panel_*`` handlers and its web pages."""
+    """The training page's state on the scheduler, its ``dlscale_panel_*`` handlers and its pages.
+    ``clock`` gives the time of each report (Unix seconds)."""
 
     name = NAME
     idempotent = True
 
-    def __init__(self) -> None:
-        self.fits: OrderedDict[str, _Fit] = OrderedDict()
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self.fits: OrderedDict[str, Fit] = OrderedDict()
+        self.clock = clock
 
     async def start(self, scheduler: Scheduler) -> None:
         scheduler.handlers.update(
             {
                 "dlscale_panel_begin": self.begin,
                 "dlscale_panel_record": self.record,
+                "dlscale_panel_phases": self.set_phases,
                 "dlscale_panel_end": self.end,
-                "dlscale_panel_view": self.view,
             }
         )
         app = getattr(scheduler, "http_application", None)
         if app is not None:
-            app.add_handlers(r".*", [(PATH, _Page, {"panel": self}), (PATH + r"\.json", _Json, {"panel": self})])
+            app.add_handlers(r".*", [(JSON, _Json, {"panel": self})])
+            from dlscale.monitor import dashboard  # Bokeh, which only the scheduler's page needs
 
-    def begin(self, fit: str, approach: str, minibatches: int) -> None:
-        self.fits[fit] = _Fit(approach, minibatches)
-        while len(self.fits) > FITS_KEPT:
+            dashboard.add_pages(scheduler, self)
+
+    def begin(self, fit: str, approach: str, minibatches: int, stall_after: float = 60.0, keep: int = 64) -> None:
+        """Start recording ``fit`` of ``minibatches`` in all, keeping the last ``keep`` fits."""
+        self.fits[fit] = Fit(approach, minibatches, self.clock(), stall_after)
+        while len(self.fits) > keep:
             self.fits.popitem(last=False)
 
-    def record(self, fit: str, rows: list[dict[str, Any]]) -> None:
+    def record(self, fit: str, rows: list[dict[str, Any]], round: bool = False) -> None:
         """Add reports: each names its ``row`` and ``worker`` and counts ``minibatches`` and
         ``examples`` fitted with mean ``loss``; gradient sharing adds the ``threshold`` and
-        ``sparsity`` of its last update and the ``bytes_sent`` since its last report."""
+        ``sparsity`` of its last update and the ``bytes_sent`` since its last report. ``round``:
+        the reports end a round of parameter averaging."""
         f = self.fits.get(fit)
         if f is None:
             return
-        now = time.time()
+        now = self.clock()
         for report in rows:
-            row = f.rows.setdefault(report["row"], _Row(report["worker"]))
+            row = f.rows.get(report["row"])
+            if row is None:
+                row = f.rows[report["row"]] = _Row(report["worker"], since=now)
             row.worker = report["worker"]
+            examples = report["examples"]
             row.minibatches += report["minibatches"]
-            row.examples += report["examples"]
+            row.examples += examples
             row.loss = report["loss"]
+            if math.isfinite(row.loss) and examples:
+                alpha = LOSS_SMOOTHING
+                row.smoothed = (
+                    row.loss if not math.isfinite(row.smoothed) else (1 - alpha) * row.smoothed + alpha * row.loss
+                )
             row.threshold = report.get("threshold", row.threshold)
             row.sparsity = report.get("sparsity", row.sparsity)
             row.bytes_sent += report.get("bytes_sent", 0)
-            row.points.append((now, row.examples, row.loss, row.threshold, row.sparsity))
-            if len(row.points) > HISTORY:
-                row.points = row.points[::2]
+            if report["minibatches"]:
+                row.since = now
+                if row.stalled:
+                    row.stalled = False
+                    logger.info("%s fits again", _label(report["row"], row.worker))
+            if not report["minibatches"]:
+                continue  # a row announced before its first minibatch
+            row.recent.append((now, row.examples, row.bytes_sent))
+            while len(row.recent) > 2 and row.recent[1][0] <= now - RATE_WINDOW:
+                row.recent.popleft()
+            row.history.add(
+                Point(
+                    now,
+                    row.minibatches,
+                    row.examples,
+                    row.loss,
+                    row.smoothed,
+                    row.threshold,
+                    row.sparsity,
+                    row.bytes_sent,
+                    examples,
+                )
+            )
+        if round:  # a round's time is from the report of the round before (the first has none)
+            if f.last_round is not None:
+                f.rounds.append((now, now - f.last_round))
+            f.last_round = now
+        if any(report["minibatches"] for report in rows):
+            self._check_stalls(f, now)
+
+    def _check_stalls(self, f: Fit, now: float) -> None:
+        """Others progress: mark (and warn about, once) each row that has fitted nothing for the fit's
+        ``stall_after`` seconds."""
+        for name, row in f.rows.items():
+            if not row.stalled and now - row.since >= f.stall_after:
+                row.stalled = True
+                logger.warning(
+                    "%s has fitted no minibatch for %.0f s while others progress",
+                    _label(name, row.worker),
+                    now - row.since,
+                )
+
+    def set_phases(self, fit: str, phases: dict[str, dict[str, float]]) -> None:
+        """Each row's seconds by phase (from the fit's statistics)."""
+        f = self.fits.get(fit)
+        if f is None:
+            return
+        for name, seconds in phases.items():
+            if name in f.rows:
+                f.rows[name].phases = seconds
 
     def end(self, fit: str) -> None:
         f = self.fits.get(fit)
         if f is not None:
-            f.ended = time.time()
+            f.ended = self.clock()
 
     def view(self) -> dict[str, Any]:
         """Every kept fit, newest first, as plain data (the JSON page)."""
-        return {fit: f.view() for fit, f in reversed(self.fits.items())}
+        now = self.clock()
+        return {fit: f.view(now) for fit, f in reversed(self.fits.items())}
 
-    def page(self) -> str:
-        running = any(f.ended is None for f in self.fits.values())
-        out = [
-            "<!DOCTYPE html>",
-            '<html lang="en">',
-            "<head>",
-            '<meta charset="utf-8">',
-            *([f'<meta http-equiv="refresh" content="{REFRESH_SECONDS}">'] if running else []),
-            "<title>dlscale training</title>",
-            f"<style>{_CSS}</style>",
-            "</head>",
-            "<body>",
-            "<h1>dlscale training</h1>",
-        ]
-        if not self.fits:
-            out.append("<p>No fit has started on this cluster yet.</p>")
-        for fit, f in reversed(self.fits.items()):
-            out += _fit_html(fit, f)
-        out += ["</body>", "</html>", ""]
-        return "\n".join(out)
+
+def _label(row: str, worker: str) -> str:
+    """A row in a message: a trainer and its worker (gradient sharing), or a worker (parameter averaging)."""
+    return f"worker {worker}" if row == worker else f"trainer {row} on worker {worker}"
 
 
 PANEL = Extension(NAME, scheduler_plugin=TrainingPanel)
 
-
-def _fit_html(fit: str, f: _Fit) -> list[str]:
-    v = f.view()
-    state = "running" if f.ended is None else "finished"
-    share = v["done"] / f.minibatches if f.minibatches else 0.0
-    out = [
-        f"<h2>{_e(f.approach)}: {state}</h2>",
-        (
-            f'<p data-fit="{_e(fit)}">{v["done"]:,} of {f.minibatches:,} minibatches ({share:.0%}), '
-            f"{v['examples']:,} examples in {v['seconds']:.1f} s "
-            f"({v['examples'] / max(v['seconds'], 1e-9):,.0f} examples/s).</p>"
-        ),
-    ]
-    sharing = any(r.threshold is not None for r in f.rows.values())
-    head = ["", "worker", "minibatches", "examples", "examples/s", "loss"]
-    head += ["threshold", "sparsity", "bytes sent"] if sharing else []
-    out.append("<table><tr>" + "".join(f"<th>{_e(h)}</th>" for h in head) + "</tr>")
-    for name, r in sorted(f.rows.items()):
-        cells = [_e(name), _e(r.worker), f"{r.minibatches:,}", f"{r.examples:,}", f"{r.rate():,.0f}", f"{r.loss:.4f}"]
-        if sharing:
-            cells += [
-                f"{r.threshold:.3g}" if r.threshold is not None else "",
-                f"{r.sparsity:.3g}" if r.sparsity is not None else "",
-                f"{r.bytes_sent:,}",
-            ]
-        out.append(
-            f'<tr data-row="{_e(name)}"><td>'
-            + cells[0]
-            + "</td><td>"
-            + cells[1]
-            + "</td>"
-            + "".join(f'<td class="num">{c}</td>' for c in cells[2:])
-            + "</tr>"
-        )
-    out.append("</table>")
-    span = max((r.points[-1][0] for r in f.rows.values() if r.points), default=f.started) - f.started
-    if span <= 0:
-        return out
-    colours = {name: _SERIES_COLOURS[i % len(_SERIES_COLOURS)] for i, name in enumerate(sorted(f.rows))}
-    charts = [("loss", 2, False), ("examples/s", None, False)]
-    charts += [("threshold", 3, True), ("sparsity", 4, True)] if sharing else []
-    for title, column, log in charts:
-        lines = []
-        for name, r in sorted(f.rows.items()):
-            xs, ys = _series(r, column, f.started)
-            keep = np.isfinite(ys) & ((ys > 0) if log else True)
-            lines.append((name, colours[name], xs[keep], ys[keep]))
-        out += [f"<h3>{_e(title)}</h3>", _chart_svg(title, lines, span, log=log)]
-    out.append(_legend([(name, colours[name]) for name in sorted(f.rows)]))
-    return out
+REGISTRY: Registry[Extension] = Registry("dashboard_page", Extension)
+"""Pages a :class:`~dlscale.SparkContext` adds to its cluster's dashboard as it starts."""
+REGISTRY.register("training", PANEL)
 
 
-def _series(row: _Row, column: int | None, t0: float) -> tuple[np.ndarray, np.ndarray]:
-    """A row's history: one column of its points, or (``None``) its throughput between points."""
-    pts = row.points
-    times = np.array([p[0] for p in pts], dtype=float) - t0
-    if column is not None:
-        return times, np.array([math.nan if p[column] is None else p[column] for p in pts], dtype=float)
-    examples = np.array([p[1] for p in pts], dtype=float)
-    dt = np.diff(times)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        rates = np.where(dt > 0, np.diff(examples) / dt, math.nan)
-    return times[1:], rates
-
-
-class _Page(tornado.web.RequestHandler):
+class _Json(tornado.web.RequestHandler):
     def initialize(self, panel: TrainingPanel) -> None:
         self.panel = panel
 
-    def get(self) -> None:
-        self.set_header("Content-Type", "text/html; charset=utf-8")
-        self.write(self.panel.page())
-
-
-class _Json(_Page):
     def get(self) -> None:
         self.set_header("Content-Type", "application/json")
         self.write(json.dumps(self.panel.view()))
@@ -265,19 +328,48 @@ class _Json(_Page):
 # -- the driver's side -------------------------------------------------------------------------
 def open_fit(client: Client, approach: str, minibatches: int, fit: str | None = None) -> str | None:
     """Install the panel on the scheduler (once) and start a fit's record; returns the fit's id, or
-    ``None`` where ``dlscale.panel`` is off."""
+    ``None`` where ``dlscale.panel`` is off. The first fit through a client logs the page's address
+    (as Spark logs its UI's)."""
     if not config.get("panel"):
         return None
     fit = fit or f"{approach.replace(' ', '-')}-{uuid.uuid4().hex[:8]}"
     install(client, PANEL)
-    client.sync(client.scheduler.dlscale_panel_begin, fit=fit, approach=approach, minibatches=minibatches)
+    stall_after = dask.utils.parse_timedelta(config.get("stall-warning"), default="s")
+    client.sync(
+        client.scheduler.dlscale_panel_begin,
+        fit=fit,
+        approach=approach,
+        minibatches=minibatches,
+        stall_after=stall_after,
+        keep=config.get("panel-fits"),
+    )
+    if client not in _announced and (address := url(client, fit)) is not None:
+        _announced.add(client)
+        logger.info("training panel at %s", address)
     return fit
 
 
 def record(client: Client, fit: str | None, rows: list[dict[str, Any]]) -> None:
-    """Send reports (see :meth:`TrainingPanel.record`) from the driver."""
+    """Send a round's reports (see :meth:`TrainingPanel.record`) from the driver."""
     if fit is not None:
-        client.sync(client.scheduler.dlscale_panel_record, fit=fit, rows=rows)
+        client.sync(client.scheduler.dlscale_panel_record, fit=fit, rows=rows, round=True)
+
+
+def record_phases(client: Client, fit: str | None, stats: TrainingStats) -> None:
+    """Send each row's seconds by phase so far: a trainer's :data:`~dlscale.monitor.stats.PHASES`, or
+    a worker's fitting and waiting for data over its rounds."""
+    if fit is None:
+        return
+    phases: dict[str, dict[str, float]] = {}
+    for t in stats.trainers:
+        phases[t.trainer] = {p: t.seconds(p) for p in PHASES}
+    for r in stats.rounds:
+        for w in r.workers:
+            seconds = phases.setdefault(w.worker, {"fit": 0.0, "wait": 0.0})
+            seconds["fit"] += w.fit_seconds - w.wait_seconds
+            seconds["wait"] += w.wait_seconds
+    if phases:
+        client.sync(client.scheduler.dlscale_panel_phases, fit=fit, phases=phases)
 
 
 def close_fit(client: Client, fit: str | None) -> None:
@@ -286,11 +378,11 @@ def close_fit(client: Client, fit: str | None) -> None:
 
 
 def url(client: Client, fit: str | None = "") -> str | None:
-    """The panel's address, next to the dashboard's; ``None`` without a dashboard, or for a fit the
+    """The training page's address in the dashboard; ``None`` without a dashboard, or for a fit the
     panel does not record (``fit`` None, as :func:`open_fit` returns with the panel off)."""
     if fit is None or not client.scheduler_info().get("services", {}).get("dashboard"):
         return None
-    return client.dashboard_link.rsplit("/", 1)[0] + PATH
+    return client.dashboard_link.rsplit("/", 1)[0] + PAGE
 
 
 def in_scheduler(scheduler: Scheduler) -> TrainingPanel | None:

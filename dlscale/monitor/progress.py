@@ -1,94 +1,146 @@
-"""Training progress on the driver: a bar per epoch (on a terminal) and a line as each epoch ends.
+"""Training progress on the driver: one tqdm bar per fit, or a line per epoch in logs.
 
-Shown according to ``dlscale.progress``: ``auto`` (on when the driver's standard error is a
-terminal), ``true`` (always: on a terminal a live bar, elsewhere one line per epoch, as in logs)
-or ``false``.
+Shown according to ``dlscale.progress``: ``auto`` (a bar when the driver's standard error is a
+terminal, else nothing), ``true`` (a bar on a terminal and a widget in a notebook, through
+``tqdm.auto``; elsewhere a line per epoch through the ``dlscale`` logger, as in logs) or ``false``.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
-from typing import TextIO
+from collections import deque
+
+import tqdm.auto
+import tqdm.autonotebook
+import tqdm.std
 
 from dlscale import config
 
-WIDTH = 24
-REDRAW_SECONDS = 0.2
+logger = logging.getLogger("dlscale")
+
+RATE_WINDOW = 10.0  # seconds over which the bar's rates, and so its ETA, are measured
+BAR_FORMAT = "{desc} {percentage:3.0f}%|{bar}| {elapsed}<{remaining}{postfix}"
 
 
-def enabled(stream: TextIO | None = None) -> bool:
-    """Whether progress is shown, by ``dlscale.progress``."""
+def mode() -> str | None:
+    """How progress is shown: ``"bar"``, ``"lines"`` or ``None``, by ``dlscale.progress`` and where
+    standard error goes."""
     setting = config.get("progress")
-    if setting == "auto":
-        stream = stream or sys.stderr
-        return bool(getattr(stream, "isatty", lambda: False)())
-    if not isinstance(setting, bool):
+    if setting not in ("auto", True, False):
         raise TypeError(f"dlscale.progress must be true, false or 'auto', got {setting!r}")
-    return setting
+    terminal = bool(getattr(sys.stderr, "isatty", lambda: False)())
+    if setting == "auto":
+        return "bar" if terminal else None
+    if not setting:
+        return None
+    notebook = tqdm.autonotebook.tqdm is not tqdm.std.tqdm
+    return "bar" if terminal or notebook else "lines"
+
+
+class _Bar(tqdm.auto.tqdm):
+    """tqdm whose rate, and so its ETA, is the one measured over :data:`RATE_WINDOW` (gradient
+    sharing's acknowledgements arrive in bursts: the gaps between updates say nothing)."""
+
+    window_rate: float | None = None
+
+    @property
+    def format_dict(self) -> dict:
+        return {**super().format_dict, "rate": self.window_rate}
 
 
 class Progress:
-    """Progress of one fit: ``per_epoch`` minibatches in each of ``epochs`` epochs, counted as
-    :meth:`advance` reports them (in any order across epochs, as gradient sharing acknowledges them)."""
+    """Progress of one fit: ``per_epoch`` minibatches in each of ``epochs`` epochs, reported through
+    :meth:`advance` with the epoch they belong to (gradient sharing acknowledges minibatches of two
+    epochs at once where they meet). Call :meth:`close` at the end, also after an error."""
 
-    def __init__(
-        self,
-        label: str,
-        per_epoch: int,
-        epochs: int,
-        first_epoch: int = 0,
-        stream: TextIO | None = None,
-        panel_url: str | None = None,
-    ) -> None:
+    def __init__(self, label: str, per_epoch: int, epochs: int, first_epoch: int = 0) -> None:
         self.label, self.per_epoch, self.epochs, self.first_epoch = label, per_epoch, epochs, first_epoch
-        self.stream = stream or sys.stderr
-        self.show = enabled(self.stream)
-        self.live = self.show and bool(getattr(self.stream, "isatty", lambda: False)())
+        self.mode = mode()
+        # per epoch of the fit: minibatches, examples, sum of losses weighted by examples
+        self.tally = [[0, 0, 0.0] for _ in range(epochs)]
+        self.first_report: list[float | None] = [None] * epochs
+        self.finished = 0  # epochs done, in order
+        self.epoch_end = time.perf_counter()  # of the latest finished epoch; the fit's start at first
+        self.loss: float | None = None  # the latest finished epoch's
         self.done = self.examples = 0
-        self.loss = 0.0
-        self.epoch_examples = 0
-        self.start = self.epoch_start = self.drawn = time.perf_counter()
-        if self.show and panel_url:
-            self.stream.write(f"{label}: live panel at {panel_url}\n")
-            self.stream.flush()
+        # (time, minibatches, examples) at the reports of the last RATE_WINDOW seconds and the one before
+        # them; not the fit's start, whose first minibatch waits for the network to reach the workers
+        self.window: deque[tuple[float, int, int]] = deque()
+        self.bar = (
+            _Bar(
+                total=per_epoch * epochs,
+                desc=self._desc(),
+                bar_format=BAR_FORMAT,
+                dynamic_ncols=True,
+                file=sys.stderr,
+            )
+            if self.mode == "bar"
+            else None
+        )
 
-    def advance(self, minibatches: int, examples: int, mean_loss: float) -> None:
-        """``minibatches`` more were fitted, on ``examples`` examples with mean loss ``mean_loss``."""
-        if not self.show:
+    def advance(self, epoch: int, minibatches: int, examples: int, mean_loss: float) -> None:
+        """``minibatches`` more of the fit's ``epoch``-th epoch (from 0) were fitted, on ``examples``
+        examples with mean loss ``mean_loss``."""
+        if self.mode is None:
             return
-        before = self.done // self.per_epoch
+        now = time.perf_counter()
+        if self.first_report[epoch] is None:
+            self.first_report[epoch] = now
+        tally = self.tally[epoch]
+        tally[0] += minibatches
+        tally[1] += examples
+        tally[2] += mean_loss * examples
         self.done += minibatches
         self.examples += examples
-        self.epoch_examples += examples
-        self.loss += mean_loss * examples
-        if self.done // self.per_epoch > before and self.done <= self.per_epoch * self.epochs:
-            self._epoch_line(self.done // self.per_epoch)
-        elif self.live and time.perf_counter() - self.drawn >= REDRAW_SECONDS:
-            self._bar()
+        self.window.append((now, self.done, self.examples))
+        while len(self.window) > 2 and self.window[1][0] <= now - RATE_WINDOW:
+            self.window.popleft()  # the oldest point left is the window's start
+        while self.finished < self.epochs and self.tally[self.finished][0] >= self.per_epoch:
+            self._epoch_done(now)
+        if self.bar is not None:
+            self._draw(minibatches)
 
-    def _rate(self, examples: int, since: float) -> float:
-        return examples / max(time.perf_counter() - since, 1e-9)
+    def close(self) -> None:
+        """End the bar, leaving its last state on its own line."""
+        if self.bar is not None:
+            self.bar.close()
 
-    def _epoch_line(self, finished: int) -> None:
-        loss = self.loss / self.epoch_examples if self.epoch_examples else float("nan")
-        start, pad = ("\r", " " * 10) if self.live else ("", "")
-        self.stream.write(
-            f"{start}{self.label}: epoch {self.first_epoch + finished}/"
-            f"{self.first_epoch + self.epochs} done, loss {loss:.4f}, "
-            f"{self._rate(self.epoch_examples, self.epoch_start):,.0f} examples/s{pad}\n"
-        )
-        self.stream.flush()
-        self.loss, self.epoch_examples, self.epoch_start = 0.0, 0, time.perf_counter()
+    def _epoch_done(self, now: float) -> None:
+        """The earliest unfinished epoch is complete: it ran from the end of the one before (the
+        fit's start for the first) or its own first report, whichever came first, to now (with
+        gradient sharing, trainers take the next epoch's minibatches before this one's last are in)."""
+        _, examples, losses = self.tally[self.finished]
+        self.loss = losses / examples if examples else float("nan")
+        seconds = now - min(self.epoch_end, self.first_report[self.finished] or now)
+        self.epoch_end = now
+        self.finished += 1
+        if self.mode == "lines":
+            logger.info(
+                "%s: epoch %d/%d, loss %.3g, %s examples/s, %.1f s",
+                self.label,
+                self.first_epoch + self.finished,
+                self.first_epoch + self.epochs,
+                self.loss,
+                f"{examples / max(seconds, 1e-9):,.0f}",
+                seconds,
+            )
 
-    def _bar(self) -> None:
-        within = self.done % self.per_epoch
-        filled = WIDTH * within // self.per_epoch
-        epoch = self.first_epoch + min(self.done // self.per_epoch + 1, self.epochs)
-        self.stream.write(
-            f"\r{self.label}: epoch {epoch}/{self.first_epoch + self.epochs} "
-            f"[{'#' * filled}{'.' * (WIDTH - filled)}] {within}/{self.per_epoch} minibatches, "
-            f"{self._rate(self.examples, self.start):,.0f} examples/s"
-        )
-        self.stream.flush()
-        self.drawn = time.perf_counter()
+    def _desc(self) -> str:
+        epoch = min(self.finished + 1, self.epochs)
+        return f"{self.label}: epoch {self.first_epoch + epoch}/{self.first_epoch + self.epochs}"
+
+    def _draw(self, minibatches: int) -> None:
+        bar = self.bar
+        (t0, n0, e0), (t1, n1, e1) = self.window[0], self.window[-1]
+        span = t1 - t0
+        bar.window_rate = (n1 - n0) / span if span > 0 else None
+        current = self.tally[min(self.finished, self.epochs - 1)]
+        loss = current[2] / current[1] if current[1] and self.finished < self.epochs else self.loss
+        parts = [] if loss is None else [f"loss {loss:.3g}"]
+        if span > 0:
+            parts.append(f"{tqdm.std.tqdm.format_sizeof((e1 - e0) / span)} ex/s")
+        bar.set_description_str(self._desc(), refresh=False)
+        bar.set_postfix_str(", ".join(parts), refresh=False)
+        bar.update(minibatches)

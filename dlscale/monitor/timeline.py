@@ -1,10 +1,10 @@
-"""Training statistics as pictures: a self-contained HTML report and a PNG.
+"""Training statistics as pictures: a self-contained HTML report (Bokeh) and a PNG (matplotlib).
 
-:func:`to_html` gives one page with no external scripts, styles or fonts (it opens offline and can be
-mailed or archived as is): a summary table, a timeline of where every trainer's time went, and charts
-of the sparsity, threshold and message size of every step. :func:`to_png` draws the same timeline and
-charts with matplotlib (the ``plot`` extra). Both downsample to a fixed number of columns, so a run of
-a hundred thousand steps gives a file of the same size as a short one.
+:func:`report` lays out a summary table, a timeline of where every trainer's time went, and charts of
+the sparsity, threshold and message size of every step as a Bokeh document; :func:`to_html` writes it
+as one page with Bokeh's scripts inline (it opens offline and can be mailed or archived as is).
+:func:`to_png` draws the same timeline and charts with matplotlib (the ``plot`` extra). Both downsample
+to a fixed number of columns, so a run of a hundred thousand steps gives as much to draw as a short one.
 """
 
 from __future__ import annotations
@@ -12,12 +12,16 @@ from __future__ import annotations
 import html
 import math
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, BinaryIO
 
 import numpy as np
+from bokeh.embed import file_html
+from bokeh.layouts import column
+from bokeh.models import ColumnDataSource, Div, LayoutDOM
+from bokeh.plotting import figure
+from bokeh.resources import INLINE
 
 from dlscale.monitor.stats import PHASES, TrainerStats, TrainingStats
 
@@ -38,29 +42,20 @@ _SERIES_COLOURS = (
 )
 _PHASE_INDEX = {p: i for i, p in enumerate(PHASES)}
 
-# Geometry of the SVG figures, in pixels.
-_WIDTH = 1000
-_LEFT = 170  # room for the row labels of the timeline and the y axis of the charts
-_RIGHT = 20
-_PLOT = _WIDTH - _LEFT - _RIGHT
-_ROW = 18
-_GAP = 6
-_CHART_HEIGHT = 190
+# Downsampling: time is cut into at most _PLOT columns (about a pixel each of a 1000-pixel page).
+_PLOT = 810
+_ROW = 18  # a timeline row's height in the units of _bars' fractions
 _TIMELINE_BARS = 3000  # rectangles the whole timeline may use (unless that leaves too few columns)
 _MIN_COLUMNS = 25
 _LABEL_CHARS = 24
 
 _CSS = """
-body{font:14px/1.4 system-ui,-apple-system,"Segoe UI",Helvetica,Arial,sans-serif;margin:1.5em;color:#222}
+:host{font:14px/1.4 system-ui,-apple-system,"Segoe UI",Helvetica,Arial,sans-serif;color:#222}
 h1{font-size:1.4em}h2{font-size:1.15em;margin-top:1.6em}
 table{border-collapse:collapse;font-size:13px}th,td{border:1px solid #ccc;padding:2px 6px}
 th{background:#f3f3f3}td.num{text-align:right;font-variant-numeric:tabular-nums}
 tr.total td{font-weight:bold}pre{background:#f7f7f7;padding:.6em;overflow-x:auto}
-.key{display:inline-block;margin-right:1.2em}.swatch{display:inline-block;width:.9em;height:.9em;
-vertical-align:middle;margin-right:.3em;border:1px solid #888}
-svg{display:block;margin:.4em 0}svg text{font-size:11px;fill:#333}.axis{stroke:#999;stroke-width:1}
-.grid{stroke:#e6e6e6;stroke-width:1}.lane{fill:#f5f5f5}.series{fill:none;stroke-width:1.3}
-""" + "".join(f".p-{p}{{fill:{c}}}" for p, c in PHASE_COLOURS.items())
+"""
 
 
 # -- data: spans and series reduced to a bounded number of columns -----------------------------------
@@ -256,125 +251,6 @@ def _short(label: str) -> str:
     return label if len(label) <= _LABEL_CHARS else label[: _LABEL_CHARS - 1] + "\u2026"
 
 
-def _ticks(lo: float, hi: float, n: int = 6) -> tuple[list[float], float]:
-    """Round tick values from ``lo`` to ``hi``, about ``n`` of them, and their step."""
-    if not hi > lo:
-        return [lo], 1.0
-    raw = (hi - lo) / n
-    mag = 10.0 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
-    first = math.ceil(lo / step - 1e-9) * step
-    return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)], step
-
-
-def _tick_label(v: float, step: float) -> str:
-    digits = max(0, -math.floor(math.log10(step))) if step > 0 else 0
-    return f"{v:.{digits}f}"
-
-
-def _x_axis(span: float, top: float, bottom: float) -> list[str]:
-    """Vertical grid lines and labels, in seconds from the start, below ``bottom``."""
-    ticks, step = _ticks(0.0, span)
-    out = []
-    for v in ticks:
-        x = _LEFT + v / span * _PLOT
-        out.append(f'<line class="grid" x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{bottom}"/>')
-        out.append(f'<text x="{x:.1f}" y="{bottom + 14}" text-anchor="middle">{_tick_label(v, step)}</text>')
-    out.append(f'<text x="{_LEFT + _PLOT}" y="{bottom + 28}" text-anchor="end">seconds from the start</text>')
-    return out
-
-
-def _timeline_svg(stats: TrainingStats, trainers: list[_Trainer], t0: float, span: float) -> str:
-    rows = _row_bars(stats, trainers, t0, span)
-    top = 8
-    bottom = top + len(rows) * (_ROW + _GAP)
-    out = [
-        (
-            f'<svg class="timeline" xmlns="http://www.w3.org/2000/svg" width="{_WIDTH}" height="{bottom + 34}" '
-            f'viewBox="0 0 {_WIDTH} {bottom + 34}" role="img" aria-label="timeline">'
-        )
-    ]
-    out += _x_axis(span, top, bottom)
-    for i, (label, tip, bars) in enumerate(rows):
-        y = top + i * (_ROW + _GAP) + _GAP / 2
-        out.append(f'<g class="row" data-label="{_e(label)}"><title>{_e(tip)}</title>')
-        out.append(f'<text x="{_LEFT - 6}" y="{y + _ROW - 5}" text-anchor="end">{_e(_short(label))}</text>')
-        out.append(f'<rect class="lane" x="{_LEFT}" y="{y}" width="{_PLOT}" height="{_ROW}"/>')
-        for code, b, e, lo, hi in bars:
-            x, w = _LEFT + b / span * _PLOT, max((e - b) / span * _PLOT, 0.3)
-            out.append(
-                f'<rect class="p-{PHASES[code]}" x="{x:.1f}" y="{y + (1 - hi) * _ROW:.1f}" width="{w:.1f}" '
-                f'height="{(hi - lo) * _ROW:.1f}"/>'
-            )
-        out.append("</g>")
-    out.append("</svg>")
-    return "\n".join(out)
-
-
-def _y_scale(values: Sequence[np.ndarray], log: bool) -> tuple[float, float, list[float], list[str]]:
-    """The y range of a chart (log10 of it on a log scale), with tick positions and labels."""
-    finite = [v for v in values if len(v)]
-    lo = min(float(v.min()) for v in finite)
-    hi = max(float(v.max()) for v in finite)
-    if log:
-        lo, hi = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
-        hi = max(hi, lo + 1)
-        every = max(1, math.ceil((hi - lo) / 8))
-        ticks = [float(k) for k in range(int(lo), int(hi) + 1, every)]
-        return lo, hi, ticks, [f"1e{int(k)}" for k in ticks]
-    if hi <= lo:
-        lo, hi = lo - 0.5, hi + 0.5
-    ticks, step = _ticks(lo, hi, 4)
-    return lo, hi, ticks, [f"{v:.{max(0, -math.floor(math.log10(step)))}f}" for v in ticks]
-
-
-def _chart_svg(name: str, lines: list[tuple[str, str, np.ndarray, np.ndarray]], span: float, log: bool) -> str:
-    """A line chart over the run's time: one ``(label, colour, xs, ys)`` line each, ``xs`` in seconds."""
-    if not any(len(ys) for _, _, _, ys in lines):
-        return f"<p>No {_e(name)} recorded.</p>"
-    top, bottom = 10, _CHART_HEIGHT - 36
-    lo, hi, ticks, labels = _y_scale([ys for _, _, _, ys in lines], log)
-
-    def y_of(v: np.ndarray) -> np.ndarray:
-        v = np.log10(v) if log else v
-        return bottom - (v - lo) / (hi - lo) * (bottom - top)
-
-    out = [
-        (
-            f'<svg class="chart" data-chart="{_e(name)}" xmlns="http://www.w3.org/2000/svg" width="{_WIDTH}" '
-            f'height="{_CHART_HEIGHT}" viewBox="0 0 {_WIDTH} {_CHART_HEIGHT}" role="img" aria-label="{_e(name)}">'
-        )
-    ]
-    out += _x_axis(span, top, bottom)
-    for v, label in zip(ticks, labels, strict=True):
-        y = float(y_of(np.asarray(10.0**v if log else v)))
-        out.append(f'<line class="grid" x1="{_LEFT}" y1="{y:.1f}" x2="{_LEFT + _PLOT}" y2="{y:.1f}"/>')
-        out.append(f'<text x="{_LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{_e(label)}</text>')
-    out.append(f'<line class="axis" x1="{_LEFT}" y1="{top}" x2="{_LEFT}" y2="{bottom}"/>')
-    for label, colour, xs, ys in lines:
-        if not len(ys):
-            continue
-        px, py = (_LEFT + xs / span * _PLOT).tolist(), y_of(ys).tolist()
-        if len(px) == 1:  # a single column of steps: a dot, as a line needs two points
-            out.append(
-                f'<circle cx="{px[0]:.1f}" cy="{py[0]:.1f}" r="2.5" fill="{colour}"><title>{_e(label)}</title></circle>'
-            )
-            continue
-        points = " ".join(f"{x:.1f},{y:.1f}" for x, y in zip(px, py, strict=True))
-        out.append(
-            f'<polyline class="series" stroke="{colour}" points="{points}"><title>{_e(label)}</title></polyline>'
-        )
-    out.append("</svg>")
-    return "\n".join(out)
-
-
-def _legend(items: Sequence[tuple[str, str]]) -> str:
-    keys = "".join(
-        f'<span class="key"><span class="swatch" style="background:{c}"></span>{_e(label)}</span>' for label, c in items
-    )
-    return f'<p class="legend">{keys}</p>'
-
-
 def _num(n: float) -> str:
     return f"{n:,}" if isinstance(n, int) else f"{n:,.0f}"
 
@@ -462,8 +338,8 @@ def _step_lines(
     }
     for i, t in enumerate(trainers):
         colour = _SERIES_COLOURS[i % len(_SERIES_COLOURS)]
-        for name, column in (("threshold", 1), ("sparsity", 2), ("bytes per step", 3)):
-            line = _series(t.steps[:, 0], t.steps[:, column], t0, span, cols, True)
+        for name, index in (("threshold", 1), ("sparsity", 2), ("bytes per step", 3)):
+            line = _series(t.steps[:, 0], t.steps[:, index], t0, span, cols, True)
             charts[name].append((t.stats.trainer, colour, *line))
     return charts
 
@@ -477,14 +353,14 @@ def _round_scores(stats: TrainingStats, t0: float) -> tuple[np.ndarray, np.ndarr
     return np.asarray(xs, float), np.asarray(ys, float)
 
 
-def to_html(stats: TrainingStats) -> str:
-    """One self-contained HTML page of ``stats``: tables, a timeline and per-step charts, all inline.
+def report(stats: TrainingStats) -> LayoutDOM:
+    """The report of ``stats`` as a Bokeh layout (what :func:`to_html` writes).
 
     Gradient sharing gets a table of what every trainer sent, received and spent its time on, a timeline
     row per trainer coloured by phase, and charts of each step's sparsity, threshold and message size
-    (log scales). Parameter averaging gets a table per worker and a timeline row per worker: its tasks
-    (fitting) with, in the lower half, the share of each task spent waiting for minibatches. Long runs
-    are downsampled to a bounded number of SVG elements; all text is escaped.
+    (log scales). Parameter averaging gets a table per worker, a timeline row per worker: its tasks
+    (fitting) with, in the lower half, the share of each task spent waiting for minibatches, and the
+    score of each round. Long runs are downsampled to a bounded number of rectangles and points.
     """
     trainers = _trainers(stats)
     t0, t1 = _extent(stats, trainers)
@@ -495,51 +371,90 @@ def to_html(stats: TrainingStats) -> str:
         if recorded
         else "nothing recorded"
     )
-    out = [
-        "<!DOCTYPE html>",
-        '<html lang="en">',
-        "<head>",
-        '<meta charset="utf-8">',
-        f"<title>Training statistics: {_e(stats.approach)}</title>",
-        f"<style>{_CSS}</style>",
-        "</head>",
-        "<body>",
+    parts = [
         f"<h1>Training statistics: {_e(stats.approach)}</h1>",
         f"<p>{_e(stats.workers)} workers; {_e(when)}; {stats.prepare_seconds:.3f} s preparing minibatches.</p>",
     ]
     if stats.rounds:
-        out.append(f"<pre>{_e(stats.summary())}</pre>")
+        parts.append(f"<pre>{_e(stats.summary())}</pre>")
     if stats.trainers:
-        out += ["<h2>Trainers</h2>", _trainer_table(trainers)]
+        parts += ["<h2>Trainers</h2>", _trainer_table(trainers)]
     if stats.rounds:
-        out += ["<h2>Workers</h2>", _worker_table(stats)]
+        parts += ["<h2>Workers</h2>", _worker_table(stats)]
+    items: list[LayoutDOM] = [Div(text="\n".join(parts), stylesheets=[_CSS], sizing_mode="stretch_width")]
     if recorded:
-        out += [
-            "<h2>Timeline</h2>",
-            _legend(
-                [(p, PHASE_COLOURS[p]) for p in PHASES]
-                if stats.trainers
-                else [
-                    ("fit (task)", PHASE_COLOURS["fit"]),
-                    ("wait (share of the task waiting for data, drawn from its start)", PHASE_COLOURS["wait"]),
-                ]
-            ),
-            _timeline_svg(stats, trainers, t0, span),
-        ]
+        items.append(_timeline_figure(stats, trainers, t0, span))
     if stats.trainers:
         for name, lines in _step_lines(trainers, t0, span).items():
-            out += [f"<h2>{_e(name.capitalize())}</h2>", _chart_svg(name, lines, span, log=True)]
-        out.append(
-            _legend([(t.trainer, _SERIES_COLOURS[i % len(_SERIES_COLOURS)]) for i, t in enumerate(stats.trainers)])
-        )
+            items.append(_chart(name.capitalize(), lines, span, log=True))
     if stats.rounds:
         xs, ys = _round_scores(stats, t0)
-        out += [
-            "<h2>Score per round</h2>",
-            _chart_svg("score", [("score", _SERIES_COLOURS[0], xs, ys)], span, log=False),
-        ]
-    out += ["</body>", "</html>", ""]
-    return "\n".join(out)
+        items.append(_chart("Score per round", [("score", _SERIES_COLOURS[0], xs, ys)], span, log=False))
+    return column(*items, sizing_mode="stretch_width")
+
+
+def to_html(stats: TrainingStats) -> str:
+    """One self-contained HTML page of ``stats`` (:func:`report`), Bokeh's scripts inline, so that it
+    opens offline and can be mailed or archived as is."""
+    return file_html(report(stats), INLINE, title=f"Training statistics: {stats.approach}")
+
+
+def _timeline_figure(stats: TrainingStats, trainers: list[_Trainer], t0: float, span: float) -> figure:
+    """A row per trainer (or worker) from the top, its rectangles coloured by phase."""
+    rows = _row_bars(stats, trainers, t0, span)
+    data: dict[str, list[Any]] = {k: [] for k in ("left", "right", "bottom", "top", "phase", "colour", "row")}
+    for i, (_, tip, bars) in enumerate(rows):
+        for code, start, end, lo, hi in bars:
+            phase = PHASES[code]
+            if not stats.trainers:
+                phase = "fit (task)" if phase == "fit" else "wait (share of the task waiting for data)"
+            data["left"].append(start)
+            data["right"].append(end)
+            data["bottom"].append(i + 0.1 + 0.8 * (1 - hi))
+            data["top"].append(i + 0.1 + 0.8 * (1 - lo))
+            data["phase"].append(phase)
+            data["colour"].append(PHASE_COLOURS[PHASES[code]])
+            data["row"].append(tip)
+    fig = figure(
+        title="Timeline",
+        height=max(170, 60 + 24 * len(rows)),  # room for the legend of five phases
+        sizing_mode="stretch_width",
+        x_range=(0, span),
+        y_range=(len(rows), 0),
+        x_axis_label="seconds from the start",
+        tools="pan,xwheel_zoom,box_zoom,reset,save",
+        tooltips=[("", "@row"), ("phase", "@phase"), ("seconds", "@left{0.000} to @right{0.000}")],
+    )
+    fig.quad("left", "right", "top", "bottom", source=ColumnDataSource(data), color="colour", legend_field="phase")
+    fig.yaxis.ticker = [i + 0.5 for i in range(len(rows))]
+    fig.yaxis.major_label_overrides = {i + 0.5: _short(label) for i, (label, _, _) in enumerate(rows)}
+    fig.ygrid.visible = False
+    if data["phase"]:
+        fig.add_layout(fig.legend[0], "right")
+    return fig
+
+
+def _chart(title: str, lines: list[tuple[str, str, np.ndarray, np.ndarray]], span: float, log: bool) -> figure:
+    fig = figure(
+        title=title,
+        height=240,
+        sizing_mode="stretch_width",
+        x_range=(0, span),
+        y_axis_type="log" if log else "linear",
+        x_axis_label="seconds from the start",
+        tools="pan,wheel_zoom,box_zoom,reset,save",
+        tooltips=[("", "@label"), ("s", "@x{0.000}"), (title.lower(), "@y{0.000a}")],
+    )
+    for label, colour, xs, ys in lines:
+        if len(ys):
+            source = ColumnDataSource({"x": xs, "y": ys, "label": [label] * len(xs)})
+            fig.line("x", "y", source=source, color=colour, legend_label=_short(label))
+            if len(ys) == 1:
+                fig.scatter("x", "y", source=source, color=colour, size=5)
+    if fig.legend:
+        fig.add_layout(fig.legend[0], "right")
+        fig.legend.click_policy = "hide"
+    return fig
 
 
 # -- PNG -------------------------------------------------------------------------------------------

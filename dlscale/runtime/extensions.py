@@ -9,16 +9,22 @@ feature installs on every use instead of tracking what each cluster already has.
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from dlscale import config, registry
+
 if TYPE_CHECKING:
     from distributed import Client
     from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
     from distributed.scheduler import Scheduler
+
+
+logger = logging.getLogger("dlscale")
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,23 @@ def install(client: Client, *extensions: Extension) -> None:
         for i in client.run_on_scheduler(_prepare, wanted, setups):
             client.register_plugin(plugins[wanted[i]], name=wanted[i][1])
         state.names.update(e.name for e in todo)
+
+
+def install_dashboard_pages(client: Client) -> None:
+    """Install the registered dashboard pages (registry kind ``dashboard_page``: dlscale's training
+    page, and any a plug-in adds) on the cluster of ``client``, as a context does when it starts, so
+    that they are served before the first fit; nothing where ``dlscale.panel`` is off. A scheduler
+    that cannot take them (one without dlscale, say) is warned about, not refused: the context works
+    without its pages."""
+    if not config.get("panel"):
+        return
+    pages = registry.get("dashboard_page")
+    try:
+        install(client, *(pages.lookup(name) for name in pages.names()))
+    except Exception as e:
+        logger.warning(
+            "the dashboard of %s has no dlscale pages: %s: %s", client.scheduler.address, type(e).__name__, e
+        )
 
 
 def _name(plugin: SchedulerPlugin | WorkerPlugin) -> str:

@@ -21,6 +21,7 @@ from distributed import Client
 from dlscale.monitor import panel
 from dlscale.monitor.progress import Progress
 from dlscale.monitor.stats import TrainingStats
+from dlscale.nn import shipping
 from dlscale.nn.listeners import TrainingListener
 from dlscale.nn.network import Network
 from dlscale.training import _worker
@@ -53,7 +54,7 @@ def workers(client: Client) -> list[str]:
 class FitRun:
     """One fit of ``master`` on ``batches`` for ``epochs`` epochs, used as a context manager.
 
-    On entry the network (pickled in ``blob``) is scattered once: :attr:`blob` is its future and
+    On entry the network (pickled in ``blob``) is sent once to every worker: :attr:`blob` is its future and
     :attr:`replicas` the keys under which workers keep an unpickled copy (a master that keeps several
     per worker lists them there). A step's report goes to :meth:`step`. On a clean exit the epoch
     counter moves on by ``epochs`` and the statistics are recorded; after an error the network's
@@ -78,7 +79,7 @@ class FitRun:
         self._progress: Progress | None = None
 
     def __enter__(self) -> FitRun:
-        self.blob = self.client.scatter([self._blob], hash=False)[0]
+        self.blob = shipping.ship_blob(self.client, self._blob)  # on every worker: one copy would die with its worker
         self.replicas = [self.blob.key]
         return self
 
@@ -86,6 +87,10 @@ class FitRun:
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
         try:
+            if self._progress is not None:
+                self._progress.close()
+            if error is None and self.stats is not None:
+                panel.record_phases(self.client, self.fit_id, self.stats)
             panel.close_fit(self.client, self.fit_id)
             alive = set(self.client.scheduler_info(n_workers=-1)["workers"])  # a lost worker would take a timeout
             self.client.run(
@@ -116,16 +121,10 @@ class FitRun:
         self.client.submit(_worker.probe, key, self.blob, b.refs[0], b.loader, pure=False).result()
 
     def show_progress(self, fit: str | None = None) -> None:
-        """Open the fit's record in the dashboard panel (under ``fit``, or a new id) and the progress bar."""
+        """Open the fit's record in the dashboard panel (under ``fit``, or a new id) and its progress."""
         total = len(self.batches.refs)
         self.fit_id = panel.open_fit(self.client, self.master.approach, self.epochs * total, fit=fit)
-        self._progress = Progress(
-            self.master.approach,
-            total,
-            self.epochs,
-            self.first_epoch,
-            panel_url=panel.url(self.client, self.fit_id),
-        )
+        self._progress = Progress(self.master.approach, total, self.epochs, self.first_epoch)
 
     def step(
         self,
@@ -138,13 +137,15 @@ class FitRun:
     ) -> None:
         """A step done in epoch ``epoch`` of the fit: ``minibatches`` trained on ``examples`` examples
         with mean loss ``score``, moving the network on by ``iterations``; ``rows`` go to the panel.
-        Advances the bar, the network's counters and calls every listener."""
+        Advances the progress, the network's counters and calls every listener."""
         network = self.network
         network.iteration += iterations
         network.epoch = max(network.epoch, self.first_epoch + epoch)
         if self._progress is not None:
-            self._progress.advance(minibatches, examples, score)
+            self._progress.advance(epoch, minibatches, examples, score)
         if rows:
             panel.record(self.client, self.fit_id, rows)
+            if self.stats is not None:
+                panel.record_phases(self.client, self.fit_id, self.stats)
         for listener in self.listeners:
             listener.iteration_done(network, network.iteration, self.first_epoch + epoch, score, examples)

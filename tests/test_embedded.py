@@ -1,0 +1,136 @@
+"""The embedded cluster of ``local[N]``: scripts without a main guard run, workers are restarted by
+their nannies, and no process outlives the script, whether it ends, crashes or is interrupted."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from dlscale import SparkContext
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _marked(mark: str) -> list[psutil.Process]:
+    """The running processes whose environment carries ``mark`` (every descendant of a script inherits it)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("DLSCALE_TEST_MARK") == mark and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def _left_behind(mark: str, within: float) -> list[psutil.Process]:
+    deadline = time.monotonic() + within
+    while (left := _marked(mark)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def _script_env(storage_root: Path, mark: str) -> dict[str, str]:
+    return {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "DASK_DLSCALE__STORAGE__ROOT": str(storage_root),
+        "DLSCALE_TEST_MARK": mark,
+    }
+
+
+def test_readme_example_runs_as_a_script_without_a_main_guard(tmp_path: Path) -> None:
+    example = re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    assert "__main__" not in example and 'SparkContext("local[2]")' in example
+    (tmp_path / "wordcount.py").write_text(example)
+    (tmp_path / "root" / "demo" / "text").mkdir(parents=True)
+    (tmp_path / "root" / "demo" / "text" / "part-0.txt").write_text("a b a c\nb a d\n")
+    (tmp_path / "root" / "demo" / "text" / "part-1.txt").write_text("c a b\ne a\n")
+    mark = uuid.uuid4().hex
+    done = subprocess.run(
+        [sys.executable, "wordcount.py"],
+        cwd=tmp_path,
+        env=_script_env(tmp_path / "root", mark),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "[('a', 5), ('b', 3), ('c', 2), ('d', 1), ('e', 1)]\n"
+    assert "Traceback" not in done.stderr and "Error" not in done.stderr, done.stderr
+    assert _left_behind(mark, within=5) == []
+
+
+SLEEPER = """
+import sys, time
+from dlscale import SparkContext
+
+with SparkContext("local[2]") as sc:
+    print(sc.parallelize(range(4), 2).map(lambda x: x * x).sum(), flush=True)
+    sc.parallelize(range(2), 2).foreach(lambda _: time.sleep(600))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["crash", "ctrl-c"])
+def test_no_process_outlives_an_interrupted_script(tmp_path: Path, sig: signal.Signals) -> None:
+    """A crashed script (``SIGKILL``: no cleanup at all) and a Ctrl-C (``SIGINT`` to the terminal's
+    process group) leave no nanny or worker running; a Ctrl-C ends the script with its own traceback."""
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    mark = uuid.uuid4().hex
+    proc = subprocess.Popen(
+        [sys.executable, "sleeper.py"],
+        cwd=tmp_path,
+        env=_script_env(tmp_path, mark),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal gives a foreground job
+    )
+    try:
+        assert proc.stdout.readline() == "14\n"
+        assert len(_marked(mark)) >= 5  # the script, 2 nanny processes and their 2 workers
+        time.sleep(1)  # the workers are in their tasks
+        os.killpg(proc.pid, sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert _left_behind(mark, within=30) == []
+    if sig == signal.SIGINT:
+        assert err.rstrip().endswith("KeyboardInterrupt") and "sleeper.py" in err, err
+
+
+def _worker_pids(ctx: SparkContext) -> list[int]:
+    try:
+        return list(ctx.client.run(os.getpid).values())
+    except OSError:  # a worker left between the scheduler's answer and the call
+        return []
+
+
+def test_a_killed_worker_is_restarted_by_its_nanny() -> None:
+    with SparkContext("local[1]") as ctx:
+        (before,) = _worker_pids(ctx)
+        os.kill(before, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while (pids := _worker_pids(ctx)) in ([], [before]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(pids) == 1 and pids != [before]
+        assert ctx.parallelize(range(10), 2).sum() == 45
+
+
+def test_a_module_on_the_driver_path_imports_on_the_workers(tmp_path: Path, monkeypatch) -> None:
+    """As a module next to the script: functions of an importable module are sent by reference."""
+    (tmp_path / "next_to_the_script.py").write_text("def triple(x):\n    return 3 * x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import next_to_the_script
+
+    with SparkContext("local[1]") as ctx:
+        assert ctx.parallelize([1, 2], 2).map(next_to_the_script.triple).collect() == [3, 6]
