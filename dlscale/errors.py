@@ -41,6 +41,18 @@ class BroadcastDestroyedError(DlscaleError, RuntimeError):
     """A broadcast variable used after ``destroy()``."""
 
 
+class AccumulatorAccessError(DlscaleError, RuntimeError):
+    """An accumulator's value read or set in a task (only the driver may), or added to outside an RDD operation."""
+
+
+class CheckpointError(DlscaleError, RuntimeError):
+    """``checkpoint()`` called before ``SparkContext.setCheckpointDir``."""
+
+
+class JobCancelledError(DlscaleError, RuntimeError):
+    """An action whose job was cancelled (``cancelJobGroup``, ``cancelJobsWithTag``, ``cancelAllJobs``)."""
+
+
 class UserStopIterationError(DlscaleError, RuntimeError):
     """A function given to an RDD operation raised ``StopIteration``: the task fails (as in PySpark) rather
     than let the loop over the partition that called the function end early and drop elements silently."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 
 import dask
@@ -166,3 +167,11 @@ def test_stopped_context_refuses_work() -> None:
     ctx.stop()  # idempotent
     with pytest.raises(RuntimeError, match="stopped"):
         rdd.collect()
+
+
+def test_first_partition_result_does_not_import_torch() -> None:
+    """Sizing a partition on a worker must not run the lazy ``dask.sizeof`` registration of dlscale's
+    types, which imports torch: seconds added to every new worker's first task."""
+    with SparkContext("local[1]") as ctx:
+        assert ctx.parallelize(range(8), 2).collect() == list(range(8))
+        assert ctx.client.run(lambda: "torch" in sys.modules) == dict.fromkeys(ctx.client.run(os.getpid), False)

@@ -4,27 +4,37 @@ Every RDD operation is one of four shapes: partition-wise (narrow), a selection 
 partitions (union, coalesce), an all-to-all shuffle (wide), or a tree reduction (actions).
 Tasks use dask's task-spec classes, so user data embedded in a graph is never mistaken for a
 task, and dask's bag optimizer fuses chains of narrow operations into one task per partition.
+
+Every task that runs user functions gathers their accumulator additions as the record of its
+partition (:func:`dlscale.facade.accumulators.collecting`) and hands its result the records of its
+inputs and its own (``updates`` of a :class:`Partition` or a reduction's :class:`Carried`), so that
+the results an action brings back carry the records of every task behind them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-import operator
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 from dask._task_spec import Alias, DataNode, List, Task, TaskRef
-from dask.bag import Bag
+from dask.bag import Bag, Item
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
+from dask.sizeof import sizeof
 from distributed.protocol import (
     dask_deserialize,
     dask_serialize,
     deserialize,
     serialize,
 )
+
+from dlscale.facade.accumulators import Updates, collecting
+from dlscale.facade.jobs import interruptible
+from dlscale.facade.taskcontext import running
 
 if TYPE_CHECKING:
     from distributed import Client, Future
@@ -37,19 +47,64 @@ class Partition(list):
 
     Dask sends a plain ``list`` between processes element by element (tens of microseconds per
     element); a ``Partition`` crosses as one serialized unit, with tensors still sent as raw
-    buffers.
+    buffers. ``updates`` are the accumulator records of the tasks that made it.
     """
+
+    updates: Updates | None = None
 
 
 @dask_serialize.register(Partition)
 def _serialize_partition(p: Partition) -> tuple[dict, list]:
     header, frames = serialize(list(p), serializers=("dask", "pickle"))
-    return {"elements": header}, frames
+    if not p.updates:
+        return {"elements": header}, frames
+    updates_header, updates_frames = serialize(p.updates, serializers=("pickle",), on_error="raise")
+    return {"elements": header, "updates": updates_header, "split": len(frames)}, frames + updates_frames
 
 
 @dask_deserialize.register(Partition)
 def _deserialize_partition(header: dict, frames: list) -> Partition:
-    return Partition(deserialize(header["elements"], frames))
+    n = header.get("split", len(frames))
+    p = Partition(deserialize(header["elements"], frames[:n]))
+    if "updates" in header:
+        p.updates = deserialize(header["updates"], frames[n:])
+    return p
+
+
+class Carried:
+    """A reduction's partial result with the accumulator records of the tasks behind it."""
+
+    def __init__(self, value: Any, updates: Updates) -> None:
+        self.value = value
+        self.updates = updates
+
+
+def carried(values: Iterable[Any]) -> Updates:
+    """The accumulator records that ``values`` (a task's inputs, an action's results) carry: those of
+    partitions and reduction results, and of the partitions in a list (a shuffle's buckets)."""
+    out: Updates = {}
+    for v in values:
+        if isinstance(v, (Partition, Carried)):
+            if v.updates:
+                out.update(v.updates)
+        elif type(v) is list:
+            out.update(carried(v))
+    return out
+
+
+def _with_records(out: Partition, inputs: Iterable[Any], own: Updates) -> Partition:
+    updates = {**carried(inputs), **own}
+    if updates:
+        out.updates = updates
+    return out
+
+
+@sizeof.register(Partition)
+def _sizeof_partition(p: Partition) -> int:
+    """Dask's estimate for a list. Registered for the class itself: Dask would otherwise run the lazy
+    registration for every ``dlscale`` type on sizing the first partition, which imports torch (seconds
+    of a worker's first task)."""
+    return sizeof.dispatch(list)(p)
 
 
 def _name(prefix: str, *token_args: Any) -> str:
@@ -62,10 +117,28 @@ def _bag(name: str, dsk: dict, parents: Sequence[Bag], npartitions: int) -> Bag:
     return Bag(graph, name, npartitions)
 
 
+@contextlib.contextmanager
+def _task(key: Any) -> Iterator[Updates]:
+    """Around the user's functions of the task for partition ``key``: its ``TaskContext``, its accumulator
+    record (yielded), and the mark that lets a cancelled job interrupt it."""
+    with interruptible(), running(key), collecting(key) as own:
+        yield own
+
+
+def compute_partition(key: Any, func: Callable[..., Iterable[Any]], *args: Any) -> Partition:
+    """``func(*args)`` as a :class:`Partition`, the partition ``key`` of its graph, carrying the accumulator
+    records of the partitions in ``args`` and its own."""
+    with _task(key) as own:
+        out = func(*args)
+        if not isinstance(out, Partition) or any(out is a for a in args):
+            out = Partition(out)  # a new one: an input may be held (persisted) and must keep its records
+    return _with_records(out, args, own)
+
+
 def partition_of(func: Callable[..., Iterable[Any]], *args: Any) -> Partition:
-    """``func(*args)`` as a :class:`Partition`."""
-    out = func(*args)
-    return out if isinstance(out, Partition) else Partition(out)
+    """``func(*args)`` as a :class:`Partition`, in a task that is no partition of a graph (its records
+    are told apart by their run alone)."""
+    return compute_partition(None, func, *args)
 
 
 def _load_partition(blob: bytes) -> Partition:
@@ -90,7 +163,9 @@ def from_calls(prefix: str, calls: Sequence[tuple[Callable[..., Iterable[Any]], 
     """A bag whose partition ``i`` is ``list(func(*args))`` for ``calls[i] = (func, args)``."""
     name = _name(prefix)
     dsk = {
-        (name, i): Task((name, i), partition_of, DataNode(None, func), *[DataNode(None, a) for a in args])
+        (name, i): Task(
+            (name, i), compute_partition, (name, i), DataNode(None, func), *[DataNode(None, a) for a in args]
+        )
         for i, (func, args) in enumerate(calls)
     }
     return _bag(name, dsk, [], len(calls))
@@ -109,14 +184,16 @@ def partitionwise(prefix: str, func: Callable[..., Iterable[Any]], *parents: Bag
     fn = DataNode(None, func)
     extra = [shared] if shared is not None else []
     dsk = {
-        (name, i): Task((name, i), partition_of, fn, i, *extra, *[TaskRef((p.name, i)) for p in parents])
+        (name, i): Task(
+            (name, i), compute_partition, (name, i), fn, i, *extra, *[TaskRef((p.name, i)) for p in parents]
+        )
         for i in range(n)
     }
     return _bag(name, dsk, parents, n)
 
 
 def _concat(*parts: Iterable[Any]) -> Partition:
-    return Partition(itertools.chain.from_iterable(parts))
+    return _with_records(Partition(itertools.chain.from_iterable(parts)), parts, {})
 
 
 def select(prefix: str, sources: Sequence[Sequence[tuple[Bag, int]]], parents: Sequence[Bag]) -> Bag:
@@ -134,7 +211,17 @@ def select(prefix: str, sources: Sequence[Sequence[tuple[Bag, int]]], parents: S
 
 
 def _pick(buckets: list, j: int) -> Partition:
-    return partition_of(operator.getitem, buckets, j)
+    return _with_records(buckets[j], buckets, {})
+
+
+def _split(key: Any, split: Callable[[int, Iterable[Any]], list], i: int, part: Any) -> list[Partition]:
+    """A shuffle's split of partition ``i``; every bucket carries the records (they travel on, once each)."""
+    with _task(key) as own:
+        buckets = split(i, part)
+    updates = {**carried([part]), **own}
+    for bucket in buckets if updates else ():
+        bucket.updates = updates
+    return buckets
 
 
 def shuffle(
@@ -157,12 +244,12 @@ def shuffle(
     merge_fn = DataNode(None, merge)
     dsk: dict = {}
     for i in range(bag.npartitions):
-        dsk[(split_name, i)] = Task((split_name, i), split, i, TaskRef((bag.name, i)))
+        dsk[(split_name, i)] = Task((split_name, i), _split, (split_name, i), split, i, TaskRef((bag.name, i)))
         for j in range(npartitions):
             dsk[(pick_name, i, j)] = Task((pick_name, i, j), _pick, TaskRef((split_name, i)), j)
     for j in range(npartitions):
         refs = List(*[TaskRef((pick_name, i, j)) for i in range(bag.npartitions)])
-        dsk[(name, j)] = Task((name, j), partition_of, merge_fn, j, refs)
+        dsk[(name, j)] = Task((name, j), compute_partition, (name, j), merge_fn, j, refs)
     return _bag(name, dsk, [bag], npartitions)
 
 
@@ -174,8 +261,47 @@ def product(prefix: str, left: Bag, right: Bag, func: Callable[[list, list], Ite
     for i in range(left.npartitions):
         for j in range(right.npartitions):
             key = (name, i * right.npartitions + j)
-            dsk[key] = Task(key, partition_of, fn, TaskRef((left.name, i)), TaskRef((right.name, j)))
+            dsk[key] = Task(key, compute_partition, key, fn, TaskRef((left.name, i)), TaskRef((right.name, j)))
     return _bag(name, dsk, [left, right], left.npartitions * right.npartitions)
+
+
+def _reduce_partition(key: Any, per_partition: Callable[[Any], Any], part: Any) -> Carried:
+    with _task(key) as own:
+        value = per_partition(part)
+    return Carried(value, {**carried([part]), **own})
+
+
+def _reduce_results(key: Any, combine: Callable[[list], Any], parts: list[Carried]) -> Carried:
+    with _task(key) as own:
+        value = combine([p.value for p in parts])
+    return Carried(value, {**carried(parts), **own})
+
+
+def reduction(
+    prefix: str, bag: Bag, per_partition: Callable[[Any], Any], combine: Callable[[list], Any], split_every: int
+) -> Item:
+    """``combine`` over ``per_partition`` of every partition, in a tree of ``split_every`` inputs per task;
+    computes to a :class:`Carried`. Unlike Dask's ``Bag.reduction``, an empty partition is not skipped:
+    the functions of its task may have added to accumulators, and ``per_partition`` gets every partition."""
+    name = _name(prefix)
+    dsk: dict = {}
+    level = []
+    for i in range(bag.npartitions):
+        key = (f"{name}-partition", i)
+        dsk[key] = Task(key, _reduce_partition, key, DataNode(None, per_partition), TaskRef((bag.name, i)))
+        level.append(key)
+    combine_fn = DataNode(None, combine)
+    depth = 0
+    while len(level) > 1 or depth == 0:
+        groups = [level[j : j + split_every] for j in range(0, len(level), split_every)]
+        level = []
+        for j, group in enumerate(groups):
+            key = (f"{name}-combine-{depth}", j)
+            dsk[key] = Task(key, _reduce_results, key, combine_fn, List(*[TaskRef(k) for k in group]))
+            level.append(key)
+        depth += 1
+    dsk[name] = Alias(name, level[0])
+    return Item(HighLevelGraph.from_collections(name, dsk, dependencies=[bag]), name)
 
 
 class PartitionJobs:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import itertools
 import os
 import re
 import shutil
@@ -24,9 +25,18 @@ from distributed.diagnostics.plugin import UploadFile
 from dlscale import __version__, config, storage
 from dlscale.errors import ClusterConnectionError, DlscaleError, MasterURLError
 from dlscale.facade import _graph, _io, _ops, persist
+from dlscale.facade.accumulators import (
+    COMPLEX_ACCUMULATOR_PARAM,
+    FLOAT_ACCUMULATOR_PARAM,
+    INT_ACCUMULATOR_PARAM,
+    Accumulator,
+    AccumulatorParam,
+    Accumulators,
+)
 from dlscale.facade.broadcast import Broadcast
 from dlscale.facade.conf import SparkConf, spark_size_to_bytes
 from dlscale.facade.embedded import EmbeddedCluster
+from dlscale.facade.jobs import INTERRUPT_ON_CANCEL, JOB_DESCRIPTION, JOB_GROUP, Jobs
 from dlscale.facade.rdd import RDD
 from dlscale.runtime.cluster import cluster_workers
 from dlscale.runtime.extensions import install_dashboard_pages
@@ -143,6 +153,10 @@ class SparkContext:
         self._persisted: weakref.WeakValueDictionary[int, RDD] = weakref.WeakValueDictionary()
         self._disk_blocks = persist.DiskBlocks(self)
         self._broadcasts: weakref.WeakSet[Broadcast] = weakref.WeakSet()
+        self._accumulators = Accumulators()
+        self._jobs = Jobs()
+        self._checkpoint_dir: tuple[str, dict[str, Any] | None] | None = None  # URL, storage options
+        self._to_checkpoint: weakref.WeakSet[RDD] = weakref.WeakSet()  # marked, not yet checkpointed
         self._py_files: str | None = None  # the driver's copies of addPyFile's files, made on first use
         self._py_paths: list[str] = []  # what addPyFile put on the driver's sys.path
         self._stopped = False
@@ -342,6 +356,85 @@ class SparkContext:
         """Send ``value`` to every worker once; tasks read it through ``.value``."""
         return Broadcast(self, value)
 
+    def accumulator(self, value: Any, accum_param: AccumulatorParam | None = None) -> Accumulator:
+        """An :class:`~dlscale.facade.accumulators.Accumulator` starting at ``value``: tasks add to it, the
+        driver reads ``.value``. ``accum_param`` says how to add values (``zero``, ``addInPlace``); ints,
+        floats and complex numbers have one by default. Additions in a task reach the driver with the task's
+        result; each task of an action counts once, however often it ran (docs/facade.md)."""
+        if accum_param is None:
+            if isinstance(value, int):
+                accum_param = INT_ACCUMULATOR_PARAM
+            elif isinstance(value, float):
+                accum_param = FLOAT_ACCUMULATOR_PARAM
+            elif isinstance(value, complex):
+                accum_param = COMPLEX_ACCUMULATOR_PARAM
+            else:
+                raise TypeError(f"No default accumulator param for type {type(value)}")
+        return self._accumulators.new(value, accum_param)
+
+    def setCheckpointDir(self, dirName: str, *, storage_options: dict[str, Any] | None = None) -> None:
+        """Checkpoint RDDs under ``dirName`` (a local path or any fsspec URL), in a new directory of this
+        context's own there, as Spark does."""
+        fs, root = storage.open_fs(dirName, storage_options)
+        path = f"{root.rstrip('/')}/{uuid.uuid4()}"
+        with storage.as_storage_error("create", dirName):
+            fs.makedirs(path, exist_ok=True)
+        self._checkpoint_dir = (fs.unstrip_protocol(path), storage_options)
+
+    def getCheckpointDir(self) -> str | None:
+        """The directory RDDs are checkpointed in, or ``None`` before ``setCheckpointDir``."""
+        return None if self._checkpoint_dir is None else self._checkpoint_dir[0]
+
+    # -- job control -----------------------------------------------------------------------
+    def setLocalProperty(self, key: str, value: str | None) -> None:
+        """Set a property of the jobs this thread starts (``None`` removes it); tasks read it through
+        ``TaskContext.getLocalProperty``."""
+        self._jobs.set_property(key, value)
+
+    def getLocalProperty(self, key: str) -> str | None:
+        """This thread's local property ``key``, or ``None``."""
+        return self._jobs.properties().get(key)
+
+    def setJobGroup(self, groupId: str, description: str, interruptOnCancel: bool = False) -> None:
+        """Put the jobs this thread starts in group ``groupId`` (``cancelJobGroup`` cancels them). A
+        cancelled job's running tasks are always interrupted: ``interruptOnCancel`` is kept as a property."""
+        self._jobs.set_property(JOB_GROUP, groupId)
+        self._jobs.set_property(JOB_DESCRIPTION, description)
+        self._jobs.set_property(INTERRUPT_ON_CANCEL, str(bool(interruptOnCancel)).lower())
+
+    def setJobDescription(self, value: str) -> None:
+        """Describe the jobs this thread starts."""
+        self._jobs.set_property(JOB_DESCRIPTION, value)
+
+    def addJobTag(self, tag: str) -> None:
+        """Tag the jobs this thread starts with ``tag`` (not empty, no comma)."""
+        self._jobs.add_tag(tag)
+
+    def removeJobTag(self, tag: str) -> None:
+        """Stop tagging this thread's jobs with ``tag`` (nothing happens if it was not added)."""
+        self._jobs.remove_tag(tag)
+
+    def getJobTags(self) -> set[str]:
+        """The tags of the jobs this thread starts."""
+        return self._jobs.tags()
+
+    def clearJobTags(self) -> None:
+        """Remove all of this thread's job tags."""
+        self._jobs.set_tags(set())
+
+    def cancelJobGroup(self, groupId: str) -> None:
+        """Cancel the running jobs of group ``groupId``: their waiting tasks never start, their running tasks
+        are interrupted, and the threads that started them raise ``JobCancelledError``."""
+        self._jobs.cancel_group(self.client, groupId)
+
+    def cancelJobsWithTag(self, tag: str) -> None:
+        """Cancel the running jobs tagged ``tag``, as ``cancelJobGroup`` does."""
+        self._jobs.cancel_tag(self.client, tag)
+
+    def cancelAllJobs(self) -> None:
+        """Cancel every running job of this context, as ``cancelJobGroup`` does."""
+        self._jobs.cancel_all(self.client)
+
     def addPyFile(self, path: str, *, storage_options: dict[str, Any] | None = None) -> None:
         """Make a ``.py`` module or a ``.zip`` / ``.egg`` of packages importable on every worker, those
         that join later included (Dask's upload plugin), and on the driver until this context stops (as
@@ -447,9 +540,15 @@ class SparkContext:
             raise ValueError(f"numSlices must be at least 1, got {numSlices}")
         return numSlices
 
-    def _compute(self, collection: Any) -> Any:
+    def _compute(self, collection: Any, action: set | None = None) -> Any:
+        """The result of an action's graph, after adding the accumulator records it brought back (``action``:
+        the partitions whose records an earlier part of the same action added, see ``Accumulators.deliver``).
+        A reduction's result is unwrapped; a bag is computed partition by partition, so that each keeps its
+        records, and comes back as Dask returns it (its elements in one list)."""
+        if isinstance(collection, Bag):
+            return list(itertools.chain.from_iterable(self._compute(collection.to_delayed(), action)))
         try:
-            return self.client.compute(collection, sync=True)
+            result = self._jobs.run(self.client, collection)
         except TypeError as e:
             # a dlscale error raised while Dask serialized the graph is the real cause: raise that
             cause = e.__cause__ or e.__context__
@@ -458,6 +557,8 @@ class SparkContext:
             if cause is None:
                 raise
             raise cause from None
+        self._accumulators.deliver(_graph.carried(result if isinstance(result, list) else [result]), action)
+        return result.value if isinstance(result, _graph.Carried) else result
 
     def __repr__(self) -> str:
         return f"<SparkContext master={self.master} appName={self.appName}>"

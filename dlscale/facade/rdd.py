@@ -23,6 +23,7 @@ import dask
 from dask.utils import funcname
 from distributed import Future
 
+from dlscale.errors import CheckpointError
 from dlscale.facade import _graph, _hll, _io, _ops, persist
 from dlscale.facade._hash import portable_hash
 from dlscale.facade._sampling import RangeSampler, Sampler, fraction_for_sample_size
@@ -68,6 +69,9 @@ class RDD:
         self._id: int | None = None  # given on first use, see id()
         self._name: str | None = None
         self._stored: Any = None  # dlscale.persist.Stored when persisted
+        self._checkpoint_mark: str | None = None  # "reliable" or "local", once checkpoint() is called
+        self._checkpointed = False  # written (reliable) or persisted (local) by an action since marked
+        self._checkpoint_file: str | None = None
 
     @property
     def _bag(self) -> Bag:
@@ -119,13 +123,20 @@ class RDD:
         return self._derive(_graph.partitionwise(prefix, func, self._bag), self.partitioner if preserves else None)
 
     def _reduce(self, per_partition: Callable, combine: Callable, split_every: int = 8) -> Any:
-        return self.ctx._compute(self._bag.reduction(per_partition, combine, split_every=split_every))
+        bag = self._bag
+        result = self.ctx._compute(_graph.reduction("reduce", bag, per_partition, combine, split_every))
+        self._checkpoint_lineage(bag)
+        return result
 
-    def _run_partitions(self, func: Callable, partitions: Iterable[int]) -> list:
-        """``func(partition)`` for the given partitions only (``SparkContext.runJob``)."""
-        parts = self._bag.to_delayed()
+    def _run_partitions(self, func: Callable, partitions: Iterable[int], action: set | None = None) -> list:
+        """``func(partition)`` for the given partitions only (``SparkContext.runJob``); ``action`` as in
+        :meth:`SparkContext._compute`."""
+        bag = self._bag
+        parts = bag.to_delayed()
         tasks = [dask.delayed(_graph.partition_of)(func, parts[i]) for i in partitions]
-        return list(self.ctx._compute(tasks)) if tasks else []
+        result = list(self.ctx._compute(tasks, action)) if tasks else []
+        self._checkpoint_lineage(bag)
+        return result
 
     # -- narrow transformations ----------------------------------------------------------
     def map(self, f: Callable[[Any], Any], preservesPartitioning: bool = False) -> RDD:
@@ -463,6 +474,7 @@ class RDD:
         items: list = []
         total = self.getNumPartitions()
         scanned = 0
+        action: set = set()  # the rounds are one action for accumulators
         while len(items) < num and scanned < total:
             to_try = 1
             if scanned > 0:
@@ -471,7 +483,9 @@ class RDD:
                 else:
                     to_try = min(max(int(1.5 * num * scanned / len(items)) - scanned, 1), scanned * 4)
             left = num - len(items)
-            for part in self._run_partitions(partial(_ops.take, left), range(scanned, min(scanned + to_try, total))):
+            for part in self._run_partitions(
+                partial(_ops.take, left), range(scanned, min(scanned + to_try, total)), action
+            ):
                 items.extend(part)
             scanned += to_try
         return items[:num]
@@ -713,11 +727,14 @@ class RDD:
         partitions share (a shuffle's map side) is computed once and kept on the workers until the
         iteration ends or the iterator is dropped."""
         jobs = _graph.PartitionJobs(self.ctx.client, self._bag)
+        action: set = set()  # the iteration is one action for accumulators
         pending = None
         for i in range(len(jobs)):
             future = pending if pending is not None else jobs.submit(i)
             pending = jobs.submit(i + 1) if prefetchPartitions and i + 1 < len(jobs) else None
-            yield from future.result()
+            part = future.result()
+            self.ctx._accumulators.deliver(_graph.carried([part]), action)
+            yield from part
 
     # -- output --------------------------------------------------------------------------
     def saveAsTextFile(
@@ -751,3 +768,51 @@ class RDD:
 
     def getStorageLevel(self) -> StorageLevel:
         return self._stored.level if self._stored is not None else StorageLevel.NONE
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def checkpoint(self) -> None:
+        """Save this RDD in the context's checkpoint directory after the next action that computes it (or
+        an RDD built from it), and from then on read it from there: its lineage is cut. The files are
+        dlscale's safe pickle format (``saveAsPickleFile``): plain data only. Unless the RDD is persisted,
+        saving computes it once more, as in Spark."""
+        if self.ctx._checkpoint_dir is None:
+            raise CheckpointError("Checkpoint directory has not been set in the SparkContext")
+        if self._checkpoint_mark is None:
+            self._checkpoint_mark = "reliable"
+            self.ctx._to_checkpoint.add(self)
+
+    def localCheckpoint(self) -> None:
+        """Mark this RDD for a local checkpoint: persisted at ``MEMORY_AND_DISK`` (unless persisted already)
+        and counted as checkpointed after the next action that computes it. Unlike Spark, the lineage is
+        kept, so a block lost with its worker is computed again rather than failing the job."""
+        if self._checkpoint_mark is None:
+            if self._stored is None:
+                self.persist(StorageLevel.MEMORY_AND_DISK)
+            self._checkpoint_mark = "local"
+            self.ctx._to_checkpoint.add(self)
+
+    def isCheckpointed(self) -> bool:
+        """Whether an action has checkpointed this RDD since ``checkpoint()`` or ``localCheckpoint()``."""
+        return self._checkpointed
+
+    def isLocallyCheckpointed(self) -> bool:
+        """Whether ``localCheckpoint()`` was called."""
+        return self._checkpoint_mark == "local"
+
+    def getCheckpointFile(self) -> str | None:
+        """The directory this RDD was checkpointed to, once it was."""
+        return self._checkpoint_file
+
+    def _checkpoint_lineage(self, bag: Bag) -> None:
+        """After an action on ``bag``: checkpoint the RDDs marked for it that ``bag`` was computed from."""
+        layers = bag.__dask_graph__().layers
+        for rdd in list(self.ctx._to_checkpoint):
+            if rdd._bag.name in layers:
+                self.ctx._to_checkpoint.discard(rdd)
+                if rdd._checkpoint_mark == "reliable":
+                    url, options = self.ctx._checkpoint_dir
+                    path = f"{url}/rdd-{rdd.id()}"
+                    _io.save_as_pickle_file(rdd, path, 10, options)
+                    rdd._bag = _io.pickle_file(path, (), options)
+                    rdd._checkpoint_file = path
+                rdd._checkpointed = True

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from distributed.scheduler import Scheduler
 
 EVERY_WORKER = 2**31  # a replica count meaning "on every worker", those that join later included
+KEEP = 0  # a replica count meaning "the copies there are": none dropped, none added (while a caller places them)
 
 
 class PersistedReplicas(ReduceReplicas):
@@ -43,7 +44,7 @@ class PersistedReplicas(ReduceReplicas):
             if ts is None:
                 del self.desired[key]
                 continue
-            if ts.state != "memory":
+            if ts.state != "memory" or n == KEEP:
                 continue
             for _ in range(min(n, workers) - len(ts.who_has)):
                 yield Suggestion("replicate", ts)
@@ -91,14 +92,16 @@ def _set_desired(keys: Iterable[Any], n: int, dask_scheduler: Any = None) -> Non
     policy = _policy(dask_scheduler)
     if policy is not None:
         for k in keys:
-            if n > 1:
+            if n > 1 or n == KEEP:
                 policy.desired[_key(k)] = n
             else:
                 policy.desired.pop(_key(k), None)
 
 
 def set_replication(client: Client, futures: list, n: int) -> None:
-    """Hold ``n`` replicas of each of ``futures`` (1 returns them to Dask's default)."""
+    """Hold ``n`` replicas of each of ``futures`` (1 returns them to Dask's default; :data:`KEEP` holds the
+    copies there are while the caller places more itself, so that the memory manager neither drops them
+    nor sends its own copies to workers that are receiving the caller's)."""
     install(client, REPLICAS)
     client.run_on_scheduler(_set_desired, [f.key for f in futures], n)
     if n > 1:

@@ -1,0 +1,194 @@
+"""Job control (PySpark's job groups, descriptions, local properties and job tags).
+
+Every action runs as one job: its graph is submitted, and the thread that started it waits for the
+results. Local properties (the job group, the description, the tags, anything set with
+``setLocalProperty``) belong to the thread that sets them, as in PySpark without ``InheritableThread``,
+and the job takes those of its thread. Cancelling a job (``cancelJobGroup``, ``cancelJobsWithTag``,
+``cancelAllJobs``, from any thread) cancels its futures, so that its waiting tasks never start and the
+thread waiting for it raises :class:`~dlscale.errors.JobCancelledError`, and interrupts its running tasks:
+each worker raises an exception in the threads running the job's tasks, which stops them at their next
+Python instruction (a call that blocks in native code, such as a sleep or a read, returns first).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import threading
+from collections.abc import Callable
+from concurrent.futures import CancelledError
+from dataclasses import dataclass, field
+from typing import Any
+
+import dask
+import distributed
+
+from dlscale.errors import JobCancelledError
+from dlscale.facade.taskcontext import ANNOTATION
+
+__all__ = ["Jobs", "interruptible"]
+
+JOB_GROUP = "spark.jobGroup.id"
+JOB_DESCRIPTION = "spark.job.description"
+INTERRUPT_ON_CANCEL = "spark.job.interruptOnCancel"
+JOB_TAGS = "spark.job.tags"
+
+
+class _TaskKilled(Exception):  # noqa: N818 - Spark's name, raised only inside a cancelled task
+    """Raised in a worker thread running a task of a cancelled job."""
+
+
+# worker side: the threads now running dlscale's task code, which an interrupt may stop
+_interruptible: dict[int, int] = {}
+_interruptible_lock = threading.Lock()
+
+
+class interruptible:  # noqa: N801 - used as a context manager
+    """Marks the calling worker thread as running a task's code until the block ends."""
+
+    def __enter__(self) -> None:
+        ident = threading.get_ident()
+        with _interruptible_lock:
+            _interruptible[ident] = _interruptible.get(ident, 0) + 1
+
+    def __exit__(self, *exc: object) -> None:
+        ident = threading.get_ident()
+        with _interruptible_lock:
+            if _interruptible[ident] == 1:
+                del _interruptible[ident]
+            else:
+                _interruptible[ident] -= 1
+
+
+def _interrupt(keys: list[Any], dask_worker: Any = None) -> int:
+    """On a worker: raise :class:`_TaskKilled` in the threads running tasks ``keys``; how many there were."""
+    wanted = set(keys)
+    n = 0
+    with _interruptible_lock:
+        for ident, key in list(dask_worker.active_threads.items()):
+            if key in wanted and ident in _interruptible:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(_TaskKilled))
+                n += 1
+    return n
+
+
+@dataclass
+class _Job:
+    id: int
+    properties: dict[str, str]
+    futures: list[distributed.Future]
+    keys: list[Any]
+    cancelled: str | None = None  # why, once cancelled
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def tags(self) -> set[str]:
+        return _tags(self.properties)
+
+
+def _tags(properties: dict[str, str]) -> set[str]:
+    value = properties.get(JOB_TAGS)
+    return set(value.split(",")) if value else set()
+
+
+def _check_tag(tag: str) -> None:
+    if tag is None:
+        raise ValueError("Spark job tag cannot be null.")
+    if not isinstance(tag, str):
+        raise TypeError(f"a job tag must be a str, got {type(tag).__name__}")
+    if "," in tag:
+        raise ValueError(f"Spark job tag cannot contain ','; got {tag!r}")
+    if not tag:
+        raise ValueError("Spark job tag cannot be an empty string.")
+
+
+class Jobs:
+    """The jobs of one context: the threads' local properties and the jobs now running."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._ids = itertools.count()
+        self._running: dict[int, _Job] = {}
+        self._lock = threading.Lock()
+
+    # -- local properties -----------------------------------------------------------------
+    def properties(self) -> dict[str, str]:
+        """This thread's local properties (the dict itself)."""
+        props = getattr(self._local, "properties", None)
+        if props is None:
+            props = self._local.properties = {}
+        return props
+
+    def set_property(self, key: str, value: str | None) -> None:
+        if not isinstance(key, str):
+            raise TypeError(f"a local property's key must be a str, got {type(key).__name__}")
+        if value is None:
+            self.properties().pop(key, None)
+        else:
+            self.properties()[key] = str(value)
+
+    def tags(self) -> set[str]:
+        return _tags(self.properties())
+
+    def set_tags(self, tags: set[str]) -> None:
+        self.set_property(JOB_TAGS, ",".join(sorted(tags)) if tags else None)
+
+    def add_tag(self, tag: str) -> None:
+        _check_tag(tag)
+        self.set_tags(self.tags() | {tag})
+
+    def remove_tag(self, tag: str) -> None:
+        _check_tag(tag)
+        self.set_tags(self.tags() - {tag})
+
+    # -- running and cancelling -----------------------------------------------------------
+    def run(self, client: distributed.Client, collection: Any) -> Any:
+        """Compute ``collection`` (a Dask collection or a list of them) as a job that may be cancelled."""
+        parts = collection if isinstance(collection, list) else [collection]
+        keys = list({k for c in parts for k in c.__dask_graph__()})
+        job = _Job(next(self._ids), dict(self.properties()), [], keys)
+        with self._lock:
+            self._running[job.id] = job
+        try:
+            with dask.annotate(**{ANNOTATION: {"id": job.id, "properties": job.properties}}):
+                futures = client.compute(collection)
+            with job.lock:
+                job.futures = futures if isinstance(futures, list) else [futures]
+                cancelled = job.cancelled is not None
+            if cancelled:  # cancelled while it was being submitted
+                client.cancel(job.futures, force=True)
+            return client.gather(futures)
+        except CancelledError:
+            if job.cancelled is None:
+                raise
+            raise JobCancelledError(f"Job {job.id} cancelled {job.cancelled}") from None
+        finally:
+            with self._lock:
+                self._running.pop(job.id, None)
+
+    def cancel(self, client: distributed.Client, which: Callable[[_Job], bool], reason: str) -> None:
+        """Cancel the running jobs for which ``which`` holds: their futures, then their running tasks."""
+        with self._lock:
+            jobs = [j for j in self._running.values() if which(j)]
+        keys: list[Any] = []
+        for job in jobs:
+            with job.lock:
+                if job.cancelled is not None:
+                    continue
+                job.cancelled = reason
+                futures = list(job.futures)
+            keys.extend(job.keys)
+            if futures:
+                client.cancel(futures, force=True)
+        if keys:
+            client.run(_interrupt, keys)
+
+    def cancel_group(self, client: distributed.Client, group: str) -> None:
+        self.cancel(client, lambda j: j.properties.get(JOB_GROUP) == group, f"part of cancelled job group {group}")
+
+    def cancel_tag(self, client: distributed.Client, tag: str) -> None:
+        _check_tag(tag)
+        self.cancel(client, lambda j: tag in j.tags, f"part of cancelled job tags {tag}")
+
+    def cancel_all(self, client: distributed.Client) -> None:
+        self.cancel(client, lambda j: True, "as part of cancellation of all jobs")

@@ -1,0 +1,128 @@
+"""``TaskContext`` (PySpark's ``pyspark.TaskContext``): what a task knows about itself.
+
+A task's code runs with a context for the partition it computes; ``TaskContext.get()`` returns it in a
+function given to an RDD operation and ``None`` elsewhere (on the driver). The job's local properties
+travel to the workers as an annotation of the job's tasks; the attempt number is asked of the scheduler
+when first read (the times a worker died while running the task).
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from typing import Any
+
+from distributed import get_worker
+
+__all__ = ["ResourceInformation", "TaskContext"]
+
+ANNOTATION = "dlscale_job"  # {"id": job id, "properties": the local properties of the job's thread}
+
+_local = threading.local()  # .context: the TaskContext of the partition this thread computes
+
+
+class ResourceInformation:
+    """A resource of a task's worker (PySpark's ``ResourceInformation``): a Dask worker resource of
+    quantity n has the addresses ``"0"`` to ``"n-1"``."""
+
+    def __init__(self, name: str, addresses: list[str]) -> None:
+        self._name = name
+        self._addresses = addresses
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def addresses(self) -> list[str]:
+        return self._addresses
+
+    def __repr__(self) -> str:
+        return f"ResourceInformation(name={self._name!r}, addresses={self._addresses!r})"
+
+
+def _partition_of(key: Any) -> int:
+    return key[-1] if isinstance(key, tuple) and key and isinstance(key[-1], int) else 0
+
+
+def _job_of(dask_key: Any) -> dict[str, Any]:
+    try:
+        ts = get_worker().state.tasks[dask_key]
+    except (ValueError, KeyError):
+        return {}
+    return (ts.annotations or {}).get(ANNOTATION, {})
+
+
+class TaskContext:
+    """The context of the running task: ``TaskContext.get()`` in a task, ``None`` on the driver."""
+
+    def __init__(self, key: Any, dask_key: Any) -> None:
+        self._partition = _partition_of(key)
+        self._dask_key = dask_key
+        self._attempt_id: int | None = None
+        self._attempt: int | None = None
+
+    @property
+    def _job(self) -> dict[str, Any]:
+        return _job_of(self._dask_key)
+
+    @classmethod
+    def get(cls) -> TaskContext | None:
+        """The running task's context, or ``None`` outside a task."""
+        return getattr(_local, "context", None)
+
+    def partitionId(self) -> int:
+        """The index of the partition this task computes."""
+        return self._partition
+
+    def stageId(self) -> int:
+        """The stage's id: Dask runs an action's graph as one stage, so it is the job's id."""
+        return self._job.get("id", 0)
+
+    def attemptNumber(self) -> int:
+        """0 for the task's first attempt, then 1, 2, ... for each time it ran again because its worker died."""
+        if self._attempt is None:
+            self._attempt = get_worker().client.run_on_scheduler(_suspicious, self._dask_key)
+        return self._attempt
+
+    def taskAttemptId(self) -> int:
+        """An id of this attempt, unique within the application (not sequential, as Spark's are)."""
+        if self._attempt_id is None:
+            self._attempt_id = uuid.uuid4().int >> 65
+        return self._attempt_id
+
+    def getLocalProperty(self, key: str) -> str | None:
+        """The local property ``key`` of the thread that started the job, or ``None``."""
+        return self._job.get("properties", {}).get(key)
+
+    def cpus(self) -> int:
+        """The CPUs given to this task: one thread of its worker."""
+        return 1
+
+    def resources(self) -> dict[str, ResourceInformation]:
+        """The resources of this task's worker (Dask worker resources), by name."""
+        total = get_worker().state.total_resources
+        return {name: ResourceInformation(name, [str(i) for i in range(int(n))]) for name, n in total.items()}
+
+
+def _suspicious(key: Any, dask_scheduler: Any = None) -> int:
+    ts = dask_scheduler.tasks.get(key)
+    return 0 if ts is None else ts.suspicious
+
+
+class running:  # noqa: N801 - used as a context manager
+    """Gives the calling thread the :class:`TaskContext` of partition ``key`` until the block ends."""
+
+    def __init__(self, key: Any) -> None:
+        self.key = key
+
+    def __enter__(self) -> None:
+        self.outer = getattr(_local, "context", None)
+        try:
+            dask_key = get_worker().get_current_task()
+        except ValueError:  # not on a worker (a task run by Dask's local scheduler)
+            dask_key = None
+        _local.context = TaskContext(self.key, dask_key)
+
+    def __exit__(self, *exc: object) -> None:
+        _local.context = self.outer

@@ -1,0 +1,79 @@
+"""Checkpoints against PySpark: written after the next action, read from then on (the lineage's functions do
+not run again), local checkpoints, and the error before a checkpoint directory is set."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dlscale import CheckpointError, SparkContext
+
+pytestmark = pytest.mark.pyspark
+
+
+def checkpointed(c: Any, directory: Path) -> tuple:
+    calls = c.accumulator(0)
+    c.setCheckpointDir(str(directory))
+    rdd = c.parallelize(range(20), 4).map(lambda x: (calls.add(1), x * 2)[1])
+    rdd.checkpoint()
+    before = (rdd.isCheckpointed(), rdd.getCheckpointFile(), rdd.isLocallyCheckpointed())
+    total = rdd.sum()  # the action, then the checkpoint's own job: the map runs twice per element
+    after = (rdd.isCheckpointed(), rdd.getCheckpointFile() is not None, calls.value)
+    again = (rdd.collect(), rdd.getNumPartitions(), rdd.map(lambda x: x + 1).sum(), calls.value)
+
+    parent = c.parallelize(range(4), 2)
+    parent.checkpoint()
+    parent.map(lambda x: x).count()  # an action on a child checkpoints its parent
+    other = c.parallelize(range(4), 2)
+    other.checkpoint()
+    c.parallelize(range(3), 1).count()  # an action elsewhere does not
+    return before, total, after, again, parent.isCheckpointed(), other.isCheckpointed()
+
+
+def test_checkpoint_as_pyspark(sc: SparkContext, spark: Any, tmp_path: Path) -> None:
+    expected = checkpointed(spark, tmp_path / "pyspark")
+    assert checkpointed(sc, tmp_path / "dlscale") == expected
+    assert expected[2] == (True, True, 40)
+
+
+def test_checkpoint_files_are_in_the_directory(sc: SparkContext, tmp_path: Path) -> None:
+    sc.setCheckpointDir(str(tmp_path))
+    rdd = sc.parallelize(range(10), 3)
+    rdd.checkpoint()
+    rdd.count()
+    path = rdd.getCheckpointFile()
+    assert path is not None and path.startswith(sc.getCheckpointDir())
+    assert sc.getCheckpointDir().startswith(f"file://{tmp_path}/")
+    written = sorted(p.name for p in Path(path.removeprefix("file://")).iterdir())
+    assert written == ["_SUCCESS", "part-00000", "part-00001", "part-00002"]
+    assert rdd.glom().collect() == [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]
+
+
+def locally_checkpointed(c: Any) -> tuple:
+    calls = c.accumulator(0)
+    rdd = c.parallelize(range(10), 2).map(lambda x: (calls.add(1), x)[1])
+    rdd.localCheckpoint()
+    level = rdd.getStorageLevel()
+    marked = (rdd.isLocallyCheckpointed(), rdd.isCheckpointed(), level.useMemory, level.useDisk)
+    # collect, not sum: PySpark's sum would fold the map into a new Python RDD that bypasses the marked one
+    first = rdd.collect()
+    second = rdd.collect()
+    result = (marked, first, second, rdd.isCheckpointed(), rdd.getCheckpointFile(), calls.value)
+    rdd.unpersist()
+    return result
+
+
+def test_local_checkpoint_as_pyspark(sc: SparkContext, spark: Any) -> None:
+    assert locally_checkpointed(sc) == locally_checkpointed(spark)
+
+
+def test_checkpoint_needs_a_directory(sc: SparkContext) -> None:
+    fresh = SparkContext(client=sc.client)
+    try:
+        with pytest.raises(CheckpointError, match="Checkpoint directory has not been set in the SparkContext"):
+            fresh.parallelize([1]).checkpoint()
+        assert fresh.getCheckpointDir() is None
+    finally:
+        fresh.stop()
