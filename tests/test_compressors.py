@@ -122,7 +122,7 @@ def test_topk_sends_1d_tensors_whole_and_masks_only_what_waited() -> None:
     for update in updates(LAYOUT, 3):
         message = topk.compress(state, update)
         assert message.ranges == tuple(biases)
-        assert message.index.numel() == math.ceil(0.05 * 2048) + math.ceil(0.05 * 320)
+        assert message.index.numel() == math.ceil(0.05 * 2048) + 32  # the smaller tensor sends min_elements
         for a, b in biases:  # sent whole: what stays is what rounding to bf16 (8 bits) left
             assert bool((state.residual[a:b].abs() <= 2**-8 * update[a:b].abs() + 1e-6).all())
         mask = topk.momentum_mask(message)
@@ -251,6 +251,8 @@ def test_layout_and_arguments_checked() -> None:
         TopKCompressor(values="int8")
     with pytest.raises(ValueError, match="warmup_steps"):
         TopKCompressor(warmup_steps=-1)
+    with pytest.raises(ValueError, match="min_elements"):
+        TopKCompressor(min_elements=0)
     with pytest.raises(ValueError, match="unknown threshold algorithm"):
         Dl4jCompressor("median")
 
