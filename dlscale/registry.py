@@ -1,5 +1,6 @@
-"""One registry per plug point: names for threshold algorithms, residual post-processors, evaluation
-types, losses, network factories, minibatch loaders and the pages a context adds to Dask's dashboard.
+"""One registry per plug point: names for threshold algorithms, residual post-processors, gradient
+sharing's compressors, evaluation types, losses, network factories, minibatch loaders and the pages a
+context adds to Dask's dashboard.
 
 Each kind of plug-in has one :class:`Registry` (fsspec's implementation registry is the model): the
 built-ins are registered when their module is imported, a program adds its own with
@@ -39,6 +40,7 @@ ENTRY_POINT_PREFIX = "dlscale."
 _HOMES = {
     "threshold_algorithm": "dlscale.encoding.thresholds",
     "residual_post_processor": "dlscale.encoding.residual",
+    "compressor": "dlscale.encoding.compressors",
     "evaluation": "dlscale.evaluation._base",
     "loss": "dlscale.nn.losses",
     "model_factory": "dlscale.nn.archive",
