@@ -89,6 +89,8 @@ def shared(
         collect_training_stats=True,
         momentum_masking=masking,
         workers_per_node=model["trainers_per_worker"],
+        compressor="dl4j",
+        aggregation="sum",
         threshold_algorithm=AdaptiveThresholdAlgorithm(small_message_elements=small),
     )
     spark_net = SparkNet(sc, net, master)

@@ -1,5 +1,5 @@
-"""One registry per plug point: names for threshold algorithms, residual post-processors, evaluation
-types, losses, network factories and minibatch loaders.
+"""One registry per plug point: names for threshold algorithms, residual post-processors, gradient
+sharing's compressors, evaluation types, losses, network factories and minibatch loaders.
 
 Each kind of plug-in has one :class:`Registry` (fsspec's implementation registry is the model): the
 built-ins are registered when their module is imported, a program adds its own with
@@ -39,6 +39,7 @@ ENTRY_POINT_PREFIX = "dlscale."
 _HOMES = {
     "threshold_algorithm": "dlscale.encoding.thresholds",
     "residual_post_processor": "dlscale.encoding.residual",
+    "compressor": "dlscale.encoding.compressors",
     "evaluation": "dlscale.evaluation._base",
     "loss": "dlscale.nn.losses",
     "model_factory": "dlscale.nn.archive",

@@ -23,7 +23,7 @@ from dlscale import (
     TrainerLostWarning,
 )
 from dlscale.data import DataSet, export_minibatches, list_paths, save
-from dlscale.encoding import FixedThresholdAlgorithm
+from dlscale.encoding import DenseCompressor, FixedThresholdAlgorithm
 from dlscale.nn import Network
 from dlscale.nn.listeners import TrainingListener
 
@@ -242,23 +242,31 @@ def test_direct_approach_and_two_trainers_per_worker(sc: SparkContext, data: tup
     assert accuracy(net, tx, ty) > 0.8
 
 
-def test_fewer_minibatches_than_trainers(sc: SparkContext, data: tuple[torch.Tensor, ...]) -> None:
+@pytest.mark.parametrize(("aggregation", "weight"), [("sum", 1.0), ("mean", 0.5)])
+@pytest.mark.parametrize("compressor", ["dl4j", "topk", "dense"])
+def test_fewer_minibatches_than_trainers(
+    sc: SparkContext, data: tuple[torch.Tensor, ...], compressor: str, aggregation: str, weight: float
+) -> None:
     x, y, _, _ = data
     net = mlp([64, 32, 10])
+    before = net.params().clone()
     single = mlp([64, 32, 10])
     single.fit(DataSet(x[:BATCH], y[:BATCH]))
-    SparkNet(sc, net, SharedTrainingMaster(BATCH, threshold_algorithm=FixedThresholdAlgorithm(1e-9))).fit(
-        examples_rdd(sc, x[:BATCH], y[:BATCH], 1)
-    )
-    # one trainer idle, the other's one step: what was sent plus what its residual kept is that step
-    assert torch.allclose(net.params(), single.params(), atol=1e-6)
+    master = SharedTrainingMaster(BATCH, compressor=compressor, aggregation=aggregation)
+    SparkNet(sc, net, master).fit(examples_rdd(sc, x[:BATCH], y[:BATCH], 1))
+    # one trainer idle, the other's one step, weighed by the aggregation (1 / 2 trainers for "mean"):
+    # what was sent plus what its residual kept is that step
+    expected = before + weight * (single.params() - before)
+    assert torch.allclose(net.params(), expected, atol=1e-6)
 
 
 def test_encoding_debug_mode_logs_on_the_driver(
     sc: SparkContext, data: tuple[torch.Tensor, ...], caplog: pytest.LogCaptureFixture
 ) -> None:
     x, y, _, _ = data
-    master = SharedTrainingMaster(BATCH, encoding_debug_mode=True, threshold_algorithm=FixedThresholdAlgorithm(1e-2))
+    master = SharedTrainingMaster(
+        BATCH, encoding_debug_mode=True, compressor="dl4j", threshold_algorithm=FixedThresholdAlgorithm(1e-2)
+    )
     with caplog.at_level(logging.INFO, logger="dlscale.training.sharing"):
         SparkNet(sc, mlp([64, 32, 10]), master).fit(examples_rdd(sc, x[:320], y[:320]), epochs=1)
     lines = [r.getMessage() for r in caplog.records if "sparsity" in r.getMessage()]
@@ -270,7 +278,17 @@ def test_settings_are_validated() -> None:
     with pytest.raises(ValueError, match="mesh_build_mode"):
         SharedTrainingMaster(32, mesh_build_mode="ring")
     with pytest.raises(ValueError, match="unknown threshold algorithm"):
-        SharedTrainingMaster(32, threshold_algorithm="median")
+        SharedTrainingMaster(32, compressor="dl4j", threshold_algorithm="median")
+    with pytest.raises(ValueError, match="threshold_algorithm configure the 'dl4j' compressor, not compressor 'topk'"):
+        SharedTrainingMaster(32, threshold_algorithm="fixed")
+    with pytest.raises(ValueError, match="residual_post_processor configure the 'dl4j' compressor, not compressor"):
+        SharedTrainingMaster(32, compressor=DenseCompressor(), residual_post_processor="none")
+    with pytest.raises(ValueError, match="unknown compressor 'zip'"):
+        SharedTrainingMaster(32, compressor="zip")
+    with pytest.raises(TypeError, match="compressor"):
+        SharedTrainingMaster(32, compressor=3)
+    with pytest.raises(ValueError, match="aggregation must be one of"):
+        SharedTrainingMaster(32, aggregation="max")
     with pytest.raises(ValueError, match="workers_per_node"):
         SharedTrainingMaster(32, workers_per_node=0)
     with pytest.raises(ValueError, match="rdd_training_approach"):

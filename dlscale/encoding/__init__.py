@@ -1,4 +1,5 @@
-"""Threshold encoding of updates for sharing them between trainers (see ``docs/encoding.md``)."""
+"""The compression of updates shared between trainers: compressors and DL4J's threshold encoding (see
+``docs/encoding.md``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,17 @@ from dlscale.encoding._codec import (
     describe,
     encode,
     sent_indices,
+)
+from dlscale.encoding.compressors import (
+    COMPRESSORS,
+    Compressor,
+    CompressorState,
+    DenseCompressor,
+    Dl4jCompressor,
+    Layout,
+    TopKCompressor,
+    ValueUpdate,
+    compressor,
 )
 from dlscale.encoding.residual import (
     RESIDUAL_POST_PROCESSORS,
@@ -33,21 +45,30 @@ from dlscale.encoding.thresholds import (
 
 __all__ = [
     "BITMAP",
+    "COMPRESSORS",
     "HEADER_BYTES",
     "MAX_LENGTH",
     "RESIDUAL_POST_PROCESSORS",
     "SPARSE",
     "THRESHOLD_ALGORITHMS",
     "AdaptiveThresholdAlgorithm",
+    "Compressor",
+    "CompressorState",
+    "DenseCompressor",
+    "Dl4jCompressor",
     "EncodedUpdate",
     "FixedThresholdAlgorithm",
+    "Layout",
     "NoOpResidualPostProcessor",
     "NonFiniteUpdateError",
     "ResidualClippingPostProcessor",
     "ResidualPostProcessor",
     "TargetSparsityThresholdAlgorithm",
     "ThresholdAlgorithm",
+    "TopKCompressor",
+    "ValueUpdate",
     "apply",
+    "compressor",
     "decode",
     "describe",
     "encode",

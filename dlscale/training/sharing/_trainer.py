@@ -1,11 +1,13 @@
-"""One gradient-sharing trainer: a long-lived task that fits minibatches and exchanges encoded
+"""One gradient-sharing trainer: a long-lived task that fits minibatches and exchanges compressed
 updates with its peers until the session's minibatches are done.
 
-Each step fits one minibatch; the optimizer's update (the change it would make to the parameters)
-joins the trainer's residual instead of the parameters, the residual is threshold-encoded (the sent
-part leaves it), and the encoded update is applied to the parameters here and sent to every peer,
-which apply it too. Peers' updates are applied between steps, as they arrive: there is no barrier
-per step. At the end each trainer waits until it has applied every update its live peers sent.
+Each step fits one minibatch; the optimizer's update (the change it would make to the parameters),
+scaled by the aggregation's weight, goes to the session's compressor instead of the parameters; the
+compressor keeps what it does not send in the trainer's residual, and its message is applied to the
+parameters here and sent to every peer, which apply it too. Peers' updates are applied between
+steps, as they arrive: there is no barrier per step. At the end each trainer waits until it has
+applied every update its live peers sent. The trainer knows nothing of any compression scheme: it
+asks the compressor (``dlscale.encoding.compressors``).
 """
 
 from __future__ import annotations
@@ -26,15 +28,7 @@ from distributed import Future, get_client, get_worker, secede
 from distributed.utils import sync
 
 from dlscale.data.loaders import prefetch
-from dlscale.encoding import (
-    EncodedUpdate,
-    ResidualPostProcessor,
-    ThresholdAlgorithm,
-    apply,
-    describe,
-    encode,
-    sent_indices,
-)
+from dlscale.encoding import Compressor, Layout
 from dlscale.training._heap import training_heap
 from dlscale.training._worker import decode, replica, state_of
 from dlscale.training.sharing._exceptions import SessionAbortedError, SessionStoppedError
@@ -55,8 +49,8 @@ DEBUG_FORMAT = (
 class TrainerSpec:
     """What every trainer of a session is told."""
 
-    threshold_algorithm: ThresholdAlgorithm
-    residual_post_processor: ResidualPostProcessor
+    compressor: Compressor
+    aggregation: str  # "mean": each update weighted 1 / (live trainers); "sum": weight 1
     workers_per_node: int
     prefetch: int
     debug: bool
@@ -174,11 +168,8 @@ class _Trainer:
         self.start_version = joined.version
         self.network, _ = replica(f"{key}/{local}", blob, local, spec.workers_per_node)
         self.params = self.network.params()
-        # The codec works on CPU vectors: on a GPU, a step's updates (its own and its peers') are
-        # applied to a CPU vector of zeros that is added to the parameters in one copy.
-        on_cpu = self.params.device.type == "cpu"
-        self.host = self.params if on_cpu else torch.zeros(self.params.numel(), dtype=self.params.dtype)
-        self.unflushed = False
+        self.compressor = spec.compressor
+        self.alive = len(joined.alive)
         self.refs, self.loader = refs, loader
         self.inbox = self.node.inboxes[local]
         self.applied: collections.Counter[str] = collections.Counter()
@@ -208,28 +199,18 @@ class _Trainer:
         return now
 
     def _apply_inbox(self) -> None:
-        """Apply the updates received so far, and flush every update applied since the last flush."""
+        """Apply the updates received so far."""
         while self.inbox:
             update = self.inbox.popleft()
             try:
-                message = EncodedUpdate.from_bytes(update.payload)
+                message = self.compressor.from_bytes(update.payload)
             except Exception as e:
                 e.add_note(f"in an update from trainer {update.origin}")
                 raise
-            apply(message, self.host)
-            self.unflushed = True
+            self.compressor.apply(message, self.params)
             self.applied[update.origin] += 1
             self.stats["messages_received"] += 1
             self.stats["bytes_received"] += len(update.payload)
-        self._flush()
-
-    def _flush(self) -> None:
-        """Move the updates applied to the CPU vector onto the parameters (on a GPU; on the CPU they
-        are applied to the parameters in place)."""
-        if self.unflushed and self.host is not self.params:
-            self.params.add_(self.host.to(self.params.device))
-            self.host.zero_()
-        self.unflushed = False
 
     def _items(self) -> Iterator[Any]:
         """The refs of the minibatches this trainer is handed, pulled from the scheduler one ahead of
@@ -241,6 +222,7 @@ class _Trainer:
                 acks, self.acks = self.acks, []
             handout = self.control.next(acks, want=1)
             self.node.set_nodes(handout.view.version, handout.view.nodes)
+            self.alive = len(handout.view.alive)
             if handout.items:
                 for item in handout.items:
                     self.handed.append(item)
@@ -256,11 +238,9 @@ class _Trainer:
         threads = max(1, self.worker.state.nthreads // spec.workers_per_node)
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
-        params = self.params
+        params, compressor = self.params, self.compressor
         before = torch.empty_like(params)
-        residual = torch.zeros(params.numel(), dtype=params.dtype)  # on the CPU, where the codec works
-        thresholds = spec.threshold_algorithm.clone()
-        post = spec.residual_post_processor.clone()
+        own = compressor.state(Layout.of(net.module.parameters()))
         seq = step = 0
         last_gc = time.monotonic()
         batches = prefetch(self._items(), self.loader, spec.prefetch)
@@ -280,26 +260,24 @@ class _Trainer:
                 except Exception as e:
                     e.add_note(f"while fitting minibatch {self.refs[item % len(self.refs)]}")
                     raise
-                # the optimizer's update joins the residual instead of the parameters
-                if self.host is params:
-                    residual.add_(params).sub_(before)
-                else:
-                    residual.add_(params.sub_(before).cpu())
-                params.copy_(before)
+                # the optimizer's update goes to the compressor instead of the parameters
+                update = params.sub_(before)
+                if spec.aggregation == "mean" and self.alive > 1:
+                    update.mul_(1 / self.alive)  # the sender weighs its update: every replica applies the same
                 t = self._phase("fit", t)
-                message = encode(residual, thresholds.threshold)
-                post.process(step, message.threshold, residual)
-                thresholds.update(message.sparsity, message.length)
-                apply(message, self.host)  # on a GPU, flushed with the next step's received updates
-                self.unflushed = True
-                if spec.momentum_masking and message.count:
-                    _mask_momentum(net, message)
+                message = compressor.compress(own, update)
+                params.copy_(before)
+                if message is not None:
+                    compressor.apply(message, params)
+                    mask = compressor.momentum_mask(message) if spec.momentum_masking else None
+                    if mask is not None and mask.numel():
+                        _mask_momentum(net, mask)
                 if spec.debug:
-                    self._debug(step, message, residual)
+                    self._debug(step, compressor.describe(own, message))
                 t = self._phase("encode", t)
                 size = 0
-                if message.count:
-                    payload = message.to_bytes()
+                if message is not None:
+                    payload = compressor.to_bytes(message)
                     size = len(payload)
                     self.node.send(Update(self.name, seq, payload), self.local)
                     seq += 1
@@ -307,12 +285,10 @@ class _Trainer:
                     self.stats["bytes_sent"] += size
                 t = self._phase("send", t)
                 if spec.collect_stats:
-                    self.stats["steps"].append((time.time(), message.threshold, message.sparsity, size))
+                    self.stats["steps"].append((time.time(), own.threshold, own.density, size))
                 examples = batch.num_examples()
                 with self.acks_lock:
-                    self.acks.append(
-                        Ack(item, examples, float(score), float(message.threshold), float(message.sparsity), size)
-                    )
+                    self.acks.append(Ack(item, examples, float(score), float(own.threshold), float(own.density), size))
                 self.stats["minibatches"] += 1
                 self.stats["examples"] += examples
                 step += 1
@@ -328,7 +304,7 @@ class _Trainer:
         return {
             **state,
             "trainer": self.name,
-            "residual": residual,
+            "residual": own.residual.cpu(),
             "examples": self.stats["examples"],
             "batches": self.stats["minibatches"],
             "score": float("nan"),
@@ -373,14 +349,14 @@ class _Trainer:
         self._apply_inbox()
         self._phase("wait", t)
 
-    def _debug(self, step: int, message: EncodedUpdate, residual: torch.Tensor) -> None:
-        info = {"trainer": self.name, "step": step, **describe(message, residual)}
+    def _debug(self, step: int, description: dict[str, Any]) -> None:
+        info = {"trainer": self.name, "step": step, **description}
         logger.info(DEBUG_FORMAT, info)
         self.worker.log_event(DEBUG_TOPIC, info)
 
 
-def _mask_momentum(network: Any, message: EncodedUpdate) -> None:
-    """Zero the momentum of the elements ``message`` sends (momentum factor masking, Lin et al.,
+def _mask_momentum(network: Any, sent: torch.Tensor) -> None:
+    """Zero the momentum at the increasing flat positions ``sent`` (momentum factor masking, Lin et al.,
     "Deep Gradient Compression", ICLR 2018): a sent element's momentum would otherwise go on pushing
     it the same way while its update is still on its way to the peers, whose own momentum pushes it
     too. Applies to optimizers that keep a ``momentum_buffer`` (SGD, RMSprop), not to Adam's moments,
@@ -388,7 +364,7 @@ def _mask_momentum(network: Any, message: EncodedUpdate) -> None:
     buffers = [(p.numel(), network.optimizer.state[p].get("momentum_buffer")) for p in network.module.parameters()]
     if all(b is None for _, b in buffers):
         return
-    sent = sent_indices(message)
+    sent = sent.cpu().numpy()
     offset = lo = 0
     for n, buffer in buffers:
         hi = lo + int(np.searchsorted(sent[lo:], offset + n))

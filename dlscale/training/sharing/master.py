@@ -1,11 +1,12 @@
-"""Gradient sharing (DL4J's ``SharedTrainingMaster``): asynchronous SGD with threshold-encoded
-updates exchanged peer to peer (Strom, Interspeech 2015).
+"""Gradient sharing (DL4J's ``SharedTrainingMaster``): asynchronous SGD with compressed updates
+exchanged peer to peer (Strom, Interspeech 2015; Lin et al., ICLR 2018).
 
 The driver places ``workers_per_node`` long-lived trainers on every worker, opens a session on the
 scheduler (membership, minibatches) and on every worker (inboxes, links), and then only follows
 progress: updates go from worker to worker, never through the driver or the scheduler. At the end
-the trainers' states are averaged (they hold the same parameters when no peer was lost) and the
-updates still in their residuals are added, so nothing a trainer computed is dropped.
+the trainers' states are averaged (they hold the same parameters when no peer was lost; batch-norm
+statistics and momentum are per trainer and averaged) and the updates still in their residuals are
+added, so nothing a trainer computed is dropped.
 """
 
 from __future__ import annotations
@@ -22,14 +23,8 @@ import numpy as np
 import torch
 from distributed import Future, wait
 
-from dlscale.encoding import (
-    AdaptiveThresholdAlgorithm,
-    ResidualClippingPostProcessor,
-    ResidualPostProcessor,
-    ThresholdAlgorithm,
-    residual_post_processor,
-    threshold_algorithm,
-)
+from dlscale.encoding import Compressor, ResidualPostProcessor, ThresholdAlgorithm, compressor
+from dlscale.encoding.compressors import DEFAULT as DEFAULT_COMPRESSOR
 from dlscale.errors import TrainerLostWarning
 from dlscale.monitor.stats import TrainerStats
 from dlscale.runtime.extensions import install
@@ -44,17 +39,24 @@ from dlscale.training.sharing._worker_plugin import plugin
 
 logger = logging.getLogger("dlscale.training.sharing")
 
+AGGREGATIONS = ("mean", "sum")
+"""How the trainers' updates combine: ``"mean"`` weighs each by one over the live trainers (the
+learning rate means what it means in one process, as with DDP), ``"sum"`` adds them whole (DL4J's)."""
+
 
 @dataclasses.dataclass
 class SharedTrainingMaster(TrainingMaster):
-    """Asynchronous data-parallel training with threshold-encoded updates shared between trainers.
+    """Asynchronous data-parallel training with compressed updates shared between trainers.
 
     Each of ``workers_per_node`` trainers per worker fits minibatches of ``batch_size_per_worker``
     examples, handed out by the scheduler as trainers ask for them (so faster trainers fit more, and
-    a lost worker's minibatches go to the others). ``threshold_algorithm`` and
-    ``residual_post_processor`` take an instance or a registered name ("adaptive", "fixed",
-    "target_sparsity"; "clipping", "none"). ``mesh_build_mode`` "plain" sends every update to every
-    peer, "mesh" relays it along a tree (``dlscale.sharing.mesh-fanout``) so that no node talks to
+    a lost worker's minibatches go to the others). ``compressor`` (an instance or a registered name:
+    "topk", "dl4j", "dense") turns each update into a message; ``aggregation`` ("mean" or "sum", see
+    :data:`AGGREGATIONS`) says how the trainers' updates combine. ``threshold_algorithm`` and
+    ``residual_post_processor`` (an instance or a registered name: "adaptive", "fixed",
+    "target_sparsity"; "clipping", "none") configure the "dl4j" compressor and only it.
+    ``mesh_build_mode`` "plain" sends every update to every peer, "mesh" relays it along a tree
+    (``dlscale.sharing.mesh-fanout``) so that no node talks to
     more than a few others. ``encoding_debug_mode`` logs each trainer's threshold, sparsity, message
     form and residual at every step (on the workers, and on the driver under
     ``dlscale.training.sharing``). ``prefetch`` minibatches are read ahead by each trainer. The
@@ -64,10 +66,10 @@ class SharedTrainingMaster(TrainingMaster):
 
     approach: ClassVar[str] = "gradient sharing"
 
-    threshold_algorithm: ThresholdAlgorithm | str = dataclasses.field(default_factory=AdaptiveThresholdAlgorithm)
-    residual_post_processor: ResidualPostProcessor | str = dataclasses.field(
-        default_factory=ResidualClippingPostProcessor
-    )
+    compressor: Compressor | str = DEFAULT_COMPRESSOR
+    aggregation: str = "mean"
+    threshold_algorithm: ThresholdAlgorithm | str | None = None
+    residual_post_processor: ResidualPostProcessor | str | None = None
     workers_per_node: int = 1
     mesh_build_mode: str = "plain"
     encoding_debug_mode: bool = False
@@ -81,8 +83,19 @@ class SharedTrainingMaster(TrainingMaster):
         check_count("workers_per_node", self.workers_per_node)
         check_count("prefetch", self.prefetch, 0)
         check_count("worker_gc_frequency_ms", self.worker_gc_frequency_ms)
-        self.threshold_algorithm = threshold_algorithm(self.threshold_algorithm)
-        self.residual_post_processor = residual_post_processor(self.residual_post_processor)
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
+        dl4j = {
+            name: value
+            for name in ("threshold_algorithm", "residual_post_processor")
+            if (value := getattr(self, name)) is not None
+        }
+        if dl4j and self.compressor != "dl4j":
+            raise ValueError(
+                f"{' and '.join(dl4j)} configure the 'dl4j' compressor, not compressor {self.compressor!r}: pass "
+                f"compressor='dl4j' with them, or give a configured compressor instance alone"
+            )
+        self.compressor = compressor(self.compressor, **dl4j)
         if self.mesh_build_mode not in _mesh.MODES:
             raise ValueError(f"mesh_build_mode must be one of {_mesh.MODES}, got {self.mesh_build_mode!r}")
 
@@ -132,8 +145,8 @@ class _Session:
         if probe:
             run.probe()
         spec = _trainer.TrainerSpec(
-            master.threshold_algorithm,
-            master.residual_post_processor,
+            master.compressor,
+            master.aggregation,
             master.workers_per_node,
             master.prefetch,
             master.encoding_debug_mode,
@@ -229,6 +242,8 @@ class _Session:
             )
         fitted = [s for s in states if s["examples"]] or states[:1]  # an idle trainer's optimizer has no state
         state = _worker.average(*fitted)
+        # a residual holds updates already weighted by the aggregation (1 / live trainers for "mean"),
+        # as every message was: adding them all applies each unsent update as its sent part was
         state = dict(state, params=state["params"] + torch.stack([s["residual"] for s in states]).sum(0))
         _worker.apply_state(self.run.network, state)
         if self.run.stats is not None:

@@ -1,0 +1,537 @@
+"""Compressors: how a trainer's updates become the messages that gradient sharing exchanges.
+
+A :class:`Compressor` is stateless and shared; each trainer holds its own
+:class:`CompressorState` (made by :meth:`Compressor.state` from the parameters' :class:`Layout`),
+whose *residual* is what the trainer computed and has not sent yet. At each step the trainer hands
+the optimizer's update to :meth:`Compressor.compress`, which adds it to the residual, picks what to
+send and takes exactly that out of the residual (error feedback: what is not sent now is sent later,
+never lost unless the compressor says it discards something). Every replica, the sender's own
+included, adds the message to its parameters with :meth:`Compressor.apply`.
+
+Built in, by registered name (kind ``compressor`` of :mod:`dlscale.registry`):
+
+- ``"topk"`` (:class:`TopKCompressor`, the default): per-tensor top-k selection with values,
+  biases and norm weights dense, sparsity warm-up (Deep Gradient Compression, Lin et al. 2018);
+- ``"dl4j"`` (:class:`Dl4jCompressor`): Deeplearning4j's threshold encoding (Strom 2015),
+  :func:`~dlscale.encoding.encode` with a threshold algorithm and a residual post-processor;
+- ``"dense"`` (:class:`DenseCompressor`): every element's value at every step, uncompressed.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import functools
+import math
+import numbers
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import crc32c
+import numpy as np
+import torch
+
+from dlscale.encoding import _codec, residual, thresholds
+from dlscale.encoding._codec import EncodedUpdate, NonFiniteUpdateError
+from dlscale.encoding.residual import ResidualPostProcessor
+from dlscale.encoding.thresholds import ThresholdAlgorithm
+from dlscale.errors import CorruptDataError
+from dlscale.registry import Registry
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The parameters a compressor works on: each tensor's shape, in the order of the flat vector
+    that holds them all, and the device they live on."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    device: torch.device = torch.device("cpu")
+
+    def __post_init__(self) -> None:
+        shapes = tuple(tuple(int(d) for d in s) for s in self.shapes)
+        if any(d < 0 for s in shapes for d in s):
+            raise ValueError(f"parameter shapes must have non-negative sizes, got {self.shapes!r}")
+        object.__setattr__(self, "shapes", shapes)
+        object.__setattr__(self, "device", torch.device(self.device))
+        if self.length > _codec.MAX_LENGTH:
+            raise ValueError(f"a layout of {self.length} elements is longer than a message holds ({_codec.MAX_LENGTH})")
+
+    @classmethod
+    def of(cls, parameters: Iterable[torch.Tensor]) -> Layout:
+        """The layout of ``parameters`` (a module's ``parameters()``, in the order they are flattened)."""
+        tensors = list(parameters)
+        device = tensors[0].device if tensors else torch.device("cpu")
+        return cls(tuple(tuple(t.shape) for t in tensors), device)
+
+    @functools.cached_property
+    def numels(self) -> tuple[int, ...]:
+        """Elements of each tensor."""
+        return tuple(math.prod(s) for s in self.shapes)
+
+    @functools.cached_property
+    def offsets(self) -> tuple[int, ...]:
+        """Where each tensor starts in the flat vector."""
+        return tuple(int(o) for o in np.cumsum((0, *self.numels))[:-1])
+
+    @property
+    def length(self) -> int:
+        """Elements of the flat vector."""
+        return sum(self.numels)
+
+
+@dataclass
+class CompressorState:
+    """One trainer's state: the ``residual`` (a flat float32 vector of what it has computed and not
+    sent yet), the number of ``step`` s compressed, and what the last one sent: its ``threshold``
+    (the smallest magnitude it would send; 0 when it sends everything) and ``density`` (elements
+    sent over elements)."""
+
+    layout: Layout
+    residual: torch.Tensor
+    step: int = 0
+    threshold: float = 0.0
+    density: float = 0.0
+
+
+class Compressor(abc.ABC):
+    """Turns updates into messages and back: one instance serves every trainer, each with its own
+    :class:`CompressorState`. Register a subclass with
+    ``dlscale.registry.register("compressor", name, cls)`` to make ``SharedTrainingMaster(...,
+    compressor=name)`` use it."""
+
+    residual_device: str | None = None
+    """Where the residual lives: ``None`` for the parameters' device, or a fixed device (``"cpu"``)."""
+
+    def state(self, layout: Layout) -> CompressorState:
+        """A trainer's fresh state: an all-zero residual."""
+        device = layout.device if self.residual_device is None else torch.device(self.residual_device)
+        return CompressorState(layout, torch.zeros(layout.length, dtype=torch.float32, device=device))
+
+    @abc.abstractmethod
+    def compress(self, state: CompressorState, update: torch.Tensor) -> Any | None:
+        """Add ``update`` (the flat float32 update, on the parameters' device; not kept) to the
+        residual, take out what is sent, and return the message (``None`` when nothing is sent).
+        A non-finite update raises :class:`~dlscale.encoding.NonFiniteUpdateError`."""
+
+    @abc.abstractmethod
+    def apply(self, message: Any, params: torch.Tensor, scale: float = 1.0) -> None:
+        """Add ``scale`` times ``message`` to the flat vector ``params`` in place, on its device."""
+
+    @abc.abstractmethod
+    def to_bytes(self, message: Any) -> bytes:
+        """The message on the wire: versioned, with a magic and a CRC-32C."""
+
+    @abc.abstractmethod
+    def from_bytes(self, data: bytes | bytearray | memoryview) -> Any:
+        """The message :meth:`to_bytes` wrote; damaged or inconsistent bytes raise
+        :class:`~dlscale.errors.CorruptDataError`."""
+
+    @abc.abstractmethod
+    def momentum_mask(self, message: Any) -> torch.Tensor | None:
+        """The increasing positions (int64) whose optimizer momentum is zeroed after ``message`` is
+        sent (momentum factor masking): elements that waited in the residual; ``None`` for none."""
+
+    def describe(self, state: CompressorState, message: Any) -> dict[str, float | int | str]:
+        """What encoding debug mode logs about one step: the message and the residual it left."""
+        r = state.residual.detach()
+        magnitude = r.abs()
+        size = len(self.to_bytes(message)) if message is not None else 0
+        return {
+            "form": type(message).__name__ if message is not None else "no",
+            "threshold": state.threshold,
+            "length": state.layout.length,
+            "sparsity": state.density,
+            "message_bytes": size,
+            "dense_bytes": 4 * state.layout.length,
+            "residual_l2": float(torch.linalg.vector_norm(r, dtype=torch.float64)),
+            "residual_max_abs": float(magnitude.max()) if r.numel() else 0.0,
+            "residual_above_threshold": int(torch.count_nonzero(magnitude >= state.threshold))
+            if state.threshold > 0
+            else 0,
+        }
+
+
+# -- values: the messages of "topk" and "dense" ---------------------------------------------------
+VALUE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+"""Element types of a :class:`ValueUpdate`'s values, by name."""
+_DTYPE_CODES = tuple(VALUE_DTYPES)
+_INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+VALUES_MAGIC = b"DLVU"
+VALUES_VERSION = 1
+# magic, version, value type, reserved, length, dense ranges, sparse count, CRC-32C of the rest
+_VALUES_HEADER = struct.Struct("<4sBBHQIQI")
+VALUES_HEADER_BYTES = _VALUES_HEADER.size
+
+
+@dataclass(frozen=True, eq=False)
+class ValueUpdate:
+    """An update that carries values: every element of each of the ``ranges`` (``(start, stop)``
+    pairs, increasing and disjoint), then the elements at ``index`` (increasing int64, outside the
+    ranges); ``values`` holds the former in order, then the latter (bf16, fp16 or fp32)."""
+
+    length: int
+    ranges: tuple[tuple[int, int], ...]
+    index: torch.Tensor
+    values: torch.Tensor
+
+    @property
+    def dense_count(self) -> int:
+        """Elements sent through the ranges."""
+        return sum(b - a for a, b in self.ranges)
+
+    @property
+    def count(self) -> int:
+        """Elements sent."""
+        return self.dense_count + self.index.numel()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the wire."""
+        return (
+            VALUES_HEADER_BYTES
+            + 16 * len(self.ranges)
+            + 4 * self.index.numel()
+            + self.values.element_size() * (self.count)
+        )
+
+    def positions(self) -> torch.Tensor:
+        """Every position the message changes, in the order of ``values``."""
+        dense = [torch.arange(a, b, device=self.index.device) for a, b in self.ranges]
+        return torch.cat([*dense, self.index])
+
+    def to_bytes(self) -> bytes:
+        """The header (little-endian: magic ``DLVU``, version, value type, reserved, length, ranges,
+        sparse count, CRC-32C), the ranges as uint64 pairs, the index as int32, the values."""
+        dtype = _DTYPE_CODES.index(next(k for k, v in VALUE_DTYPES.items() if v == self.values.dtype))
+        ranges = np.asarray(self.ranges, dtype="<u8").reshape(-1).tobytes()
+        index = self.index.cpu().numpy().astype("<i4").tobytes()
+        values = self.values.cpu().view(_INT_VIEW[self.values.dtype]).numpy().tobytes()
+        body = ranges + index + values
+        head = _VALUES_HEADER.pack(
+            VALUES_MAGIC, VALUES_VERSION, dtype, 0, self.length, len(self.ranges), self.index.numel(), 0
+        )
+        crc = crc32c.crc32c(body, value=crc32c.crc32c(head[:-4]))
+        return head[:-4] + struct.pack("<I", crc) + body
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> ValueUpdate:
+        """The message :meth:`to_bytes` wrote; anything else raises :class:`CorruptDataError`."""
+        data = bytes(data)
+        if len(data) < VALUES_HEADER_BYTES:
+            raise CorruptDataError(f"a value update is at least {VALUES_HEADER_BYTES} bytes, got {len(data)}")
+        magic, version, dtype_code, reserved, length, nranges, count, crc = _VALUES_HEADER.unpack_from(data)
+        if magic != VALUES_MAGIC:
+            raise CorruptDataError(f"not a value update: magic {magic!r}, expected {VALUES_MAGIC!r}")
+        if version != VALUES_VERSION:
+            raise CorruptDataError(f"value update format version {version}, this dlscale reads {VALUES_VERSION}")
+        if dtype_code >= len(_DTYPE_CODES) or reserved != 0:
+            raise CorruptDataError(f"value update header has value type {dtype_code} and reserved field {reserved}")
+        if length > _codec.MAX_LENGTH or count > length or nranges > length:
+            raise CorruptDataError(f"value update header is inconsistent: length {length}, count {count}")
+        if crc32c.crc32c(data[VALUES_HEADER_BYTES:], value=crc32c.crc32c(data[: VALUES_HEADER_BYTES - 4])) != crc:
+            raise CorruptDataError("value update checksum mismatch: the bytes were damaged")
+        at = VALUES_HEADER_BYTES
+        bounds = np.frombuffer(data, "<u8", 2 * nranges, at).astype(np.int64) if nranges else np.zeros(0, np.int64)
+        at += 16 * nranges
+        if len(bounds) and (
+            bounds.max() > length or np.any(np.diff(bounds) < 0) or np.any(bounds[1::2] == bounds[::2])
+        ):
+            raise CorruptDataError("value update ranges must be non-empty, increasing, disjoint and within the length")
+        ranges = tuple((int(a), int(b)) for a, b in bounds.reshape(-1, 2))
+        dtype = VALUE_DTYPES[_DTYPE_CODES[dtype_code]]
+        total = int((bounds[1::2] - bounds[::2]).sum()) + count
+        size = torch.empty(0, dtype=dtype).element_size()
+        if len(data) - at != 4 * count + size * total:
+            raise CorruptDataError(
+                f"a value update with {len(ranges)} ranges and {count} sparse elements has a "
+                f"{4 * count + size * total}-byte body after its ranges, got {len(data) - at}"
+            )
+        index = np.frombuffer(data, "<i4", count, at).astype(np.int64)
+        at += 4 * count
+        if count and (index.min() < 0 or index.max() >= length or np.any(np.diff(index) <= 0)):
+            raise CorruptDataError("value update indices must be increasing and within the length")
+        if count and len(ranges) and np.any(_in_ranges(index, bounds)):
+            raise CorruptDataError("value update indices must lie outside its ranges")
+        raw = np.frombuffer(data, "<i2" if size == 2 else "<i4", total, at).copy()
+        values = torch.from_numpy(raw).view(dtype)
+        if not bool(torch.isfinite(values).all()):
+            raise CorruptDataError("value update holds values that are not finite")
+        return cls(int(length), ranges, torch.from_numpy(index), values)
+
+
+def _in_ranges(index: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """Whether each index lies within one of the ranges whose flat ``(start, stop, ...)`` are ``bounds``."""
+    return np.searchsorted(bounds, index, side="right") % 2 == 1
+
+
+def _apply_values(message: ValueUpdate, params: torch.Tensor, scale: float) -> None:
+    _check_target(params, message.length)
+    values = message.values.to(params.device, params.dtype)
+    if scale != 1:
+        values = values * scale
+    at = 0
+    for a, b in message.ranges:
+        params[a:b] += values[at : at + b - a]
+        at += b - a
+    if message.index.numel():
+        params.index_add_(0, message.index.to(params.device), values[at:])
+
+
+def _check_target(params: torch.Tensor, length: int) -> None:
+    if not isinstance(params, torch.Tensor) or params.dim() != 1:
+        raise ValueError(f"params must be a 1-D tensor, got {params!r:.80}")
+    if params.numel() != length:
+        raise ValueError(f"params has {params.numel()} elements, the message describes {length}")
+
+
+def _check_update(state: CompressorState, update: torch.Tensor) -> None:
+    if not isinstance(update, torch.Tensor) or update.dim() != 1 or update.numel() != state.layout.length:
+        got = tuple(update.shape) if isinstance(update, torch.Tensor) else type(update).__name__
+        raise ValueError(f"update must be a flat tensor of {state.layout.length} elements, got {got}")
+
+
+def _check_finite(residual: torch.Tensor) -> None:
+    if not bool(torch.isfinite(residual.sum())) and not bool(torch.isfinite(residual).all()):
+        i = int(torch.nonzero(~torch.isfinite(residual))[0])
+        raise NonFiniteUpdateError(f"residual element {i} is {float(residual[i])}: the update is not finite")
+
+
+class _ValueCompressor(Compressor):
+    """The wire form and application shared by the compressors whose messages are :class:`ValueUpdate`."""
+
+    def apply(self, message: ValueUpdate, params: torch.Tensor, scale: float = 1.0) -> None:
+        _apply_values(message, params, scale)
+
+    def to_bytes(self, message: ValueUpdate) -> bytes:
+        return message.to_bytes()
+
+    def from_bytes(self, data: bytes | bytearray | memoryview) -> ValueUpdate:
+        return ValueUpdate.from_bytes(data)
+
+
+class DenseCompressor(_ValueCompressor):
+    """Every element's value at every step, as float32: no compression, the residual stays zero."""
+
+    def compress(self, state: CompressorState, update: torch.Tensor) -> ValueUpdate:
+        _check_update(state, update)
+        values = update.detach().to(torch.float32, copy=True)
+        _check_finite(values)
+        state.step += 1
+        state.threshold, state.density = 0.0, 1.0
+        n = state.layout.length
+        return ValueUpdate(n, ((0, n),) if n else (), torch.zeros(0, dtype=torch.int64, device=values.device), values)
+
+    def momentum_mask(self, message: ValueUpdate) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        return "DenseCompressor()"
+
+
+class TopKCompressor(_ValueCompressor):
+    """Per-tensor top-k with values (Deep Gradient Compression, Lin et al., ICLR 2018).
+
+    Each tensor of two or more dimensions sends the ``density`` fraction of its residual's elements
+    of largest magnitude (at least one), as values of type ``values`` (``"bf16"``, ``"fp16"`` or
+    ``"fp32"``); what rounding to that type leaves stays in the residual, so nothing is lost. 1-D
+    tensors (biases, norm weights) are sent whole at every step. Selection is per tensor, so a layer
+    of small updates is sent as often as a layer of large ones. The density warms up: it starts at
+    1 (everything sent) and falls geometrically to ``density`` over the first ``warmup_steps`` steps.
+    Tensors of more than ``exact_below`` elements pick their cut from a random sample of about
+    ``sample`` elements instead of an exact top-k (the sent count is then close to, not exactly, k).
+    """
+
+    def __init__(
+        self,
+        density: float = 0.01,
+        values: str = "bf16",
+        warmup_steps: int = 50,
+        exact_below: int = 1 << 16,
+        sample: int = 1 << 14,
+    ) -> None:
+        if isinstance(density, bool) or not isinstance(density, numbers.Real) or not 0 < density <= 1:
+            raise ValueError(f"density must be a number in (0, 1], got {density!r}")
+        if values not in VALUE_DTYPES:
+            raise ValueError(f"values must be one of {sorted(VALUE_DTYPES)}, got {values!r}")
+        for name, value, low in (
+            ("warmup_steps", warmup_steps, 0),
+            ("exact_below", exact_below, 1),
+            ("sample", sample, 1),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        self.density, self.values = float(density), values
+        self.warmup_steps, self.exact_below, self.sample = warmup_steps, exact_below, sample
+
+    def density_at(self, step: int) -> float:
+        """The density of step ``step`` (from 0): 1 at first, ``density`` from ``warmup_steps`` on."""
+        if step >= self.warmup_steps:
+            return self.density
+        return self.density ** (step / self.warmup_steps)
+
+    def compress(self, state: CompressorState, update: torch.Tensor) -> ValueUpdate:
+        _check_update(state, update)
+        r = state.residual
+        r.add_(update.detach())
+        _check_finite(r)
+        layout, dtype = state.layout, VALUE_DTYPES[self.values]
+        density = self.density_at(state.step)
+        ranges: list[tuple[int, int]] = []
+        picks: list[torch.Tensor] = []
+        cut = math.inf
+        for offset, n, shape in zip(layout.offsets, layout.numels, layout.shapes, strict=True):
+            if not n:
+                continue
+            k = max(1, math.ceil(density * n))
+            if len(shape) <= 1 or 3 * k >= n:  # a third sent with indices costs what the whole does without
+                ranges.append((offset, offset + n))
+                continue
+            part = r[offset : offset + n]
+            index, smallest = self._select(part, k)
+            cut = min(cut, smallest)
+            picks.append(torch.sort(index).values + offset)
+        index = torch.cat(picks) if picks else torch.zeros(0, dtype=torch.int64, device=r.device)
+        ranges = _merge(ranges)
+        message = ValueUpdate(layout.length, tuple(ranges), index, torch.empty(0, dtype=dtype))
+        positions = message.positions()
+        values = r[positions].to(dtype)
+        r.index_add_(0, positions, values.to(torch.float32), alpha=-1)  # what rounding lost stays
+        state.step += 1
+        state.threshold = 0.0 if cut == math.inf else cut
+        state.density = positions.numel() / layout.length if layout.length else 0.0
+        return dataclasses.replace(message, values=values)
+
+    def _select(self, part: torch.Tensor, k: int) -> tuple[torch.Tensor, float]:
+        """The positions of about ``k`` elements of largest magnitude in ``part``, and the smallest
+        magnitude among them."""
+        magnitude = part.abs()
+        if part.numel() < self.exact_below:
+            top = torch.topk(magnitude, k, sorted=False)
+            return top.indices, float(top.values.min())
+        n = part.numel()
+        s = min(n, self.sample)
+        sample = magnitude[torch.randint(0, n, (s,), device=part.device)]
+        cut = torch.topk(sample, max(1, math.ceil(k * s / n))).values[-1]
+        index = torch.nonzero(magnitude >= cut).squeeze(1)
+        if index.numel() > 2 * k:  # a sample's cut that fell too low: the k largest of those found
+            index = index[torch.topk(magnitude[index], k, sorted=False).indices]
+        return index, float(magnitude[index].min()) if index.numel() else float(cut)
+
+    def momentum_mask(self, message: ValueUpdate) -> torch.Tensor:
+        return message.index
+
+    def __repr__(self) -> str:
+        return (
+            f"TopKCompressor(density={self.density!r}, values={self.values!r}, warmup_steps={self.warmup_steps!r}, "
+            f"exact_below={self.exact_below!r}, sample={self.sample!r})"
+        )
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Adjacent ranges joined."""
+    out: list[tuple[int, int]] = []
+    for a, b in ranges:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+# -- Deeplearning4j's threshold encoding ------------------------------------------------------------
+@dataclass
+class Dl4jState(CompressorState):
+    """A :class:`CompressorState` with the trainer's own threshold algorithm and post-processor."""
+
+    thresholds: ThresholdAlgorithm | None = None
+    post: ResidualPostProcessor | None = None
+
+
+class Dl4jCompressor(Compressor):
+    """Deeplearning4j's threshold encoding: :func:`~dlscale.encoding.encode` of the whole residual
+    with one threshold from ``threshold_algorithm`` (every element at or above it sent as ``±t``),
+    then ``residual_post_processor`` (clipping by default, which discards what it clips). The
+    residual lives on the CPU, where the codec works."""
+
+    residual_device = "cpu"
+
+    def __init__(
+        self,
+        threshold_algorithm: ThresholdAlgorithm | str = "adaptive",
+        residual_post_processor: ResidualPostProcessor | str = "clipping",
+    ) -> None:
+        self.threshold_algorithm = thresholds.threshold_algorithm(threshold_algorithm)
+        self.residual_post_processor = residual.residual_post_processor(residual_post_processor)
+
+    def state(self, layout: Layout) -> Dl4jState:
+        base = super().state(layout)
+        return Dl4jState(
+            layout,
+            base.residual,
+            threshold=self.threshold_algorithm.threshold,
+            thresholds=self.threshold_algorithm.clone(),
+            post=self.residual_post_processor.clone(),
+        )
+
+    def compress(self, state: Dl4jState, update: torch.Tensor) -> EncodedUpdate | None:
+        _check_update(state, update)
+        r = state.residual
+        r.add_(update.detach().cpu())
+        message = _codec.encode(r, state.thresholds.threshold)
+        state.post.process(state.step, message.threshold, r)
+        state.thresholds.update(message.sparsity, message.length)
+        state.step += 1
+        state.threshold, state.density = message.threshold, message.sparsity
+        return message if message.count else None
+
+    def apply(self, message: EncodedUpdate, params: torch.Tensor, scale: float = 1.0) -> None:
+        if params.device.type == "cpu":
+            _codec.apply(message, params, scale)
+            return
+        _check_target(params, message.length)
+        if message.form == _codec.SPARSE:
+            index = torch.from_numpy(np.abs(message.payload.astype(np.int64)) - 1).to(params.device)
+            sign = torch.from_numpy(np.sign(message.payload).astype(np.float32)).to(params.device, params.dtype)
+            params.index_add_(0, index, sign * (np.float32(message.threshold) * scale))
+        else:
+            params.add_(_codec.decode(message).to(params.device, params.dtype), alpha=scale)
+
+    def to_bytes(self, message: EncodedUpdate) -> bytes:
+        return message.to_bytes()
+
+    def from_bytes(self, data: bytes | bytearray | memoryview) -> EncodedUpdate:
+        return EncodedUpdate.from_bytes(data)
+
+    def momentum_mask(self, message: EncodedUpdate) -> torch.Tensor:
+        return torch.from_numpy(_codec.sent_indices(message))
+
+    def describe(self, state: CompressorState, message: EncodedUpdate | None) -> dict[str, float | int | str]:
+        if message is None:
+            message = EncodedUpdate(_codec.SPARSE, state.threshold, state.layout.length, 0, np.zeros(0, np.int32))
+        return _codec.describe(message, state.residual)
+
+    def __repr__(self) -> str:
+        return (
+            f"Dl4jCompressor(threshold_algorithm={self.threshold_algorithm!r}, "
+            f"residual_post_processor={self.residual_post_processor!r})"
+        )
+
+
+DEFAULT = "topk"
+"""The compressor ``SharedTrainingMaster`` uses unless told otherwise."""
+
+REGISTRY: Registry[Compressor] = Registry("compressor", Compressor)
+REGISTRY.register("topk", TopKCompressor)
+REGISTRY.register("dl4j", Dl4jCompressor)
+REGISTRY.register("dense", DenseCompressor)
+COMPRESSORS = REGISTRY.view
+"""The registered compressors by name, read-only (add one with :func:`dlscale.registry.register`)."""
+
+
+def compressor(spec: Compressor | str, **kwargs: Any) -> Compressor:
+    """``spec`` itself if it is a compressor, else the one registered as ``spec`` (or offered by an
+    installed plug-in), made with ``kwargs``."""
+    return REGISTRY.resolve(spec, **kwargs)
