@@ -43,13 +43,12 @@ from benchmarks import compare
 from benchmarks._common import accuracy, header, make_data, mlp, write_results
 from dlscale import SharedTrainingMaster, SparkContext, SparkNet
 from dlscale.data import DataSet, export_minibatches
+from dlscale.encoding.compressors import COMPRESSORS, DEFAULT
 from dlscale.nn import Network
 
 RESULTS = Path(__file__).resolve().parent / "results" / "quality.json"
 SEEDS = (0, 1, 2)
 WORKERS = (2, 4)
-COMPRESSORS = ("dl4j",)
-COMPARE_TRAIN = 12_800  # of benchmarks.compare's 25,600 training examples, to keep the run near an hour
 
 
 def digits_mlp(seed: int) -> torch.nn.Module:
@@ -86,6 +85,7 @@ class Model:
 
     title: str
     data: str  # "digits" or "compare"
+    train: int | None  # training examples used (None: all)
     module: Callable[[int], torch.nn.Module]
     lr: float
     batch: int
@@ -97,27 +97,28 @@ class Model:
 
 
 MODELS = {
-    "digits_mlp": Model("digits MLP 64-256-10", "digits", digits_mlp, 0.01, 16, 20, 3),
-    "digits_cnn": Model("digits CNN conv16-conv32-linear", "digits", digits_cnn, 0.05, 32, 10, 2),
+    "digits_mlp": Model("digits MLP 64-256-10", "digits", None, digits_mlp, 0.01, 16, 20, 3),
+    "digits_cnn": Model("digits CNN conv16-conv32-linear", "digits", None, digits_cnn, 0.05, 32, 10, 2),
     "digits_cnn_bn": Model(
-        "digits CNN with BatchNorm", "digits", functools.partial(digits_cnn, batch_norm=True), 0.05, 32, 10, 2
+        "digits CNN with BatchNorm", "digits", None, functools.partial(digits_cnn, batch_norm=True), 0.05, 32, 10, 2
     ),
-    "compare_mlp": Model("compare's MLP 784-2048-2048-10", "compare", mlp, 0.01, 64, 1, 1),
-    "compare_cnn": Model("compare's CNN conv16-conv32-linear", "compare", compare.cnn, 0.01, 64, 3, 1),
+    # compare's workloads on part of its 25,600 training examples, to keep the whole run near an hour
+    "compare_mlp": Model("compare's MLP 784-2048-2048-10", "compare", 6400, mlp, 0.01, 64, 1, 1),
+    "compare_cnn": Model("compare's CNN conv16-conv32-linear", "compare", 12_800, compare.cnn, 0.01, 64, 3, 1),
 }
 
 
-def load(data: str, quick: bool) -> tuple[torch.Tensor, ...]:
-    """``(x, y, test_x, test_y)`` of ``data``: digits split as the test suite splits it (1,200 / 597,
-    pixels scaled to [0, 1]), or the first :data:`COMPARE_TRAIN` of ``benchmarks.compare``'s
-    training examples (2,560 and 1,024 test examples when ``quick``)."""
-    if data == "digits":
+def load(model: Model, quick: bool) -> tuple[torch.Tensor, ...]:
+    """``(x, y, test_x, test_y)`` of ``model``: digits split as the test suite splits it (1,200 / 597,
+    pixels scaled to [0, 1]), or the first ``model.train`` of ``benchmarks.compare``'s training
+    examples and all its 4,096 test examples (2,560 and 1,024 when ``quick``)."""
+    if model.data == "digits":
         x, y = load_digits(return_X_y=True)
         x, y = torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y)
         perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
         return x[perm[:1200]], y[perm[:1200]], x[perm[1200:]], y[perm[1200:]]
     x, y, tx, ty = make_data()
-    train, test = (2560, 1024) if quick else (COMPARE_TRAIN, len(tx))
+    train, test = (2560, 1024) if quick else (model.train, len(tx))
     return x[:train], y[:train], tx[:test], ty[:test]
 
 
@@ -159,7 +160,7 @@ def shared(
 ) -> dict[str, Any]:
     """Test accuracy and bytes sent after gradient sharing on ``sc``'s workers."""
     net = Network(model.module(seed), "cross_entropy", model.optimizer)
-    master = SharedTrainingMaster(model.batch, rng_seed=seed, collect_training_stats=True)
+    master = SharedTrainingMaster(model.batch, compressor=compressor, rng_seed=seed, collect_training_stats=True)
     spark_net = SparkNet(sc, net, master)
     start = time.perf_counter()
     spark_net.fit_paths(sc.parallelize(paths, len(paths)), epochs=epochs)
@@ -193,9 +194,10 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in runs:
         groups.setdefault((r["model"], r["method"], r["workers"]), []).append(r)
     order = {m: i for i, m in enumerate(MODELS)}
+    methods = {m: i for i, m in enumerate(("single", DEFAULT, *sorted(COMPRESSORS)))}
     rows = []
     for (model, method, workers), rs in sorted(
-        groups.items(), key=lambda kv: (order.get(kv[0][0], len(order)), kv[0][1] != "single", kv[0][2], kv[0][1])
+        groups.items(), key=lambda kv: (order.get(kv[0][0], len(order)), kv[0][2], methods.get(kv[0][1], len(methods)))
     ):
         accs = [r["accuracy"] for r in rs]
         row: dict[str, Any] = {
@@ -259,14 +261,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated models")
     parser.add_argument("--workers", default=None, help="comma-separated worker counts (default 2,4; quick: 2)")
     parser.add_argument("--seeds", default=None, help="comma-separated seeds (default 0,1,2; quick: 0)")
-    parser.add_argument("--compressors", default=",".join(COMPRESSORS), help="comma-separated compressors")
+    parser.add_argument(
+        "--compressors",
+        default=",".join(sorted(COMPRESSORS, key=lambda c: c != DEFAULT)),
+        help="comma-separated compressors",
+    )
     parser.add_argument("--report", action="store_true", help="the table again from the last results")
     args = parser.parse_args(argv)
     if args.report:
         write_report(RESULTS, json.loads(RESULTS.read_text()))
         return
     models = _names(args.models, tuple(MODELS), "models", parser)
-    compressors = _names(args.compressors, COMPRESSORS, "compressors", parser)
+    compressors = _names(args.compressors, tuple(COMPRESSORS), "compressors", parser)
     workers = tuple(int(w) for w in (args.workers or ("2" if args.quick else ",".join(map(str, WORKERS)))).split(","))
     seeds = tuple(int(s) for s in (args.seeds or ("0" if args.quick else ",".join(map(str, SEEDS)))).split(","))
     path = RESULTS.with_name("quality-quick.json") if args.quick else RESULTS
@@ -278,9 +284,15 @@ def main(argv: list[str] | None = None) -> None:
     report["setup"] = {
         "optimizer": "SGD momentum 0.9",
         "threads_per_worker": 1,
-        "compare_train_examples": COMPARE_TRAIN,
+        "aggregation": SharedTrainingMaster(1).aggregation,
         "models": {
-            name: {"title": m.title, "lr": m.lr, "batch": m.batch, "epochs": m.quick_epochs if args.quick else m.epochs}
+            name: {
+                "title": m.title,
+                "train_examples": m.train,
+                "lr": m.lr,
+                "batch": m.batch,
+                "epochs": m.quick_epochs if args.quick else m.epochs,
+            }
             for name, m in MODELS.items()
         },
     }
@@ -290,17 +302,15 @@ def main(argv: list[str] | None = None) -> None:
         write_results(path, {**report, "summary": summarise(report["runs"])}, indent=1)
 
     with tempfile.TemporaryDirectory(prefix="dlscale-quality-") as tmp:
-        exported: dict[tuple[str, int], tuple[list[DataSet], list[str], tuple[torch.Tensor, torch.Tensor]]] = {}
+        exported: dict[str, tuple[list[DataSet], list[str], tuple[torch.Tensor, torch.Tensor]]] = {}
         for name in models:
             model = MODELS[name]
-            if (model.data, model.batch) not in exported:
-                x, y, tx, ty = load(model.data, args.quick)
-                batches = minibatches(x, y, model.batch)
-                url = f"{tmp}/{model.data}-{model.batch}"
-                exported[model.data, model.batch] = (batches, export_minibatches(batches, url, model.batch), (tx, ty))
+            x, y, tx, ty = load(model, args.quick)
+            batches = minibatches(x, y, model.batch)
+            exported[name] = (batches, export_minibatches(batches, f"{tmp}/{name}", model.batch), (tx, ty))
         for name in models:  # single-process references first: they take no cluster
             model = MODELS[name]
-            batches, _, test = exported[model.data, model.batch]
+            batches, _, test = exported[name]
             epochs = model.quick_epochs if args.quick else model.epochs
             for seed in seeds:
                 acc = single(model, batches, test, seed, epochs)
@@ -310,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
             with SparkContext(f"local[{w}]", f"quality-{w}") as sc:
                 for name in models:
                     model = MODELS[name]
-                    _, paths, test = exported[model.data, model.batch]
+                    _, paths, test = exported[name]
                     epochs = model.quick_epochs if args.quick else model.epochs
                     for compressor in compressors:
                         for seed in seeds:
