@@ -194,7 +194,7 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in runs:
         groups.setdefault((r["model"], r["method"], r["workers"]), []).append(r)
     order = {m: i for i, m in enumerate(MODELS)}
-    methods = {m: i for i, m in enumerate(("single", DEFAULT, *sorted(COMPRESSORS)))}
+    methods = {m: i for i, m in enumerate(dict.fromkeys(("single", DEFAULT, *sorted(COMPRESSORS))))}
     rows = []
     for (model, method, workers), rs in sorted(
         groups.items(), key=lambda kv: (order.get(kv[0][0], len(order)), kv[0][2], methods.get(kv[0][1], len(methods)))
