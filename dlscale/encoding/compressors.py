@@ -161,8 +161,9 @@ _INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.floa
 
 VALUES_MAGIC = b"DLVU"
 VALUES_VERSION = 1
-# magic, version, value type, reserved, length, dense ranges, sparse count, CRC-32C of the rest
+# magic, version, value type, flags, length, dense ranges, sparse count, CRC-32C of the rest
 _VALUES_HEADER = struct.Struct("<4sBBHQIQI")
+_GAPS = 1  # flag: the index is written as uint16 gaps (each index minus the one before, the first plus 1)
 VALUES_HEADER_BYTES = _VALUES_HEADER.size
 
 
@@ -190,12 +191,8 @@ class ValueUpdate:
     @property
     def nbytes(self) -> int:
         """Bytes on the wire."""
-        return (
-            VALUES_HEADER_BYTES
-            + 16 * len(self.ranges)
-            + 4 * self.index.numel()
-            + self.values.element_size() * (self.count)
-        )
+        _, index = _index_bytes(self.index)
+        return VALUES_HEADER_BYTES + 16 * len(self.ranges) + len(index) + self.values.element_size() * self.count
 
     def positions(self) -> torch.Tensor:
         """Every position the message changes, in the order of ``values``."""
@@ -204,14 +201,15 @@ class ValueUpdate:
 
     def to_bytes(self) -> bytes:
         """The header (little-endian: magic ``DLVU``, version, value type, reserved, length, ranges,
-        sparse count, CRC-32C), the ranges as uint64 pairs, the index as int32, the values."""
+        sparse count, CRC-32C), the ranges as uint64 pairs, the index (uint16 gaps when every gap fits,
+        else int32), the values."""
         dtype = _DTYPE_CODES.index(next(k for k, v in VALUE_DTYPES.items() if v == self.values.dtype))
         ranges = np.asarray(self.ranges, dtype="<u8").reshape(-1).tobytes()
-        index = self.index.cpu().numpy().astype("<i4").tobytes()
+        flags, index = _index_bytes(self.index)
         values = self.values.cpu().view(_INT_VIEW[self.values.dtype]).numpy().tobytes()
         body = ranges + index + values
         head = _VALUES_HEADER.pack(
-            VALUES_MAGIC, VALUES_VERSION, dtype, 0, self.length, len(self.ranges), self.index.numel(), 0
+            VALUES_MAGIC, VALUES_VERSION, dtype, flags, self.length, len(self.ranges), self.index.numel(), 0
         )
         crc = crc32c.crc32c(body, value=crc32c.crc32c(head[:-4]))
         return head[:-4] + struct.pack("<I", crc) + body
@@ -222,13 +220,13 @@ class ValueUpdate:
         data = bytes(data)
         if len(data) < VALUES_HEADER_BYTES:
             raise CorruptDataError(f"a value update is at least {VALUES_HEADER_BYTES} bytes, got {len(data)}")
-        magic, version, dtype_code, reserved, length, nranges, count, crc = _VALUES_HEADER.unpack_from(data)
+        magic, version, dtype_code, flags, length, nranges, count, crc = _VALUES_HEADER.unpack_from(data)
         if magic != VALUES_MAGIC:
             raise CorruptDataError(f"not a value update: magic {magic!r}, expected {VALUES_MAGIC!r}")
         if version != VALUES_VERSION:
             raise CorruptDataError(f"value update format version {version}, this dlscale reads {VALUES_VERSION}")
-        if dtype_code >= len(_DTYPE_CODES) or reserved != 0:
-            raise CorruptDataError(f"value update header has value type {dtype_code} and reserved field {reserved}")
+        if dtype_code >= len(_DTYPE_CODES) or flags & ~_GAPS:
+            raise CorruptDataError(f"value update header has value type {dtype_code} and flags {flags}")
         if length > _codec.MAX_LENGTH or count > length or nranges > length:
             raise CorruptDataError(f"value update header is inconsistent: length {length}, count {count}")
         if crc32c.crc32c(data[VALUES_HEADER_BYTES:], value=crc32c.crc32c(data[: VALUES_HEADER_BYTES - 4])) != crc:
@@ -244,13 +242,17 @@ class ValueUpdate:
         dtype = VALUE_DTYPES[_DTYPE_CODES[dtype_code]]
         total = int((bounds[1::2] - bounds[::2]).sum()) + count
         size = torch.empty(0, dtype=dtype).element_size()
-        if len(data) - at != 4 * count + size * total:
+        width = 2 if flags & _GAPS else 4
+        if len(data) - at != width * count + size * total:
             raise CorruptDataError(
                 f"a value update with {len(ranges)} ranges and {count} sparse elements has a "
-                f"{4 * count + size * total}-byte body after its ranges, got {len(data) - at}"
+                f"{width * count + size * total}-byte body after its ranges, got {len(data) - at}"
             )
-        index = np.frombuffer(data, "<i4", count, at).astype(np.int64)
-        at += 4 * count
+        if flags & _GAPS:
+            index = np.cumsum(np.frombuffer(data, "<u2", count, at), dtype=np.int64) - 1
+        else:
+            index = np.frombuffer(data, "<i4", count, at).astype(np.int64)
+        at += width * count
         if count and (index.min() < 0 or index.max() >= length or np.any(np.diff(index) <= 0)):
             raise CorruptDataError("value update indices must be increasing and within the length")
         if count and len(ranges) and np.any(_in_ranges(index, bounds)):
@@ -260,6 +262,16 @@ class ValueUpdate:
         if not bool(torch.isfinite(values).all()):
             raise CorruptDataError("value update holds values that are not finite")
         return cls(int(length), ranges, torch.from_numpy(index), values)
+
+
+def _index_bytes(index: torch.Tensor) -> tuple[int, bytes]:
+    """The flags and bytes of an increasing index: uint16 gaps when every gap fits, else int32."""
+    a = index.cpu().numpy()
+    if len(a):
+        gaps = np.diff(a, prepend=-1)
+        if gaps.max() <= 0xFFFF:
+            return _GAPS, gaps.astype("<u2").tobytes()
+    return 0, a.astype("<i4").tobytes()
 
 
 def _in_ranges(index: np.ndarray, bounds: np.ndarray) -> np.ndarray:
