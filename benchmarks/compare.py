@@ -472,8 +472,9 @@ def table(runs: list[dict[str, Any]]) -> str:
 
 
 def plots(runs: list[dict[str, Any]]) -> list[str]:
-    """One PNG per workload: samples/s of every two-worker run per link (bars), and test accuracy
-    against training time on loopback (lines)."""
+    """One PNG per workload: samples/s of every two-worker run per link (bars, with the single
+    process and the ceiling on loopback as lines), and test accuracy against training time on
+    loopback (lines)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -488,7 +489,7 @@ def plots(runs: list[dict[str, Any]]) -> list[str]:
             continue
         fig, (bars, curves) = plt.subplots(1, 2, figsize=(13, 4.5))
         links = [link for link in LINKS if any(r["link"] == link for r in mine)]
-        runners = [n for n in RUNNERS[1:] if any(r["runner"] == n for r in mine)]
+        runners = [n for n in RUNNERS[2:] if any(r["runner"] == n for r in mine)]
         width = 0.8 / max(1, len(runners))
         for i, name in enumerate(runners):
             values = [
@@ -501,6 +502,9 @@ def plots(runs: list[dict[str, Any]]) -> list[str]:
         single = next((r for r in mine if r["runner"] == "single"), None)
         if single is not None:
             bars.axhline(single["samples_per_s"], color="black", linestyle="--", label="single process")
+        ceiling = next((r for r in mine if (r["link"], r["runner"], r["workers"]) == ("loopback", "ceiling", 2)), None)
+        if ceiling is not None:
+            bars.axhline(ceiling["samples_per_s"], color="grey", linestyle=":", label="ceiling (2 processes)")
         bars.set_xticks([j + width * (len(runners) - 1) / 2 for j in range(len(links))], links)
         bars.set_ylabel("samples/s (2 workers)")
         bars.set_title(f"{spec['title']}: throughput")
