@@ -42,6 +42,7 @@ _EXPORTS = {
     "UnsafePickleError": "dlscale.errors",
     "LabelError": "dlscale.errors",
     "NetworkSerializationError": "dlscale.errors",
+    "NonFiniteUpdateError": "dlscale.errors",
     "TrainerLostWarning": "dlscale.errors",
     "EvaluationError": "dlscale.errors",
     "IncompatibleEvaluationError": "dlscale.errors",

@@ -50,6 +50,11 @@ class LabelError(DlscaleError, ValueError):
     """An example whose label cannot be derived (e.g. an image in a folder that is not a known class)."""
 
 
+class NonFiniteUpdateError(DlscaleError, ValueError):
+    """Training that produced NaN or infinity (a diverged step, a non-finite input), which would spread to
+    every replica; the message names the minibatch where it first appeared."""
+
+
 class NetworkSerializationError(DlscaleError, TypeError):
     """A network that cannot be pickled to send it to the workers."""
 

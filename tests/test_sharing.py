@@ -130,7 +130,7 @@ def test_small_momentum_network_matches_single_process(sc: SparkContext, data: t
 
 
 def test_momentum_masking_zeroes_the_momentum_of_sent_elements() -> None:
-    from dlscale.encoding import decode, encode
+    from dlscale.encoding import decode, encode, sent_indices
     from dlscale.training.sharing._trainer import _mask_momentum
 
     x, y, _, _ = digits()
@@ -150,7 +150,7 @@ def test_momentum_masking_zeroes_the_momentum_of_sent_elements() -> None:
         message = encode(residual, float(residual.abs().median()))
         buffers = [net.optimizer.state[p][key] for p in net.module.parameters()]
         old = torch.cat([b.reshape(-1) for b in buffers]).clone()
-        _mask_momentum(net, message)
+        _mask_momentum(net, torch.from_numpy(sent_indices(message)))
         new = torch.cat([b.reshape(-1) for b in buffers])
         sent = decode(message) != 0
         assert 0 < int(sent.sum()) < sent.numel()

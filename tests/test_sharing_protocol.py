@@ -334,6 +334,7 @@ def test_items_are_handed_out_in_order_and_acknowledged_once() -> None:
         "reports": [(0, 16, 0.5), (2, 8, 0.25)],
         "lost": ["c#0"],
         "failed": None,
+        "failed_by": None,
         "state": "run",
         "version": 0,
         "nodes": ["tcp://a", "tcp://b"],
@@ -381,6 +382,7 @@ def test_a_failure_stops_every_trainer_at_its_next_call() -> None:
             call()
     progress = s.progress()
     assert progress["state"] == "abort" and progress["failed"] == "b#0: ValueError: bad minibatch"
+    assert progress["failed_by"] == "b#0"
     assert progress["reports"] == [(0, 16, 1.0)] and not s.training()
 
 
@@ -408,7 +410,7 @@ async def test_the_control_plane_over_the_comm(c: Any, s: Any, a: Any, b: Any) -
         await a.scheduler.dlscale_sharing_next(session="s", trainer=ta, acks=[malformed], want=1)
     progress = await c.scheduler.dlscale_sharing_progress(session="s")
     assert [tuple(r) for r in progress["reports"]] == [(0, 16, 0.5)]
-    assert set(progress) == {"reports", "lost", "failed", "state", "version", "nodes", "alive", "finished"}
+    assert set(progress) == {"reports", "lost", "failed", "failed_by", "state", "version", "nodes", "alive", "finished"}
 
     # adaptive scaling may not retire a worker whose trainers are at work
     assert s.plugins[NAME].valid_workers_downscaling(s, list(s.workers.values())) == []

@@ -18,7 +18,7 @@ import crc32c
 import numpy as np
 import torch
 
-from dlscale.errors import CorruptDataError, DlscaleError
+from dlscale.errors import CorruptDataError, NonFiniteUpdateError
 
 SPARSE = "sparse"
 BITMAP = "bitmap"
@@ -42,10 +42,6 @@ _CHUNK = 1 << 18  # elements decoded at a time when adding a bitmap to a dense v
 # bits 24 + 2k; every other product lands below bit 24 without overlapping, so nothing carries.
 _PACK = np.uint32(1 << 24 | 1 << 18 | 1 << 12 | 1 << 6)
 _SHIFTS = np.array([0, 2, 4, 6], dtype=np.uint8)
-
-
-class NonFiniteUpdateError(DlscaleError, ValueError):
-    """A residual holding NaN or infinity: a diverged step, which encoding would spread to every replica."""
 
 
 @dataclass(frozen=True, eq=False)

@@ -34,10 +34,10 @@ import numpy as np
 import torch
 
 from dlscale.encoding import _codec, residual, thresholds
-from dlscale.encoding._codec import EncodedUpdate, NonFiniteUpdateError
+from dlscale.encoding._codec import EncodedUpdate
 from dlscale.encoding.residual import ResidualPostProcessor
 from dlscale.encoding.thresholds import ThresholdAlgorithm
-from dlscale.errors import CorruptDataError
+from dlscale.errors import CorruptDataError, NonFiniteUpdateError
 from dlscale.registry import Registry
 
 
@@ -358,9 +358,9 @@ class TopKCompressor(_ValueCompressor):
 
     def __init__(
         self,
-        density: float = 0.01,
+        density: float = 0.004,
         values: str = "bf16",
-        warmup_steps: int = 50,
+        warmup_steps: int = 20,
         exact_below: int = 1 << 16,
         sample: int = 1 << 14,
     ) -> None:

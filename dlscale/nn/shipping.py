@@ -55,7 +55,13 @@ def serialise(network: Network, with_optimizer: bool = True) -> bytes:
 def ship(client: Client, network: Network, with_optimizer: bool = False) -> Future:
     """``network`` pickled (see :func:`serialise`) and held on every worker, those joining later
     included; the future's key names it in :func:`borrow`."""
-    future = client.scatter([serialise(network, with_optimizer)], broadcast=True, hash=False)[0]
+    return ship_blob(client, serialise(network, with_optimizer))
+
+
+def ship_blob(client: Client, blob: bytes) -> Future:
+    """``blob`` (a pickled network) held on every worker, those joining later included: scattered data
+    cannot be recomputed, so a single copy would take every task that needs it down with its worker."""
+    future = client.scatter([blob], broadcast=True, hash=False)[0]
     set_replication(client, [future], EVERY_WORKER)
     return future
 

@@ -21,7 +21,7 @@ from distributed.active_memory_manager import (
 from dlscale.runtime.extensions import Extension, install
 
 if TYPE_CHECKING:
-    from distributed import Client
+    from distributed import Client, Future
     from distributed.scheduler import Scheduler
 
 EVERY_WORKER = 2**31  # a replica count meaning "on every worker", those that join later included
@@ -33,6 +33,7 @@ class PersistedReplicas(ReduceReplicas):
     def __init__(self) -> None:
         super().__init__()
         self.desired: dict[Any, int] = {}
+        self.kept: dict[Any, int] = {}  # keys whose replicas are not dropped below a count, none added
 
     def run(self) -> SuggestionGenerator:
         tasks = self.manager.scheduler.tasks
@@ -48,8 +49,17 @@ class PersistedReplicas(ReduceReplicas):
                 yield Suggestion("replicate", ts)
             for _ in range(len(ts.who_has) - n):
                 yield Suggestion("drop", ts)
+        for key in [k for k in self.kept if k not in tasks]:
+            del self.kept[key]
+        drops: dict[Any, int] = {}  # how many more replicas of a kept key may go
         for suggestion in super().run():
-            if suggestion.ts.key not in self.desired:
+            key = suggestion.ts.key
+            if key in self.kept:
+                drops.setdefault(key, len(suggestion.ts.who_has) - self.kept[key])
+                drops[key] -= 1
+                if drops[key] < 0:
+                    continue
+            if key not in self.desired:
                 yield suggestion
 
 
@@ -93,3 +103,35 @@ def set_replication(client: Client, futures: list, n: int) -> None:
     client.run_on_scheduler(_set_desired, [f.key for f in futures], n)
     if n > 1:
         client.replicate(futures, n=None if n == EVERY_WORKER else n)
+
+
+def _keep_newest(generations: list[list[Any]], n: int, dask_scheduler: Any = None) -> int:
+    policy = _policy(dask_scheduler)
+    if policy is None:  # nothing drops replicas: only the newest generation is worth holding
+        return len(generations) - 1
+    enough = min(n, len(dask_scheduler.running))
+    newest = 0
+    for i, keys in enumerate(generations):
+        found = [dask_scheduler.tasks.get(_key(k)) for k in keys]
+        if all(ts is not None and len(ts.who_has or ()) >= enough for ts in found):
+            newest = i
+    for i, keys in enumerate(generations):
+        for k in keys:
+            if i < newest:
+                policy.kept.pop(_key(k), None)
+            else:
+                policy.kept[_key(k)] = n
+    return newest
+
+
+def keep_newest_copied(client: Client, generations: list[list[Future]], n: int) -> int:
+    """Keep up to ``n`` replicas of the futures of each of ``generations`` (oldest first) where tasks
+    have copied them, adding none; returns the index of the newest generation whose futures all have
+    ``n`` (0 while none has), and stops keeping those before it. Holding that generation and the
+    newer ones, a caller always holds one that a single lost worker cannot take.
+
+    No copies are made on purpose: a copy made by the memory manager while its key is being released
+    can crash the receiving worker (distributed 2026.8, ``assert not ts.done`` in the worker's
+    ``flight -> released`` transition)."""
+    install(client, REPLICAS)
+    return client.run_on_scheduler(_keep_newest, [[f.key for f in g] for g in generations], n)

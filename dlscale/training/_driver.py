@@ -21,6 +21,7 @@ from distributed import Client
 from dlscale.monitor import panel
 from dlscale.monitor.progress import Progress
 from dlscale.monitor.stats import TrainingStats
+from dlscale.nn import shipping
 from dlscale.nn.listeners import TrainingListener
 from dlscale.nn.network import Network
 from dlscale.training import _worker
@@ -53,7 +54,7 @@ def workers(client: Client) -> list[str]:
 class FitRun:
     """One fit of ``master`` on ``batches`` for ``epochs`` epochs, used as a context manager.
 
-    On entry the network (pickled in ``blob``) is scattered once: :attr:`blob` is its future and
+    On entry the network (pickled in ``blob``) is sent once to every worker: :attr:`blob` is its future and
     :attr:`replicas` the keys under which workers keep an unpickled copy (a master that keeps several
     per worker lists them there). A step's report goes to :meth:`step`. On a clean exit the epoch
     counter moves on by ``epochs`` and the statistics are recorded; after an error the network's
@@ -78,7 +79,7 @@ class FitRun:
         self._progress: Progress | None = None
 
     def __enter__(self) -> FitRun:
-        self.blob = self.client.scatter([self._blob], hash=False)[0]
+        self.blob = shipping.ship_blob(self.client, self._blob)  # on every worker: one copy would die with its worker
         self.replicas = [self.blob.key]
         return self
 

@@ -115,7 +115,17 @@ def in_memory(rdd: RDD, batch_size: int, level: StorageLevel) -> Minibatches:
     del parts, joins, done  # the picked minibatches keep their bytes; the partition results can go
     who = client.who_has(refs)
     holders = [min(who[f.key]) if who.get(f.key) else None for f in refs]
-    return Minibatches(refs, [f"minibatch {k}" for k in range(len(refs))], decode, holders, time.perf_counter() - t0)
+    return Minibatches(refs, _names(plan, batch_size, len(refs)), decode, holders, time.perf_counter() - t0)
+
+
+def _names(plan: ExportPlan, batch_size: int, count: int) -> list[str]:
+    """How errors and statistics name minibatches held in memory: by the RDD's examples and partitions."""
+    names = []
+    for k in range(count):
+        lo, hi = k * batch_size, min((k + 1) * batch_size, plan.total) - 1
+        where = f"partition {plan.owner[k]}" if k in plan.owner else "several partitions"
+        names.append(f"{k} (examples {lo}-{hi} of the RDD, in {where})")
+    return names
 
 
 class ExportCache:

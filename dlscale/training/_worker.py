@@ -10,6 +10,7 @@ such as BatchNorm's running statistics, which are not parameters), ``optimizer``
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -20,6 +21,7 @@ import torch
 from dlscale.data.dataset import DataSet, MultiDataSet
 from dlscale.data.format import from_bytes
 from dlscale.data.loaders import prefetch
+from dlscale.errors import NonFiniteUpdateError
 from dlscale.nn import shipping
 from dlscale.nn.network import Network, cpu_copy
 from dlscale.runtime.tasks import match_threads, worker_address
@@ -97,6 +99,7 @@ def fit_share(
                 except Exception as e:
                     e.add_note(f"while fitting minibatch {name}")
                     raise
+                check_finite(network, score, name)
                 examples += batch.num_examples()
         finally:
             batches.close()
@@ -112,6 +115,17 @@ def fit_share(
         "end": time.time(),
     }
     return {**out, "examples": examples, "batches": len(refs), "score": score, "shares": [share]}
+
+
+def check_finite(network: Network, score: float, name: str) -> None:
+    """Refuse a step that left the loss or a parameter NaN or infinite, naming minibatch ``name``: averaged
+    in, it would make every parameter of the network NaN."""
+    if math.isfinite(score) and bool(torch.isfinite(network.params()).all()):
+        return
+    what = f"the loss is {score}" if not math.isfinite(score) else "a parameter is not finite"
+    raise NonFiniteUpdateError(
+        f"training diverged on minibatch {name}: {what} (a NaN or infinite input, or too high a learning rate)"
+    )
 
 
 def _weighted_mean(values: list[Any], weights: list[int]) -> Any:

@@ -20,9 +20,10 @@ import numpy as np
 from distributed import Future
 
 from dlscale.monitor.stats import RoundStats, WorkerRound
+from dlscale.runtime.replicas import keep_newest_copied
 from dlscale.runtime.tasks import check_count
 from dlscale.training import _sources, _worker
-from dlscale.training._driver import FitRun
+from dlscale.training._driver import FitRun, workers
 from dlscale.training.master import TrainingMaster
 
 REPARTITION = ("always", "never", "num_partitions_workers_differs")
@@ -69,7 +70,13 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
 
 
 class _Rounds:
-    """One ``fit``'s rounds: the network sent once, then the rounds of every epoch."""
+    """One ``fit``'s rounds: the network sent once, then the rounds of every epoch.
+
+    The driver holds the states of the last rounds it has seen complete (its *checkpoints*) until a
+    newer one is on two workers; the next round's tasks copy a round's states to every worker they
+    run on, and the memory manager is kept from dropping those copies. A lost worker then costs only
+    the rounds since the newest checkpoint it did not take: Dask recomputes a lost state from the
+    tasks that made it, back to a checkpoint at most, and the tasks of a lost worker run on the others."""
 
     def __init__(
         self, master: ParameterAveragingTrainingMaster, run: FitRun, batches: _sources.Minibatches, local: bool
@@ -78,25 +85,41 @@ class _Rounds:
         self.client, self.workers, self.blob = run.client, run.workers, run.blob
         self.key = run.replicas[0]
         self.tag = uuid.uuid4().hex[:8]
+        self.checkpoints: list[list[Future]] = []  # oldest first
 
     def train(self, probe: bool) -> None:
         run = self.run
         if probe:
             run.probe()
-        states = self.client.scatter([_worker.state_of(run.network, self.master.save_updater)], hash=False)
+        state = _worker.state_of(run.network, self.master.save_updater)
+        states = self.client.scatter([state], broadcast=True, hash=False)  # every first task needs it
+        self._keep(states)
         run.show_progress()
-        for epoch in range(run.epochs):
-            states = self._epoch(states, epoch)
-        _worker.apply_state(run.network, _worker.average(*self.client.gather(states)))
+        try:
+            for epoch in range(run.epochs):
+                self.workers = workers(self.client)  # a lost worker's share goes to those left
+                states = self._epoch(states, epoch)
+            _worker.apply_state(run.network, _worker.average(*self.client.gather(states)))
+        except Exception as e:
+            lost = sorted(set(run.workers) - set(self.client.scheduler_info(n_workers=-1)["workers"]))
+            if lost:
+                e.add_note(f"worker(s) {', '.join(lost)} left the cluster during the fit")
+            raise
+
+    def _keep(self, states: list[Future]) -> None:
+        """Add ``states`` to the checkpoints, and let go of those older than the newest on two workers."""
+        self.checkpoints.append(states)
+        del self.checkpoints[: keep_newest_copied(self.client, self.checkpoints, 2)]
 
     def _epoch(self, states: list[Future], epoch: int) -> list[Future]:
         """Submit every round of the fit's ``epoch``-th epoch, then follow them; returns the last level of
         the last round's averaging tree (the states whose average is the network's new state)."""
         rounds = self._plan(np.random.default_rng([self.run.seed, self.run.first_epoch + epoch]))
-        summaries = []
+        summaries, ends = [], []
         for r, shares in enumerate(rounds):
             parts = [self._fit(states, worker, idx, epoch, r, j) for j, (worker, idx) in enumerate(shares)]
             states = self._reduce(parts)
+            ends.append(states)
             summaries.append([self.client.submit(_worker.summary, s, pure=False) for s in states])
         last = time.perf_counter()
         try:
@@ -105,7 +128,8 @@ class _Rounds:
                 now = time.perf_counter()
                 self._done(epoch, r, info, now - last)
                 last = now
-                summaries[r] = []  # drop the futures: nothing waits on them any more
+                self._keep(ends[r])
+                summaries[r] = ends[r] = []  # drop the futures: nothing waits on them any more
         except BaseException as e:
             self.client.cancel([f for futures in summaries for f in futures] + states)
             if isinstance(e, Exception):

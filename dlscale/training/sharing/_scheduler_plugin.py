@@ -53,6 +53,7 @@ class Session:
     reports: list[tuple[int, int, float]] = field(default_factory=list)  # (item, examples, score) for the driver
     lost: list[str] = field(default_factory=list)  # trainers lost, in order
     failed: str | None = None
+    failed_by: str | None = None  # the trainer, or "driver", that stopped the session
     version: int = 0
 
     @classmethod
@@ -100,6 +101,7 @@ class Session:
             "reports": reports,
             "lost": list(self.lost),
             "failed": self.failed,
+            "failed_by": self.failed_by,
             "state": state,
             "version": view.version,
             "nodes": list(view.nodes),
@@ -153,7 +155,7 @@ class Session:
     def fail(self, who: str, error: str) -> None:
         """``who`` (a trainer, or the driver) raised: every trainer stops at its next call."""
         if self.failed is None:
-            self.failed = f"{who}: {error}"
+            self.failed, self.failed_by = f"{who}: {error}", who
 
     # -- the cluster's events ----------------------------------------------------------------
     def remove_worker(self, worker: str) -> list[str]:

@@ -29,6 +29,7 @@ from distributed.utils import sync
 
 from dlscale.data.loaders import prefetch
 from dlscale.encoding import Compressor, Layout
+from dlscale.errors import NonFiniteUpdateError
 from dlscale.training._heap import training_heap
 from dlscale.training._worker import decode, replica, state_of
 from dlscale.training.sharing._exceptions import SessionAbortedError, SessionStoppedError
@@ -61,20 +62,27 @@ class TrainerSpec:
 
 @dataclass(frozen=True)
 class HeldMinibatch:
-    """The loader of minibatches held in workers' memory, by Dask key ("direct" training). A trainer
-    binds it to its worker's client, which its prefetching thread could not find by itself."""
+    """The loader of minibatches held in workers' memory ("direct" training), by name. The driver
+    publishes their futures as the Dask dataset ``dataset``; a trainer takes them from there once
+    (:meth:`bind`), which makes its client want them as the driver's does: a minibatch lost with its
+    worker is recomputed from its RDD's lineage, and the trainer waiting for it is told when it is
+    back. ``timeout`` (seconds) bounds that wait."""
 
-    client: Any = None
+    dataset: str
+    timeout: float
+    futures: dict[str, Future] | None = None
 
     def bind(self, client: Any) -> HeldMinibatch:
-        return HeldMinibatch(client)
+        return HeldMinibatch(self.dataset, self.timeout, client.get_dataset(self.dataset))
 
-    def __call__(self, key: str) -> Any:
-        future = Future(key, self.client, state="memory")  # the driver holds it: it is in memory
+    def __call__(self, name: str) -> Any:
         try:
-            return decode(future.result())
-        finally:
-            future.release()
+            return decode(self.futures[name].result(timeout=self.timeout))
+        except TimeoutError:
+            raise TimeoutError(
+                f"minibatch {name}, held in worker memory, was not available within {self.timeout:g} s "
+                "(dlscale.sharing.end-timeout): it was lost with its worker and not recomputed"
+            ) from None
 
 
 class _Control:
@@ -265,7 +273,11 @@ class _Trainer:
                 if spec.aggregation == "mean" and self.alive > 1:
                     update.mul_(1 / self.alive)  # the sender weighs its update: every replica applies the same
                 t = self._phase("fit", t)
-                message = compressor.compress(own, update)
+                try:
+                    message = compressor.compress(own, update)
+                except NonFiniteUpdateError as e:
+                    e.add_note(f"after fitting minibatch {self.refs[item % len(self.refs)]}")
+                    raise
                 params.copy_(before)
                 if message is not None:
                     compressor.apply(message, params)

@@ -39,9 +39,10 @@ from dlscale.training.sharing._worker_plugin import plugin
 
 logger = logging.getLogger("dlscale.training.sharing")
 
-AGGREGATIONS = ("mean", "sum")
-"""How the trainers' updates combine: ``"mean"`` weighs each by one over the live trainers (the
-learning rate means what it means in one process, as with DDP), ``"sum"`` adds them whole (DL4J's)."""
+AGGREGATIONS = ("sum", "mean")
+"""How the trainers' updates combine: ``"sum"`` applies each whole (DL4J's; every minibatch makes one
+step of the learning rate, as in one process), ``"mean"`` weighs each by one over the live trainers
+(the step of a round of N minibatches is their mean, as with DDP: N times fewer steps an epoch)."""
 
 
 @dataclasses.dataclass
@@ -67,7 +68,7 @@ class SharedTrainingMaster(TrainingMaster):
     approach: ClassVar[str] = "gradient sharing"
 
     compressor: Compressor | str = DEFAULT_COMPRESSOR
-    aggregation: str = "mean"
+    aggregation: str = "sum"
     threshold_algorithm: ThresholdAlgorithm | str | None = None
     residual_post_processor: ResidualPostProcessor | str | None = None
     workers_per_node: int = 1
@@ -102,9 +103,7 @@ class SharedTrainingMaster(TrainingMaster):
     def _train(
         self, run: FitRun, batches: _sources.Minibatches, *, partitions: int | None = None, probe: bool = False
     ) -> None:
-        if partitions is not None:  # held in memory: the trainers fetch each minibatch by its key
-            batches = dataclasses.replace(batches, refs=[f.key for f in batches.refs], loader=_trainer.HeldMinibatch())
-        _Session(self, run, batches).train(probe)
+        _Session(self, run, batches, held=partitions is not None).train(probe)
 
 
 def _open_node(session: str, trainers: int, mode: str, config: SharingConfig, dask_worker: Any = None) -> None:
@@ -118,12 +117,17 @@ def _close_node(session: str, dask_worker: Any = None) -> None:
 class _Session:
     """One ``fit``'s gradient-sharing session: its trainers, the scheduler's and the workers' parts."""
 
-    def __init__(self, master: SharedTrainingMaster, run: FitRun, batches: _sources.Minibatches) -> None:
+    def __init__(self, master: SharedTrainingMaster, run: FitRun, batches: _sources.Minibatches, held: bool) -> None:
         self.master, self.run, self.batches = master, run, batches
         self.client, self.workers = run.client, run.workers
         self.config = SharingConfig.from_dask()
         self.session = f"dlscale-sharing-{uuid.uuid4().hex[:12]}"
         self.trainers = {f"{w}#{i}": (w, i) for w in self.workers for i in range(master.workers_per_node)}
+        self.held: dict[str, Future] = {}
+        if held:  # minibatches in worker memory: published for the trainers, fetched by name
+            self.held = dict(zip(batches.names, batches.refs))
+            loader = _trainer.HeldMinibatch(f"{self.session}-minibatches", self.config.end_timeout)
+            self.batches = dataclasses.replace(batches, refs=list(batches.names), loader=loader)
 
     def _call(self, op: str, **kwargs: Any) -> Any:
         return self.client.sync(getattr(self.client.scheduler, f"dlscale_sharing_{op}"), session=self.session, **kwargs)
@@ -160,6 +164,8 @@ class _Session:
         run.show_progress(fit=self.session)
         self._call("open", worker_of={t: w for t, (w, _) in self.trainers.items()}, order=self._order())
         try:
+            if self.held:
+                client.publish_dataset(**{self.batches.loader.dataset: self.held})
             client.run(
                 _open_node,
                 self.session,
@@ -191,6 +197,8 @@ class _Session:
             if master.encoding_debug_mode:
                 client.unsubscribe_topic(_trainer.DEBUG_TOPIC)
             self._call("close")
+            if self.held:
+                client.unpublish_dataset(self.batches.loader.dataset)
             alive = set(client.scheduler_info(n_workers=-1)["workers"])  # a lost worker would take a timeout
             client.run(_close_node, self.session, workers=[w for w in self.workers if w in alive], on_error="ignore")
         self._conclude(results, progress, time.perf_counter() - t0)
@@ -209,6 +217,12 @@ class _Session:
             for item, examples, score in progress["reports"]:
                 self.run.step(item // n, 1, examples, score, iterations=1)
             failed = [f for f in futures.values() if f.status == "error" and not _lost_worker(f)]
+            if progress["failed"] and not failed and progress["failed_by"] in futures:
+                # the trainer that failed tells the scheduler just before its task ends with the error itself
+                culprit = futures[progress["failed_by"]]
+                with contextlib.suppress(TimeoutError):
+                    wait([culprit], timeout=self.config.end_timeout)
+                failed = [culprit] if culprit.status == "error" and not _lost_worker(culprit) else []
             if failed or progress["failed"]:
                 error = failed[0].exception() if failed else None
                 trace = failed[0].traceback() if failed else None
