@@ -347,11 +347,13 @@ class TopKCompressor(_ValueCompressor):
     """Per-tensor top-k with values (Deep Gradient Compression, Lin et al., ICLR 2018).
 
     Each tensor of two or more dimensions sends the ``density`` fraction of its residual's elements
-    of largest magnitude (at least one), as values of type ``values`` (``"bf16"``, ``"fp16"`` or
-    ``"fp32"``); what rounding to that type leaves stays in the residual, so nothing is lost. 1-D
-    tensors (biases, norm weights) are sent whole at every step. Selection is per tensor, so a layer
-    of small updates is sent as often as a layer of large ones. The density warms up: it starts at
-    1 (everything sent) and falls geometrically to ``density`` over the first ``warmup_steps`` steps.
+    of largest magnitude, and at least ``min_elements`` of them (small tensors such as convolution
+    kernels would otherwise wait many steps for each of their few elements), as values of type
+    ``values`` (``"bf16"``, ``"fp16"`` or ``"fp32"``); what rounding to that type leaves stays in the
+    residual, so nothing is lost. 1-D tensors (biases, norm weights) are sent whole at every step.
+    Selection is per tensor, so a layer of small updates is sent as often as a layer of large ones.
+    The density warms up: it starts at 1 (everything sent) and falls geometrically to ``density``
+    over the first ``warmup_steps`` steps.
     Tensors of more than ``exact_below`` elements pick their cut from a random sample of about
     ``sample`` elements instead of an exact top-k (the sent count is then close to, not exactly, k).
     """
@@ -361,6 +363,7 @@ class TopKCompressor(_ValueCompressor):
         density: float = 0.004,
         values: str = "bf16",
         warmup_steps: int = 20,
+        min_elements: int = 32,
         exact_below: int = 1 << 16,
         sample: int = 1 << 14,
     ) -> None:
@@ -370,13 +373,15 @@ class TopKCompressor(_ValueCompressor):
             raise ValueError(f"values must be one of {sorted(VALUE_DTYPES)}, got {values!r}")
         for name, value, low in (
             ("warmup_steps", warmup_steps, 0),
+            ("min_elements", min_elements, 1),
             ("exact_below", exact_below, 1),
             ("sample", sample, 1),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         self.density, self.values = float(density), values
-        self.warmup_steps, self.exact_below, self.sample = warmup_steps, exact_below, sample
+        self.warmup_steps, self.min_elements = warmup_steps, min_elements
+        self.exact_below, self.sample = exact_below, sample
 
     def density_at(self, step: int) -> float:
         """The density of step ``step`` (from 0): 1 at first, ``density`` from ``warmup_steps`` on."""
@@ -397,7 +402,7 @@ class TopKCompressor(_ValueCompressor):
         for offset, n, shape in zip(layout.offsets, layout.numels, layout.shapes, strict=True):
             if not n:
                 continue
-            k = max(1, math.ceil(density * n))
+            k = min(n, max(self.min_elements, math.ceil(density * n)))
             if len(shape) <= 1 or 3 * k >= n:  # a third sent with indices costs what the whole does without
                 ranges.append((offset, offset + n))
                 continue
@@ -438,6 +443,7 @@ class TopKCompressor(_ValueCompressor):
     def __repr__(self) -> str:
         return (
             f"TopKCompressor(density={self.density!r}, values={self.values!r}, warmup_steps={self.warmup_steps!r}, "
+            f"min_elements={self.min_elements!r}, "
             f"exact_below={self.exact_below!r}, sample={self.sample!r})"
         )
 
