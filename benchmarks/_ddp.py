@@ -4,7 +4,9 @@
 gloo backend in ``world_size`` processes (torch.multiprocessing, spawn) talking over 127.0.0.1: what a
 PyTorch user would run instead of dlscale. Every step each process trains on its own minibatch of
 ``batch`` examples and DDP all-reduces the gradients, so a step covers a global batch of
-``world_size * batch`` examples, as with a ``DistributedSampler``. ``train_rank`` is the training of one
+``world_size * batch`` examples, as with a ``DistributedSampler``. With ``powersgd=True`` the gradients
+are compressed by PyTorch's PowerSGD communication hook (rank-4 approximations with error feedback)
+before they are all-reduced. ``train_rank`` is the training of one
 process; ``benchmarks._torch_distributor`` runs the same under PySpark's TorchDistributor.
 
 To run it over a rate-limited link, run the command line inside a namespace of ``benchmarks._links``::
@@ -34,12 +36,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
 
 from benchmarks._common import accuracy, make_data
 
 ModuleFactory = Callable[[], torch.nn.Module]
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+POWERSGD_RANK = 4  # matrix_approximation_rank: Vogels et al. reach full accuracy from rank 2 to 4
+# Steps all-reduced densely before compressing: the first updates are large and change fast, so the
+# low-rank approximation and its error feedback start from a trained-in direction; 10 steps is a few
+# percent of the compare runs' steps (the default, 1000, would be more steps than they take).
+POWERSGD_START = 10
 
 
 def free_port() -> int:
@@ -71,6 +80,7 @@ def train_rank(
     threads: int,
     warmup_steps: int,
     seed: int,
+    powersgd: bool,
 ) -> None:
     """Process ``rank`` of the DDP training of ``ddp_samples_per_s`` on ``tmp/data.pt``; rank 0 writes
     ``tmp/result.pt``.
@@ -88,7 +98,16 @@ def train_rank(
         data = torch.load(Path(tmp) / "data.pt", weights_only=True)  # in memory, as the baseline's
         x, y = data["x"], data["y"]
         module = make_module()
-        model = torch.nn.parallel.DistributedDataParallel(module)  # broadcasts rank 0's weights
+        options: dict[str, Any] = {}
+        if powersgd:
+            # One bucket holding the whole model: on gloo, PowerSGD over several buckets aborts a rank
+            # ("Received data size doesn't match expected size": the buckets' asynchronous all-reduces
+            # of their factors are not matched in the same order on every rank; measured with 5 MiB
+            # buckets on the MLP). An explicit bucket_cap_mb also sets the first bucket's cap, which
+            # would otherwise be 1 MiB.
+            grad_mib = sum(p.numel() * p.element_size() for p in module.parameters()) / 2**20
+            options["bucket_cap_mb"] = int(grad_mib) + 1
+        model = torch.nn.parallel.DistributedDataParallel(module, **options)  # broadcasts rank 0's weights
         optimizer = optimizer_factory(model.parameters())
         steps = _steps(len(x), world_size, batch)
 
@@ -107,6 +126,17 @@ def train_rank(
             step(_shard(warm, s, rank, world_size, batch))
         module.load_state_dict(initial[0])
         optimizer.load_state_dict(initial[1])
+        state = None
+        if powersgd:  # registered after the warm-up (dense all-reduces, as PowerSGD's first steps) so
+            # that its step count and error feedback start with the timed epochs
+            state = powerSGD.PowerSGDState(
+                None,
+                matrix_approximation_rank=POWERSGD_RANK,
+                start_powerSGD_iter=POWERSGD_START,
+                use_error_feedback=True,
+                warm_start=True,
+            )
+            model.register_comm_hook(state, powerSGD.powerSGD_hook)
 
         g = torch.Generator().manual_seed(seed)  # the same order on every rank, as set_epoch does
         loss = torch.tensor(float("nan"))
@@ -139,6 +169,8 @@ def train_rank(
             }
             if epoch_accuracy:
                 result["test_accuracy"] = epoch_accuracy[-1]
+            if state is not None:  # elements all-reduced in the compressed steps
+                result["powersgd_elements"] = state.total_numel_after_compression
             result["state_dict"] = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
             torch.save(result, Path(tmp) / "result.pt")
     finally:
@@ -166,6 +198,7 @@ def train_with(
     loss_fn: LossFn = torch.nn.functional.cross_entropy,
     warmup_steps: int = 3,
     seed: int = 0,
+    powersgd: bool = False,
 ) -> dict[str, Any]:
     """Train with DDP over gloo in ``world_size`` processes that ``launch(tmp, args)`` starts, each
     running ``train_rank(rank, world_size, tmp, *args)``; return the throughput of the timed epochs.
@@ -177,8 +210,13 @@ def train_with(
     each, and an incomplete last global batch is dropped. Timed: ``epochs`` epochs, after
     ``warmup_steps`` steps whose effect is undone; evaluation between epochs is not timed.
 
+    ``powersgd`` compresses the gradients with PyTorch's PowerSGD hook (rank :data:`POWERSGD_RANK`,
+    error feedback, dense for the first :data:`POWERSGD_START` timed steps).
+
     Returns samples/s (training examples of the timed epochs per second), seconds, steps,
-    ``grad_bytes_per_step`` (bytes of gradients all-reduced a step), rank 0's final ``state_dict``
+    ``grad_bytes_per_step`` (bytes of the gradients a step), ``allreduced_bytes_per_step`` (bytes
+    all-reduced a step, on average over the timed steps: the gradients, or PowerSGD's factors and
+    uncompressed tensors), rank 0's final ``state_dict``
     (CPU tensors), ``final_loss`` (rank 0's last minibatch), ``epoch_seconds`` (training seconds so far
     at the end of each epoch), ``peak_rss_bytes`` (the largest peak resident set of the processes),
     ``cpu_seconds`` (user and system CPU time of all processes in the timed epochs), ``epoch_accuracy``
@@ -196,10 +234,24 @@ def train_with(
         if test_x is not None and test_y is not None:
             data.update(test_x=test_x.contiguous(), test_y=test_y.contiguous())
         torch.save(data, Path(tmp) / "data.pt")
-        args = (make_module, optimizer_factory, loss_fn, batch, epochs, threads_per_process, warmup_steps, seed)
+        args = (
+            make_module,
+            optimizer_factory,
+            loss_fn,
+            batch,
+            epochs,
+            threads_per_process,
+            warmup_steps,
+            seed,
+            powersgd,
+        )
         launched = launch(tmp, args)
         result = torch.load(Path(tmp) / "result.pt", weights_only=True)
     samples = epochs * steps * world_size * batch
+    allreduced = grad_bytes
+    if powersgd:
+        dense_steps = min(POWERSGD_START, epochs * steps)
+        allreduced = (dense_steps * grad_bytes + 4 * result.pop("powersgd_elements")) / (epochs * steps)
     return {
         "world_size": world_size,
         "batch": batch,
@@ -211,6 +263,8 @@ def train_with(
         "threads_per_process": threads_per_process,
         "parameters": params,
         "grad_bytes_per_step": grad_bytes,
+        "allreduced_bytes_per_step": allreduced,
+        "powersgd": powersgd,
         **launched,
         **result,
     }

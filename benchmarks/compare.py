@@ -1,5 +1,6 @@
 """dlscale against its peers in one run: the same model, data and batch size trained by single-process
-PyTorch, PyTorch DDP (gloo), PySpark's TorchDistributor (local mode), dlscale's
+PyTorch, independent single processes side by side (the machine's ceiling), PyTorch DDP (gloo),
+DDP with PowerSGD compression, PySpark's TorchDistributor (local mode), dlscale's
 ParameterAveragingTrainingMaster and its SharedTrainingMaster, on 1 and 2 workers, over loopback
 and over links limited to 1 Gbit/s and 100 Mbit/s.
 
@@ -29,7 +30,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import multiprocessing
 import os
+import queue
+import resource
 import subprocess
 import sys
 import tempfile
@@ -73,7 +77,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "mlp": {"title": "MLP 784-2048-2048-10", "module": mlp, "epochs": 2},
     "cnn": {"title": "CNN conv16-conv32-linear", "module": cnn, "epochs": 3},
 }
-RUNNERS = ("single", "ddp", "torch_distributor", "averaging", "sharing")
+RUNNERS = ("single", "ceiling", "ddp", "ddp_powersgd", "torch_distributor", "averaging", "sharing")
 # Runs that move dense tensors every step or round take minutes a epoch at 100 Mbit/s: there they
 # train one epoch of a part of the data, enough for a steady samples/s but not for time to accuracy.
 SHORT = {"100mbit": (("ddp", "torch_distributor", "averaging"), 6400)}
@@ -144,20 +148,74 @@ def _data(quick: bool) -> tuple[torch.Tensor, ...]:
     return x, y, tx, ty
 
 
-def run_single(workload: dict[str, Any], epochs: int, data: tuple[torch.Tensor, ...], out: dict[str, Any]) -> None:
+def _train_alone(
+    workload: dict[str, Any], epochs: int, data: tuple[torch.Tensor, ...], before_epoch: Callable[[], Any]
+) -> tuple[int, float, list[tuple[float, float]]]:
+    """The plain PyTorch loop of one thread: steps, training seconds, and (seconds so far, test
+    accuracy) after each epoch. ``before_epoch`` runs, untimed, before each epoch."""
     x, y, tx, ty = data
     torch.set_num_threads(1)
     module = workload["module"]()
     optimizer = SGD(module.parameters())
     g = torch.Generator().manual_seed(0)
     elapsed, curve, steps = 0.0, [], 0
+    for _ in range(epochs):
+        before_epoch()
+        start = time.perf_counter()
+        steps += train_epoch(module, optimizer, x, y, g)
+        elapsed += time.perf_counter() - start
+        curve.append((elapsed, accuracy(module, tx, ty)))
+    return steps, elapsed, curve
+
+
+def run_single(workload: dict[str, Any], epochs: int, data: tuple[torch.Tensor, ...], out: dict[str, Any]) -> None:
     with measured(out):
-        for _ in range(epochs):
-            start = time.perf_counter()
-            steps += train_epoch(module, optimizer, x, y, g)
-            elapsed += time.perf_counter() - start
-            curve.append((elapsed, accuracy(module, tx, ty)))
+        steps, elapsed, curve = _train_alone(workload, epochs, data, lambda: None)
     out.update(samples=steps * BATCH, seconds=elapsed, minibatches=steps, curve=curve, bytes_per_minibatch=0)
+
+
+def _ceiling_process(
+    rank: int, workload_name: str, epochs: int, quick: bool, barrier: Any, results: multiprocessing.Queue
+) -> None:
+    """One of the ceiling's processes: the single process's training, each epoch started together
+    with the others'."""
+    steps, elapsed, curve = _train_alone(WORKLOADS[workload_name], epochs, _data(quick), barrier.wait)
+    results.put((rank, steps, elapsed, curve, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+
+
+def run_ceiling(workload_name: str, workers: int, epochs: int, quick: bool, out: dict[str, Any]) -> None:
+    """The machine's ceiling: ``workers`` independent single processes training at the same time, with
+    no communication. Their samples/s is the sum of theirs; the curve is the first process's."""
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(workers, timeout=600), ctx.Queue()
+    processes = [
+        ctx.Process(target=_ceiling_process, args=(rank, workload_name, epochs, quick, barrier, results))
+        for rank in range(workers)
+    ]
+    done: list[tuple[Any, ...]] = []
+    with measured(out):
+        for p in processes:
+            p.start()
+        while len(done) < workers:
+            try:
+                done.append(results.get(timeout=5))
+            except queue.Empty:
+                if any(p.exitcode for p in processes):
+                    raise RuntimeError(
+                        f"a ceiling process failed: exit codes {[p.exitcode for p in processes]}"
+                    ) from None
+        for p in processes:
+            p.join()
+    done.sort()
+    out.update(
+        samples=sum(steps for _, steps, *_ in done) * BATCH,
+        seconds=max(elapsed for _, _, elapsed, *_ in done),
+        samples_per_s=sum(steps * BATCH / elapsed for _, steps, elapsed, *_ in done),
+        minibatches=sum(steps for _, steps, *_ in done),
+        curve=done[0][3],
+        bytes_per_minibatch=0,
+        peak_rss_reported=max(peak for *_, peak in done),
+    )
 
 
 def run_launcher(
@@ -167,18 +225,22 @@ def run_launcher(
     epochs: int,
     data: tuple[torch.Tensor, ...],
     out: dict[str, Any],
+    **options: Any,
 ) -> None:
     """DDP or TorchDistributor: processes of one thread, each ``BATCH`` examples a step, gradients
-    all-reduced (a ring moves 2(W-1)/W of them out of every process)."""
+    all-reduced (a ring moves 2(W-1)/W of them out of every process), or with ``options``
+    ``powersgd=True`` PowerSGD's factors of them."""
     x, y, tx, ty = data
     with measured(out):
-        r = launcher(workers, workload["module"], x, y, BATCH, epochs, SGD, 1, test_x=tx, test_y=ty)
+        r = launcher(workers, workload["module"], x, y, BATCH, epochs, SGD, 1, test_x=tx, test_y=ty, **options)
+    if r["powersgd"]:
+        out["compression"] = r["grad_bytes_per_step"] / r["allreduced_bytes_per_step"]
     out.update(
         samples=r["samples"],
         seconds=r["seconds"],
         minibatches=r["samples"] // BATCH,
         curve=list(zip(r["epoch_seconds"], r["epoch_accuracy"], strict=True)),
-        bytes_per_minibatch=2 * (workers - 1) / workers * r["grad_bytes_per_step"],
+        bytes_per_minibatch=2 * (workers - 1) / workers * r["allreduced_bytes_per_step"],
         dense_update_bytes=r["grad_bytes_per_step"],
         peak_rss_reported=r.get("peak_rss_bytes"),
         **({"launcher_seconds": r["launcher_seconds"]} if "launcher_seconds" in r else {}),
@@ -267,15 +329,17 @@ def inner(link: str, workload_name: str, runner: str, workers: int, quick: bool)
     }
     if runner == "single":
         run_single(workload, epochs, data, out)
-    elif runner == "ddp":
-        run_launcher(_ddp.ddp_samples_per_s, workload, workers, epochs, data, out)
+    elif runner == "ceiling":
+        run_ceiling(workload_name, workers, epochs, quick, out)
+    elif runner in ("ddp", "ddp_powersgd"):
+        run_launcher(_ddp.ddp_samples_per_s, workload, workers, epochs, data, out, powersgd=runner == "ddp_powersgd")
     elif runner == "torch_distributor":
         from benchmarks._torch_distributor import torch_distributor_samples_per_s
 
         run_launcher(torch_distributor_samples_per_s, workload, workers, epochs, data, out)
     else:
         run_dlscale(runner, workload, workers, epochs, data, out)
-    out["samples_per_s"] = out["samples"] / out["seconds"]
+    out.setdefault("samples_per_s", out["samples"] / out["seconds"])
     out["link_bytes_per_minibatch"] = out["link_bytes"] / out["minibatches"]
     out["test_accuracy"] = out["curve"][-1][1]
     out["peak_rss"] = max(out["peak_rss"], out.pop("peak_rss_reported", None) or 0)  # ranks that have ended
@@ -285,13 +349,14 @@ def inner(link: str, workload_name: str, runner: str, workers: int, quick: bool)
 # -- the driver ---------------------------------------------------------------------------------------
 def plan(quick: bool, links: tuple[str, ...]) -> list[tuple[str, str, str, int]]:
     """``(link, workload, runner, workers)`` in the order they run: the single process and one-worker
-    runs on loopback only (nothing crosses a link), the two-worker runs on every link."""
+    runs on loopback only (nothing crosses a link; the ceiling of one process is the single process),
+    the two-worker runs on every link."""
     runs = []
     for link in links:
         for workload in WORKLOADS:
             if link == "loopback":
                 runs.append((link, workload, "single", 1))
-                runs += [(link, workload, r, 1) for r in RUNNERS[1:] if not quick]
+                runs += [(link, workload, r, 1) for r in RUNNERS[2:] if not quick]
             runs += [(link, workload, r, 2) for r in RUNNERS[1:]]
     return runs
 
@@ -407,8 +472,9 @@ def table(runs: list[dict[str, Any]]) -> str:
 
 
 def plots(runs: list[dict[str, Any]]) -> list[str]:
-    """One PNG per workload: samples/s of every two-worker run per link (bars), and test accuracy
-    against training time on loopback (lines)."""
+    """One PNG per workload: samples/s of every two-worker run per link (bars, with the single
+    process and the ceiling on loopback as lines), and test accuracy against training time on
+    loopback (lines)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -423,7 +489,7 @@ def plots(runs: list[dict[str, Any]]) -> list[str]:
             continue
         fig, (bars, curves) = plt.subplots(1, 2, figsize=(13, 4.5))
         links = [link for link in LINKS if any(r["link"] == link for r in mine)]
-        runners = [n for n in RUNNERS[1:] if any(r["runner"] == n for r in mine)]
+        runners = [n for n in RUNNERS[2:] if any(r["runner"] == n for r in mine)]
         width = 0.8 / max(1, len(runners))
         for i, name in enumerate(runners):
             values = [
@@ -436,6 +502,9 @@ def plots(runs: list[dict[str, Any]]) -> list[str]:
         single = next((r for r in mine if r["runner"] == "single"), None)
         if single is not None:
             bars.axhline(single["samples_per_s"], color="black", linestyle="--", label="single process")
+        ceiling = next((r for r in mine if (r["link"], r["runner"], r["workers"]) == ("loopback", "ceiling", 2)), None)
+        if ceiling is not None:
+            bars.axhline(ceiling["samples_per_s"], color="grey", linestyle=":", label="ceiling (2 processes)")
         bars.set_xticks([j + width * (len(runners) - 1) / 2 for j in range(len(links))], links)
         bars.set_ylabel("samples/s (2 workers)")
         bars.set_title(f"{spec['title']}: throughput")

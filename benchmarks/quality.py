@@ -1,0 +1,338 @@
+"""Training quality of gradient sharing: test accuracy over several seeds, single process against
+``SharedTrainingMaster`` with each compressor on 2 and 4 workers, with the bytes each trainer sent
+against what dense updates would have sent.
+
+Run from the repository root::
+
+    python -m benchmarks.quality              # every model, 3 seeds, 2 and 4 workers
+    python -m benchmarks.quality --quick      # one seed, 2 workers, a few epochs: a smoke run
+    python -m benchmarks.quality --models digits_mlp,digits_cnn --workers 2 --seeds 0,1
+    python -m benchmarks.quality --report     # the table again from the last results
+
+Models (``MODELS``): scikit-learn's digits (1,200 training and 597 test images) with an MLP, a
+CNN and a CNN with BatchNorm, and the MLP and CNN of ``benchmarks.compare`` on its synthetic task,
+with less data or fewer epochs than there so that the whole run stays near an hour on two cores.
+Each seed fixes the model's initial weights and the order of minibatches. The single-process
+reference is plain PyTorch: the same initial weights, optimizer, minibatches, epochs and per-epoch
+minibatch order as the scheduler of gradient sharing hands out (``np.random.default_rng([seed,
+epoch]).permutation``). Every shared fit runs on an embedded ``SparkContext("local[W]")`` (W worker
+processes of one thread), from minibatch files exported once. Results go to
+``benchmarks/results/quality.json``, replacing the runs of the same model, method, workers and seed
+and keeping the others, so that a part can be rerun on its own (``--quick`` writes
+``quality-quick.json`` instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from sklearn.datasets import load_digits
+
+from benchmarks import compare
+from benchmarks._common import accuracy, header, make_data, mlp, write_results
+from dlscale import SharedTrainingMaster, SparkContext, SparkNet
+from dlscale.data import DataSet, export_minibatches
+from dlscale.encoding.compressors import COMPRESSORS, DEFAULT
+from dlscale.nn import Network
+
+RESULTS = Path(__file__).resolve().parent / "results" / "quality.json"
+SEEDS = (0, 1, 2)
+WORKERS = (2, 4)
+
+
+def digits_mlp(seed: int) -> torch.nn.Module:
+    """An MLP 64-256-10 (19,210 parameters)."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+
+
+def digits_cnn(seed: int, batch_norm: bool = False) -> torch.nn.Module:
+    """Two 3x3 convolutions (16 and 32 channels, padded) on the 8x8 digits, a 2x2 max pool and a
+    linear layer (9,930 parameters; 10,026 with a BatchNorm after each convolution)."""
+    torch.manual_seed(seed)
+
+    def norm(channels: int) -> list[torch.nn.Module]:
+        return [torch.nn.BatchNorm2d(channels)] if batch_norm else []
+
+    return torch.nn.Sequential(
+        torch.nn.Unflatten(1, (1, 8, 8)),
+        torch.nn.Conv2d(1, 16, 3, padding=1),
+        *norm(16),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(16, 32, 3, padding=1),
+        *norm(32),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(),
+        torch.nn.Linear(32 * 4 * 4, 10),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A model, the data it trains on and how: SGD with momentum 0.9, ``batch`` examples a step."""
+
+    title: str
+    data: str  # "digits" or "compare"
+    train: int | None  # training examples used (None: all)
+    module: Callable[[int], torch.nn.Module]
+    lr: float
+    batch: int
+    epochs: int
+    quick_epochs: int
+
+    def optimizer(self, params: Any) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=self.lr, momentum=0.9)
+
+
+MODELS = {
+    "digits_mlp": Model("digits MLP 64-256-10", "digits", None, digits_mlp, 0.01, 16, 20, 3),
+    "digits_cnn": Model("digits CNN conv16-conv32-linear", "digits", None, digits_cnn, 0.05, 32, 10, 2),
+    "digits_cnn_bn": Model(
+        "digits CNN with BatchNorm", "digits", None, functools.partial(digits_cnn, batch_norm=True), 0.05, 32, 10, 2
+    ),
+    # compare's workloads on part of its 25,600 training examples, to keep the whole run near an hour
+    "compare_mlp": Model("compare's MLP 784-2048-2048-10", "compare", 6400, mlp, 0.01, 64, 1, 1),
+    "compare_cnn": Model("compare's CNN conv16-conv32-linear", "compare", 12_800, compare.cnn, 0.01, 64, 3, 1),
+}
+
+
+def load(model: Model, quick: bool) -> tuple[torch.Tensor, ...]:
+    """``(x, y, test_x, test_y)`` of ``model``: digits split as the test suite splits it (1,200 / 597,
+    pixels scaled to [0, 1]), or the first ``model.train`` of ``benchmarks.compare``'s training
+    examples and all its 4,096 test examples (2,560 and 1,024 when ``quick``)."""
+    if model.data == "digits":
+        x, y = load_digits(return_X_y=True)
+        x, y = torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y)
+        perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+        return x[perm[:1200]], y[perm[:1200]], x[perm[1200:]], y[perm[1200:]]
+    x, y, tx, ty = make_data()
+    train, test = (2560, 1024) if quick else (model.train, len(tx))
+    return x[:train], y[:train], tx[:test], ty[:test]
+
+
+def minibatches(x: torch.Tensor, y: torch.Tensor, batch: int) -> list[DataSet]:
+    """Consecutive minibatches of ``batch`` examples (the last may be fewer): what both methods train on."""
+    return [DataSet(x[i : i + batch], y[i : i + batch]) for i in range(0, len(x), batch)]
+
+
+def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
+    """The order of ``n`` minibatches in ``epoch``: the one gradient sharing's scheduler hands out
+    for ``rng_seed=seed`` in a network's first fit."""
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+def single(
+    model: Model, batches: list[DataSet], test: tuple[torch.Tensor, torch.Tensor], seed: int, epochs: int
+) -> float:
+    """Test accuracy after plain PyTorch training, one thread."""
+    torch.set_num_threads(1)
+    module = model.module(seed)
+    optimizer = model.optimizer(module.parameters())
+    module.train()
+    for epoch in range(epochs):
+        for i in epoch_order(seed, epoch, len(batches)):
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(module(batches[i].features), batches[i].labels).backward()
+            optimizer.step()
+    return accuracy(module, *test)
+
+
+def shared(
+    sc: SparkContext,
+    model: Model,
+    paths: list[str],
+    test: tuple[torch.Tensor, torch.Tensor],
+    seed: int,
+    epochs: int,
+    compressor: str,
+) -> dict[str, Any]:
+    """Test accuracy and bytes sent after gradient sharing on ``sc``'s workers."""
+    net = Network(model.module(seed), "cross_entropy", model.optimizer)
+    master = SharedTrainingMaster(model.batch, compressor=compressor, rng_seed=seed, collect_training_stats=True)
+    spark_net = SparkNet(sc, net, master)
+    start = time.perf_counter()
+    spark_net.fit_paths(sc.parallelize(paths, len(paths)), epochs=epochs)
+    seconds = time.perf_counter() - start
+    trainers = spark_net.training_stats.trainers
+    dense = 4 * net.num_params()  # a dense float32 update
+    sent = sum(t.bytes_sent for t in trainers)
+    messages = sum(t.messages_sent for t in trainers)
+    return {
+        "accuracy": accuracy(net.module, *test),
+        "seconds": seconds,
+        "trainers": len(trainers),
+        "minibatches": sum(t.minibatches for t in trainers),
+        "messages_sent": messages,
+        "bytes_sent": sent,
+        "dense_bytes": dense * messages,
+        "bytes_sent_per_trainer": sent / len(trainers),
+        "compression": dense * messages / max(sent, 1),
+    }
+
+
+# -- the report -------------------------------------------------------------------------------------------
+def _key(run: dict[str, Any]) -> tuple[Any, ...]:
+    return run["model"], run["method"], run["workers"], run["seed"]
+
+
+def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per model, method and workers: mean, std, min and max of test accuracy over the seeds, and
+    the mean bytes sent per trainer against dense updates."""
+    groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    for r in runs:
+        groups.setdefault((r["model"], r["method"], r["workers"]), []).append(r)
+    order = {m: i for i, m in enumerate(MODELS)}
+    methods = {m: i for i, m in enumerate(dict.fromkeys(("single", DEFAULT, *sorted(COMPRESSORS))))}
+    rows = []
+    for (model, method, workers), rs in sorted(
+        groups.items(), key=lambda kv: (order.get(kv[0][0], len(order)), kv[0][2], methods.get(kv[0][1], len(methods)))
+    ):
+        accs = [r["accuracy"] for r in rs]
+        row: dict[str, Any] = {
+            "model": model,
+            "method": method,
+            "workers": workers,
+            "seeds": sorted(r["seed"] for r in rs),
+            "mean": statistics.fmean(accs),
+            "std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
+            "min": min(accs),
+            "max": max(accs),
+        }
+        if method != "single":
+            row["bytes_sent_per_trainer"] = statistics.fmean(r["bytes_sent_per_trainer"] for r in rs)
+            row["dense_bytes_per_trainer"] = statistics.fmean(r["dense_bytes"] / r["trainers"] for r in rs)
+            row["compression"] = sum(r["dense_bytes"] for r in rs) / max(sum(r["bytes_sent"] for r in rs), 1)
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    singles = {r["model"]: r["mean"] for r in rows if r["method"] == "single"}
+    lines = [
+        "| model | method | workers | seeds | mean accuracy | vs single (points) | std | min | max | "
+        "bytes sent per trainer | dense bytes per trainer | compression |",
+        "|" + "---|" * 12,
+    ]
+    for r in rows:
+        base = singles.get(r["model"])
+        gap = "" if base is None or r["method"] == "single" else f"{100 * (r['mean'] - base):+.1f}"
+        sent = (
+            f"{r['bytes_sent_per_trainer']:,.0f} | {r['dense_bytes_per_trainer']:,.0f} | {r['compression']:,.1f}x"
+            if "compression" in r
+            else " | | "
+        )
+        lines.append(
+            f"| {r['model']} | {r['method']} | {r['workers']} | {len(r['seeds'])} | {r['mean']:.3f} | {gap} | "
+            f"{r['std']:.3f} | {r['min']:.3f} | {r['max']:.3f} | {sent} |"
+        )
+    return "\n".join(lines)
+
+
+def write_report(path: Path, report: dict[str, Any]) -> None:
+    report["summary"] = summarise(report["runs"])
+    print(table(report["summary"]), flush=True)
+    write_results(path, report, indent=1)
+
+
+# -- the driver --------------------------------------------------------------------------------------------
+def _names(value: str, known: tuple[str, ...], what: str, parser: argparse.ArgumentParser) -> tuple[str, ...]:
+    names = tuple(value.split(","))
+    unknown = set(names) - set(known)
+    if unknown:
+        parser.error(f"--{what}: unknown {', '.join(sorted(unknown))}; known: {', '.join(known)}")
+    return names
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one seed, 2 workers, few epochs, less data")
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated models")
+    parser.add_argument("--workers", default=None, help="comma-separated worker counts (default 2,4; quick: 2)")
+    parser.add_argument("--seeds", default=None, help="comma-separated seeds (default 0,1,2; quick: 0)")
+    parser.add_argument(
+        "--compressors",
+        default=",".join(sorted(COMPRESSORS, key=lambda c: c != DEFAULT)),
+        help="comma-separated compressors",
+    )
+    parser.add_argument("--report", action="store_true", help="the table again from the last results")
+    args = parser.parse_args(argv)
+    if args.report:
+        write_report(RESULTS, json.loads(RESULTS.read_text()))
+        return
+    models = _names(args.models, tuple(MODELS), "models", parser)
+    compressors = _names(args.compressors, tuple(COMPRESSORS), "compressors", parser)
+    workers = tuple(int(w) for w in (args.workers or ("2" if args.quick else ",".join(map(str, WORKERS)))).split(","))
+    seeds = tuple(int(s) for s in (args.seeds or ("0" if args.quick else ",".join(map(str, SEEDS)))).split(","))
+    path = RESULTS.with_name("quality-quick.json") if args.quick else RESULTS
+    report: dict[str, Any] = {**header("quality"), "quick": args.quick, "runs": []}
+    if not args.quick and path.exists():
+        mine = {(m, "single", 1, s) for m in models for s in seeds}
+        mine |= {(m, c, w, s) for m in models for c in compressors for w in workers for s in seeds}
+        report["runs"] = [r for r in json.loads(path.read_text())["runs"] if _key(r) not in mine]
+    report["setup"] = {
+        "optimizer": "SGD momentum 0.9",
+        "threads_per_worker": 1,
+        "aggregation": SharedTrainingMaster(1).aggregation,
+        "models": {
+            name: {
+                "title": m.title,
+                "train_examples": m.train,
+                "lr": m.lr,
+                "batch": m.batch,
+                "epochs": m.quick_epochs if args.quick else m.epochs,
+            }
+            for name, m in MODELS.items()
+        },
+    }
+
+    def record(run: dict[str, Any]) -> None:
+        report["runs"].append(run)
+        write_results(path, {**report, "summary": summarise(report["runs"])}, indent=1)
+
+    with tempfile.TemporaryDirectory(prefix="dlscale-quality-") as tmp:
+        exported: dict[str, tuple[list[DataSet], list[str], tuple[torch.Tensor, torch.Tensor]]] = {}
+        for name in models:
+            model = MODELS[name]
+            x, y, tx, ty = load(model, args.quick)
+            batches = minibatches(x, y, model.batch)
+            exported[name] = (batches, export_minibatches(batches, f"{tmp}/{name}", model.batch), (tx, ty))
+        for name in models:  # single-process references first: they take no cluster
+            model = MODELS[name]
+            batches, _, test = exported[name]
+            epochs = model.quick_epochs if args.quick else model.epochs
+            for seed in seeds:
+                acc = single(model, batches, test, seed, epochs)
+                print(f"{name:14s} single          seed {seed}: accuracy {acc:.3f}", flush=True)
+                record({"model": name, "method": "single", "workers": 1, "seed": seed, "accuracy": acc})
+        for w in workers:
+            with SparkContext(f"local[{w}]", f"quality-{w}") as sc:
+                for name in models:
+                    model = MODELS[name]
+                    _, paths, test = exported[name]
+                    epochs = model.quick_epochs if args.quick else model.epochs
+                    for compressor in compressors:
+                        for seed in seeds:
+                            r = shared(sc, model, paths, test, seed, epochs, compressor)
+                            print(
+                                f"{name:14s} {compressor:8s} {w} workers seed {seed}: accuracy {r['accuracy']:.3f}, "
+                                f"{r['compression']:.1f}x compression ({r['seconds']:.0f} s)",
+                                flush=True,
+                            )
+                            record({"model": name, "method": compressor, "workers": w, "seed": seed, **r})
+    write_report(path, report)
+
+
+if __name__ == "__main__":
+    main()
