@@ -171,8 +171,7 @@ def encode(residual: torch.Tensor, threshold: float, *, form: str | None = None)
     count = np.count_nonzero(pos) + np.count_nonzero(neg)
     if (form or _choose(count, n)) == SPARSE:
         return _encode_at(a, t, np.flatnonzero(pos | neg), SPARSE)
-    if not np.isfinite(float(torch.sum(r))):  # NaN, infinity, or an overflowing sum of finite values
-        _check_finite(r)
+    check_finite(r)
     codes = neg.view(np.uint8)  # in place: each fresh full-length array costs page faults
     codes <<= 1
     codes |= pos.view(np.uint8)
@@ -289,8 +288,12 @@ def _candidates(r: torch.Tensor, a: np.ndarray, t: np.float32) -> np.ndarray | N
     return np.concatenate((hot[found // _BLOCK] * _BLOCK + found % _BLOCK, tail))
 
 
-def _check_finite(r: torch.Tensor) -> None:
-    """Raise :class:`NonFiniteUpdateError` naming the first element of ``r`` that is not finite, if any."""
+def check_finite(r: torch.Tensor) -> None:
+    """Raise :class:`NonFiniteUpdateError` naming the first element of ``r`` that is not finite, if any.
+    One sum decides for the common case (a NaN or infinity makes it non-finite); only a sum that is not
+    finite, which finite values can also give by overflowing, is looked into element by element."""
+    if bool(torch.isfinite(r.sum())):
+        return
     bad = torch.nonzero(~torch.isfinite(r))
     if len(bad):
         i = int(bad[0])

@@ -37,7 +37,7 @@ from dlscale.encoding import _codec, residual, thresholds
 from dlscale.encoding._codec import EncodedUpdate
 from dlscale.encoding.residual import ResidualPostProcessor
 from dlscale.encoding.thresholds import ThresholdAlgorithm
-from dlscale.errors import CorruptDataError, NonFiniteUpdateError
+from dlscale.errors import CorruptDataError
 from dlscale.registry import Registry
 
 
@@ -305,12 +305,6 @@ def _check_update(state: CompressorState, update: torch.Tensor) -> None:
         raise ValueError(f"update must be a flat tensor of {state.layout.length} elements, got {got}")
 
 
-def _check_finite(residual: torch.Tensor) -> None:
-    if not bool(torch.isfinite(residual.sum())) and not bool(torch.isfinite(residual).all()):
-        i = int(torch.nonzero(~torch.isfinite(residual))[0])
-        raise NonFiniteUpdateError(f"residual element {i} is {float(residual[i])}: the update is not finite")
-
-
 class _ValueCompressor(Compressor):
     """The wire form and application shared by the compressors whose messages are :class:`ValueUpdate`."""
 
@@ -330,7 +324,7 @@ class DenseCompressor(_ValueCompressor):
     def compress(self, state: CompressorState, update: torch.Tensor) -> ValueUpdate:
         _check_update(state, update)
         values = update.detach().to(torch.float32, copy=True)
-        _check_finite(values)
+        _codec.check_finite(values)
         state.step += 1
         state.threshold, state.density = 0.0, 1.0
         n = state.layout.length
@@ -393,7 +387,7 @@ class TopKCompressor(_ValueCompressor):
         _check_update(state, update)
         r = state.residual
         r.add_(update.detach())
-        _check_finite(r)
+        _codec.check_finite(r)
         layout, dtype = state.layout, VALUE_DTYPES[self.values]
         density = self.density_at(state.step)
         ranges: list[tuple[int, int]] = []

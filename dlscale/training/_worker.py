@@ -120,7 +120,11 @@ def fit_share(
 def check_finite(network: Network, score: float, name: str) -> None:
     """Refuse a step that left the loss or a parameter NaN or infinite, naming minibatch ``name``: averaged
     in, it would make every parameter of the network NaN."""
-    if math.isfinite(score) and bool(torch.isfinite(network.params()).all()):
+    params = network.params()
+    # one sum decides for the common case (a NaN or infinity makes it non-finite; finite values can also
+    # overflow it, so only then is every element looked at): checking every element at every step cost
+    # 27 ms a step on a 5.8M-parameter network, against 1.6 ms for the sum
+    if math.isfinite(score) and (bool(torch.isfinite(params.sum())) or bool(torch.isfinite(params).all())):
         return
     what = f"the loss is {score}" if not math.isfinite(score) else "a parameter is not finite"
     raise NonFiniteUpdateError(
