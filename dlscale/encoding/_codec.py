@@ -44,6 +44,19 @@ _PACK = np.uint32(1 << 24 | 1 << 18 | 1 << 12 | 1 << 6)
 _SHIFTS = np.array([0, 2, 4, 6], dtype=np.uint8)
 
 
+def seal(head: bytes, body: bytes) -> bytes:
+    """A message's bytes: ``head`` (a header whose last 4 bytes are its CRC-32C field, packed as 0)
+    with that field set to the CRC-32C of the rest of the header and of ``body``, then ``body``."""
+    crc = crc32c.crc32c(body, value=crc32c.crc32c(head[:-4]))
+    return head[:-4] + struct.pack("<I", crc) + body
+
+
+def intact(data: bytes, header_bytes: int, crc: int) -> bool:
+    """Whether ``data`` (a header of ``header_bytes`` ending in its CRC-32C field, then the body) has
+    the CRC-32C ``crc`` that :func:`seal` gave it."""
+    return crc32c.crc32c(data[header_bytes:], value=crc32c.crc32c(data[: header_bytes - 4])) == crc
+
+
 @dataclass(frozen=True, eq=False)
 class EncodedUpdate:
     """A threshold-encoded update: ``count`` of ``length`` elements, each ``+threshold`` or ``-threshold``.
@@ -98,8 +111,7 @@ class EncodedUpdate:
         form, threshold as float32, length, count, CRC-32C), then the payload."""
         payload = self.payload.astype("<i4" if self.form == SPARSE else np.uint8, copy=False).tobytes()
         head = _HEADER.pack(MAGIC, VERSION, FORMS.index(self.form), 0, self.threshold, self.length, self.count, 0)
-        crc = crc32c.crc32c(payload, value=crc32c.crc32c(head[:-4]))
-        return head[:-4] + struct.pack("<I", crc) + payload
+        return seal(head, payload)
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> EncodedUpdate:
@@ -125,7 +137,7 @@ class EncodedUpdate:
                 f"a {form} encoded update of {length} elements with {count} sent has a "
                 f"{expected}-byte payload, got {len(data) - HEADER_BYTES}"
             )
-        if crc32c.crc32c(data[HEADER_BYTES:], value=crc32c.crc32c(data[: HEADER_BYTES - 4])) != crc:
+        if not intact(data, HEADER_BYTES, crc):
             raise CorruptDataError("encoded update checksum mismatch: the bytes were damaged")
         if form == SPARSE:
             payload = np.frombuffer(data, "<i4", count, HEADER_BYTES).astype(np.int32, copy=False)

@@ -29,7 +29,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import crc32c
 import numpy as np
 import torch
 
@@ -211,8 +210,7 @@ class ValueUpdate:
         head = _VALUES_HEADER.pack(
             VALUES_MAGIC, VALUES_VERSION, dtype, flags, self.length, len(self.ranges), self.index.numel(), 0
         )
-        crc = crc32c.crc32c(body, value=crc32c.crc32c(head[:-4]))
-        return head[:-4] + struct.pack("<I", crc) + body
+        return _codec.seal(head, body)
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> ValueUpdate:
@@ -229,7 +227,7 @@ class ValueUpdate:
             raise CorruptDataError(f"value update header has value type {dtype_code} and flags {flags}")
         if length > _codec.MAX_LENGTH or count > length or nranges > length:
             raise CorruptDataError(f"value update header is inconsistent: length {length}, count {count}")
-        if crc32c.crc32c(data[VALUES_HEADER_BYTES:], value=crc32c.crc32c(data[: VALUES_HEADER_BYTES - 4])) != crc:
+        if not _codec.intact(data, VALUES_HEADER_BYTES, crc):
             raise CorruptDataError("value update checksum mismatch: the bytes were damaged")
         at = VALUES_HEADER_BYTES
         bounds = np.frombuffer(data, "<u8", 2 * nranges, at).astype(np.int64) if nranges else np.zeros(0, np.int64)
