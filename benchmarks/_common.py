@@ -12,10 +12,12 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import operator
 import os
 import platform
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -147,3 +149,30 @@ def write_results(path: Path, report: dict[str, Any], indent: int = 2) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=indent) + "\n")
     print(f"wrote {path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}")
+
+
+# ratio -> (numerator, denominator, comparison, bound): the target is "ratio <comparison> bound"
+Targets = dict[str, tuple[str, str, str, float]]
+COMPARISONS = {"<=": operator.le, "<": operator.lt}
+
+
+def timing_report(times: dict[str, list[float]], targets: Targets, digits: int = 4) -> dict[str, Any]:
+    """Each system's median and repeats of ``times`` (seconds), and each of ``targets``' ratios of
+    medians: its value, its target and whether it was met."""
+    medians = {system: statistics.median(t) for system, t in times.items()}
+    seconds = {s: {"median": round(medians[s], digits), "repeats": [round(t, digits) for t in times[s]]} for s in times}
+    ratios = {}
+    for ratio, (num, den, comparison, bound) in targets.items():
+        value = medians[num] / medians[den]
+        met = COMPARISONS[comparison](value, bound)
+        ratios[ratio] = {"value": round(value, 3), "target": f"{comparison} {bound}", "met": met}
+    return {"seconds": seconds, "ratios": ratios}
+
+
+def targets_met(reports: Iterable[dict[str, Any]], targets: Targets) -> dict[str, Any]:
+    """Each of ``targets`` and whether every one of the :func:`timing_report` ``reports`` met it."""
+    reports = list(reports)
+    return {
+        ratio: {"target": f"{comparison} {bound}", "met": all(r["ratios"][ratio]["met"] for r in reports)}
+        for ratio, (_, _, comparison, bound) in targets.items()
+    }

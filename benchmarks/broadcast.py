@@ -25,7 +25,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -37,7 +36,7 @@ import distributed
 import numpy as np
 import pyspark
 
-from benchmarks._common import header, write_results
+from benchmarks._common import Targets, header, targets_met, timing_report, write_results
 from dlscale import SparkContext
 
 WORKERS = 4
@@ -46,7 +45,7 @@ REPEATS = 3
 SAMPLE = 10_000  # the wrapped Dask scatter of a list or dict is timed on 1/SAMPLE of the value
 RESULTS = Path(__file__).resolve().parent / "results" / "broadcast.json"
 SYSTEMS = ("dlscale", "dask", "pyspark")
-TARGETS = {
+TARGETS: Targets = {
     "dlscale / pyspark": ("dlscale", "pyspark", "<=", 1.0),
     "dlscale / dask": ("dlscale", "dask", "<=", 1.5),
 }
@@ -148,24 +147,14 @@ def bench_pyspark(values: dict[str, Any]) -> tuple[dict[str, list[float]], str]:
 
 
 def build_report(times: dict[str, dict[str, list[float]]], java: str, run: dict[str, Any]) -> dict[str, Any]:
-    values = {}
-    for name, per_system in times.items():
-        medians = {s: statistics.median(per_system[s]) for s in SYSTEMS}
-        ratios = {}
-        for ratio, (num, den, comparison, bound) in TARGETS.items():
-            value = medians[num] / medians[den]
-            ratios[ratio] = {"value": round(value, 3), "target": f"{comparison} {bound}", "met": value <= bound}
-        values[name] = {
-            "seconds": {
-                s: {"median": round(medians[s], 3), "repeats": [round(t, 3) for t in per_system[s]]} for s in SYSTEMS
-            },
+    values = {
+        name: {
+            **timing_report(per_system, TARGETS, digits=3),
             "dask_extrapolated_from": f"{100 / SAMPLE:g}%" if name in ("list", "dict") else None,
-            "ratios": ratios,
         }
-    targets = {
-        ratio: {"target": f"{c} {b}", "met": all(v["ratios"][ratio]["met"] for v in values.values())}
-        for ratio, (_, _, c, b) in TARGETS.items()
+        for name, per_system in times.items()
     }
+    targets = targets_met(values.values(), TARGETS)
     return {
         **header(
             "broadcast",

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import gc
 import json
-import operator
 import os
 import random
-import statistics
 import sys
 import time
 import warnings
@@ -31,7 +29,7 @@ import distributed
 import numpy as np
 import pyspark
 
-from benchmarks._common import header, write_results
+from benchmarks._common import Targets, header, targets_met, timing_report, write_results
 from dlscale import SparkContext
 
 # Sizes are multiples of PARTITIONS * 1024, so that PySpark's slicing of a list (in batches of
@@ -48,12 +46,10 @@ SEED = 0
 RDDContext = SparkContext | pyspark.SparkContext
 RESULTS = Path(__file__).resolve().parent / "results" / "facade.json"
 SYSTEMS = ("dlscale", "dask.bag", "pyspark")
-# ratio -> (numerator, denominator, comparison, bound): the target is "ratio <comparison> bound"
-TARGETS = {
+TARGETS: Targets = {
     "dlscale / dask.bag": ("dlscale", "dask.bag", "<=", 1.1),
     "dlscale / pyspark": ("dlscale", "pyspark", "<", 1.0),
 }
-COMPARISONS = {"<=": operator.le, "<": operator.lt}
 PIPELINES = {
     "narrow": "parallelize ints -> map -> filter -> map -> sum",
     "word_count": "parallelize lines -> flatMap(split) -> map((w, 1)) -> reduceByKey(add) -> collect",
@@ -203,36 +199,13 @@ def check_results(dask_results: dict, spark_results: dict) -> None:
 
 
 # -- report -------------------------------------------------------------------------------------
-def ratio_report(medians: dict[str, float]) -> dict[str, Any]:
-    """Each target ratio of one pipeline, its target and whether it was met."""
-    report = {}
-    for ratio, (num, den, comparison, bound) in TARGETS.items():
-        value = medians[num] / medians[den]
-        met = COMPARISONS[comparison](value, bound)
-        report[ratio] = {"value": round(value, 3), "target": f"{comparison} {bound}", "met": met}
-    return report
-
-
-def pipeline_report(times: dict[str, list[float]]) -> dict[str, Any]:
-    """Medians, repeats and target ratios of one pipeline."""
-    medians = {system: statistics.median(times[system]) for system in SYSTEMS}
-    seconds = {s: {"median": round(medians[s], 4), "repeats": [round(t, 4) for t in times[s]]} for s in SYSTEMS}
-    return {"seconds": seconds, "ratios": ratio_report(medians)}
-
-
 def build_report(dask_times: dict, spark_times: dict, java: str, run: dict[str, Any]) -> dict[str, Any]:
     """Everything that goes into ``facade.json``."""
     pipelines = {
-        name: {"description": text, **pipeline_report({**dask_times[name], "pyspark": spark_times[name]})}
+        name: {"description": text, **timing_report({**dask_times[name], "pyspark": spark_times[name]}, TARGETS)}
         for name, text in PIPELINES.items()
     }
-    targets = {
-        ratio: {
-            "target": f"{comparison} {bound}",
-            "met": all(p["ratios"][ratio]["met"] for p in pipelines.values()),
-        }
-        for ratio, (_, _, comparison, bound) in TARGETS.items()
-    }
+    targets = targets_met(pipelines.values(), TARGETS)
     return {
         **header(
             "facade",
