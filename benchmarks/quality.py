@@ -7,6 +7,7 @@ Run from the repository root::
     python -m benchmarks.quality              # every model, 3 seeds, 2 and 4 workers
     python -m benchmarks.quality --quick      # one seed, 2 workers, a few epochs: a smoke run
     python -m benchmarks.quality --models digits_mlp,digits_cnn --workers 2 --seeds 0,1
+    python -m benchmarks.quality --workers 2 --aggregations sum,mean   # both ways of combining updates
     python -m benchmarks.quality --report     # the table again from the last results
 
 Models (``MODELS``): scikit-learn's digits (1,200 training and 597 test images) with an MLP, a
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import statistics
 import tempfile
@@ -45,8 +47,10 @@ from dlscale import SharedTrainingMaster, SparkContext, SparkNet
 from dlscale.data import DataSet, export_minibatches
 from dlscale.encoding.compressors import COMPRESSORS, DEFAULT
 from dlscale.nn import Network
+from dlscale.training.sharing.master import AGGREGATIONS
 
 RESULTS = Path(__file__).resolve().parent / "results" / "quality.json"
+AGGREGATION = SharedTrainingMaster(1).aggregation  # the default
 SEEDS = (0, 1, 2)
 WORKERS = (2, 4)
 
@@ -157,10 +161,13 @@ def shared(
     seed: int,
     epochs: int,
     compressor: str,
+    aggregation: str,
 ) -> dict[str, Any]:
     """Test accuracy and bytes sent after gradient sharing on ``sc``'s workers."""
     net = Network(model.module(seed), "cross_entropy", model.optimizer)
-    master = SharedTrainingMaster(model.batch, compressor=compressor, rng_seed=seed, collect_training_stats=True)
+    master = SharedTrainingMaster(
+        model.batch, compressor=compressor, aggregation=aggregation, rng_seed=seed, collect_training_stats=True
+    )
     spark_net = SparkNet(sc, net, master)
     start = time.perf_counter()
     spark_net.fit_paths(sc.parallelize(paths, len(paths)), epochs=epochs)
@@ -184,25 +191,32 @@ def shared(
 
 # -- the report -------------------------------------------------------------------------------------------
 def _key(run: dict[str, Any]) -> tuple[Any, ...]:
-    return run["model"], run["method"], run["workers"], run["seed"]
+    return run["model"], run["method"], run["aggregation"], run["workers"], run["seed"]
 
 
 def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per model, method and workers: mean, std, min and max of test accuracy over the seeds, and
-    the mean bytes sent per trainer against dense updates."""
-    groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    """Per model, method, aggregation and workers: mean, std, min and max of test accuracy over the
+    seeds, and the mean bytes sent per trainer against dense updates."""
+    groups: dict[tuple[str, str, str | None, int], list[dict[str, Any]]] = {}
     for r in runs:
-        groups.setdefault((r["model"], r["method"], r["workers"]), []).append(r)
+        groups.setdefault((r["model"], r["method"], r["aggregation"], r["workers"]), []).append(r)
     order = {m: i for i, m in enumerate(MODELS)}
     methods = {m: i for i, m in enumerate(dict.fromkeys(("single", DEFAULT, *sorted(COMPRESSORS))))}
     rows = []
-    for (model, method, workers), rs in sorted(
-        groups.items(), key=lambda kv: (order.get(kv[0][0], len(order)), kv[0][2], methods.get(kv[0][1], len(methods)))
+    for (model, method, aggregation, workers), rs in sorted(
+        groups.items(),
+        key=lambda kv: (
+            order.get(kv[0][0], len(order)),
+            kv[0][3],
+            methods.get(kv[0][1], len(methods)),
+            kv[0][2] != AGGREGATION,
+        ),
     ):
         accs = [r["accuracy"] for r in rs]
         row: dict[str, Any] = {
             "model": model,
             "method": method,
+            "aggregation": aggregation,
             "workers": workers,
             "seeds": sorted(r["seed"] for r in rs),
             "mean": statistics.fmean(accs),
@@ -221,9 +235,9 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def table(rows: list[dict[str, Any]]) -> str:
     singles = {r["model"]: r["mean"] for r in rows if r["method"] == "single"}
     lines = [
-        "| model | method | workers | seeds | mean accuracy | vs single (points) | std | min | max | "
+        "| model | method | aggregation | workers | seeds | mean accuracy | vs single (points) | std | min | max | "
         "bytes sent per trainer | dense bytes per trainer | compression |",
-        "|" + "---|" * 12,
+        "|" + "---|" * 13,
     ]
     for r in rows:
         base = singles.get(r["model"])
@@ -234,7 +248,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             else " | | "
         )
         lines.append(
-            f"| {r['model']} | {r['method']} | {r['workers']} | {len(r['seeds'])} | {r['mean']:.3f} | {gap} | "
+            f"| {r['model']} | {r['method']} | {r['aggregation'] or ''} | {r['workers']} | {len(r['seeds'])} | "
+            f"{r['mean']:.3f} | {gap} | "
             f"{r['std']:.3f} | {r['min']:.3f} | {r['max']:.3f} | {sent} |"
         )
     return "\n".join(lines)
@@ -266,6 +281,9 @@ def main(argv: list[str] | None = None) -> None:
         default=",".join(sorted(COMPRESSORS, key=lambda c: c != DEFAULT)),
         help="comma-separated compressors",
     )
+    parser.add_argument(
+        "--aggregations", default=AGGREGATION, help=f"comma-separated aggregations (default {AGGREGATION})"
+    )
     parser.add_argument("--report", action="store_true", help="the table again from the last results")
     args = parser.parse_args(argv)
     if args.report:
@@ -273,18 +291,20 @@ def main(argv: list[str] | None = None) -> None:
         return
     models = _names(args.models, tuple(MODELS), "models", parser)
     compressors = _names(args.compressors, tuple(COMPRESSORS), "compressors", parser)
+    aggregations = _names(args.aggregations, AGGREGATIONS, "aggregations", parser)
     workers = tuple(int(w) for w in (args.workers or ("2" if args.quick else ",".join(map(str, WORKERS)))).split(","))
     seeds = tuple(int(s) for s in (args.seeds or ("0" if args.quick else ",".join(map(str, SEEDS)))).split(","))
     path = RESULTS.with_name("quality-quick.json") if args.quick else RESULTS
     report: dict[str, Any] = {**header("quality"), "quick": args.quick, "runs": []}
     if not args.quick and path.exists():
-        mine = {(m, "single", 1, s) for m in models for s in seeds}
-        mine |= {(m, c, w, s) for m in models for c in compressors for w in workers for s in seeds}
+        mine = {(m, "single", None, 1, s) for m in models for s in seeds}
+        mine |= {
+            (m, c, a, w, s) for m in models for c in compressors for a in aggregations for w in workers for s in seeds
+        }
         report["runs"] = [r for r in json.loads(path.read_text())["runs"] if _key(r) not in mine]
     report["setup"] = {
         "optimizer": "SGD momentum 0.9",
         "threads_per_worker": 1,
-        "aggregation": SharedTrainingMaster(1).aggregation,
         "models": {
             name: {
                 "title": m.title,
@@ -315,22 +335,39 @@ def main(argv: list[str] | None = None) -> None:
             for seed in seeds:
                 acc = single(model, batches, test, seed, epochs)
                 print(f"{name:14s} single          seed {seed}: accuracy {acc:.3f}", flush=True)
-                record({"model": name, "method": "single", "workers": 1, "seed": seed, "accuracy": acc})
+                record(
+                    {
+                        "model": name,
+                        "method": "single",
+                        "aggregation": None,
+                        "workers": 1,
+                        "seed": seed,
+                        "accuracy": acc,
+                    }
+                )
         for w in workers:
             with SparkContext(f"local[{w}]", f"quality-{w}") as sc:
                 for name in models:
                     model = MODELS[name]
                     _, paths, test = exported[name]
                     epochs = model.quick_epochs if args.quick else model.epochs
-                    for compressor in compressors:
-                        for seed in seeds:
-                            r = shared(sc, model, paths, test, seed, epochs, compressor)
-                            print(
-                                f"{name:14s} {compressor:8s} {w} workers seed {seed}: accuracy {r['accuracy']:.3f}, "
-                                f"{r['compression']:.1f}x compression ({r['seconds']:.0f} s)",
-                                flush=True,
-                            )
-                            record({"model": name, "method": compressor, "workers": w, "seed": seed, **r})
+                    for compressor, aggregation, seed in itertools.product(compressors, aggregations, seeds):
+                        r = shared(sc, model, paths, test, seed, epochs, compressor, aggregation)
+                        print(
+                            f"{name:14s} {compressor:8s} {aggregation:4s} {w} workers seed {seed}: accuracy "
+                            f"{r['accuracy']:.3f}, {r['compression']:.1f}x compression ({r['seconds']:.0f} s)",
+                            flush=True,
+                        )
+                        record(
+                            {
+                                "model": name,
+                                "method": compressor,
+                                "aggregation": aggregation,
+                                "workers": w,
+                                "seed": seed,
+                                **r,
+                            }
+                        )
     write_report(path, report)
 
 

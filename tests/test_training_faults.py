@@ -1,6 +1,8 @@
 """Training through faults, on real multi-process clusters: a worker killed (SIGKILL) mid-fit under
 both masters and both ways of holding an RDD's minibatches, non-finite values in the data, and the
-error type of a failed gradient-sharing fit. The accuracy reference is single-process PyTorch."""
+error type of a failed gradient-sharing fit. The accuracy reference is single-process PyTorch for gradient
+sharing and the same fit without the fault for parameter averaging (synchronous, so a fault moves it only
+through the rounds that follow)."""
 
 from __future__ import annotations
 
@@ -115,6 +117,16 @@ class _KillStateHolder(TrainingListener):
             self.killed = True
 
 
+def _fit_averaging(ctx: SparkContext, data: tuple[torch.Tensor, ...], approach: str, seed: int) -> float:
+    """Test accuracy of the same fit as :func:`_fit_averaging_killed` without a fault: what a fault
+    must not cost more than 2 points of (the issue's bound; a single process with another shuffle
+    differs from it by as much as seeds do, 1.5 points measured)."""
+    x, y, tx, ty = data
+    net = mlp(SIZES, lr=LR)
+    SparkNet(ctx, net, _averaging(approach, seed)).fit(examples_rdd(ctx, x, y, 3), epochs=EPOCHS)
+    return accuracy(net, tx, ty)
+
+
 def _fit_averaging_killed(
     ctx: SparkContext, data: tuple[torch.Tensor, ...], approach: str, seed: int, holder: bool = False
 ) -> Network:
@@ -137,19 +149,20 @@ def _fit_averaging_killed(
 
 
 def test_averaging_finishes_when_a_worker_holding_the_last_state_dies(
-    sc3: SparkContext, data: tuple[torch.Tensor, ...], reference: float
+    sc3: SparkContext, data: tuple[torch.Tensor, ...]
 ) -> None:
+    unfaulted = _fit_averaging(sc3, data, "export", seed=3)
     net = _fit_averaging_killed(sc3, data, "export", seed=3, holder=True)
-    assert accuracy(net, data[2], data[3]) >= reference - 0.02
+    assert accuracy(net, data[2], data[3]) >= unfaulted - 0.02
 
 
 @pytest.mark.slow
-def test_averaging_survives_kills_at_random_points(
-    sc3: SparkContext, data: tuple[torch.Tensor, ...], reference: float
-) -> None:
+def test_averaging_survives_kills_at_random_points(sc3: SparkContext, data: tuple[torch.Tensor, ...]) -> None:
     for seed in range(10):
-        net = _fit_averaging_killed(sc3, data, "export" if seed % 2 else "direct", seed=100 + seed)
-        assert accuracy(net, data[2], data[3]) >= reference - 0.02, seed
+        approach = "export" if seed % 2 else "direct"
+        unfaulted = _fit_averaging(sc3, data, approach, seed=100 + seed)
+        net = _fit_averaging_killed(sc3, data, approach, seed=100 + seed)
+        assert accuracy(net, data[2], data[3]) >= unfaulted - 0.02, seed
 
 
 @pytest.mark.timeout(300)
