@@ -30,7 +30,7 @@ import torch
 from benchmarks._common import accuracy, digits, header, mlp, write_results
 from dlscale import SharedTrainingMaster, SparkContext, SparkNet
 from dlscale.data import DataSet
-from dlscale.encoding import AdaptiveThresholdAlgorithm, Dl4jCompressor, decode, encode
+from dlscale.encoding import AdaptiveThresholdAlgorithm, Dl4jCompressor, Layout, decode, encode
 from dlscale.nn import Network
 from dlscale.training.sharing._trainer import _mask_momentum
 
@@ -104,11 +104,9 @@ def masking_cost(repeats: int = 50) -> dict[str, float]:
     message = encode(residual, 2.576)  # |N(0, 1)| >= 2.576 for 1% of the elements
     out = {"parameters": net.num_params(), "sparsity": message.sparsity}
     dl4j = Dl4jCompressor()
+    state = dl4j.state(Layout.of(net.module.parameters()))
     steps = (
-        (
-            "mask_ms",
-            lambda: _mask_momentum(net, dl4j.momentum_mask(message)),
-        ),  # as a trainer masks: positions, then mask
+        ("mask_ms", lambda: _mask_momentum(net, dl4j.momentum_mask(state, message))),  # positions, then mask
         ("dense_decode_ms", lambda: decode(message)),
     )
     for name, step in steps:

@@ -128,9 +128,10 @@ class Compressor(abc.ABC):
         :class:`~dlscale.errors.CorruptDataError`."""
 
     @abc.abstractmethod
-    def momentum_mask(self, message: Any) -> torch.Tensor | None:
-        """The increasing positions (int64) whose optimizer momentum is zeroed after ``message`` is
-        sent (momentum factor masking): elements that waited in the residual; ``None`` for none."""
+    def momentum_mask(self, state: CompressorState, message: Any) -> torch.Tensor | None:
+        """The increasing positions (int64) whose optimizer momentum is zeroed after ``message``, the
+        message :meth:`compress` just returned for ``state``, is sent (momentum factor masking):
+        elements that waited in the residual; ``None`` for none."""
 
     def describe(self, state: CompressorState, message: Any) -> dict[str, float | int | str]:
         """What encoding debug mode logs about one step: the message and the residual it left."""
@@ -328,11 +329,21 @@ class DenseCompressor(_ValueCompressor):
         n = state.layout.length
         return ValueUpdate(n, ((0, n),) if n else (), torch.zeros(0, dtype=torch.int64, device=values.device), values)
 
-    def momentum_mask(self, message: ValueUpdate) -> None:
+    def momentum_mask(self, state: CompressorState, message: ValueUpdate) -> None:
         return None
 
     def __repr__(self) -> str:
         return "DenseCompressor()"
+
+
+@dataclass
+class TopKState(CompressorState):
+    """A :class:`CompressorState` that also knows which elements the last message sent (``sent``,
+    one flag per element) and which of this step's picks were not among them (``waited``)."""
+
+    sent: torch.Tensor | None = None
+    waited: torch.Tensor | None = None
+    _positions: torch.Tensor | None = None  # the last message's positions, to clear their flags
 
 
 class TopKCompressor(_ValueCompressor):
@@ -375,13 +386,18 @@ class TopKCompressor(_ValueCompressor):
         self.warmup_steps, self.min_elements = warmup_steps, min_elements
         self.exact_below, self.sample = exact_below, sample
 
+    def state(self, layout: Layout) -> TopKState:
+        base = super().state(layout)
+        sent = torch.zeros(layout.length, dtype=torch.bool, device=base.residual.device)
+        return TopKState(layout, base.residual, sent=sent)
+
     def density_at(self, step: int) -> float:
         """The density of step ``step`` (from 0): 1 at first, ``density`` from ``warmup_steps`` on."""
         if step >= self.warmup_steps:
             return self.density
         return self.density ** (step / self.warmup_steps)
 
-    def compress(self, state: CompressorState, update: torch.Tensor) -> ValueUpdate:
+    def compress(self, state: TopKState, update: torch.Tensor) -> ValueUpdate:
         _check_update(state, update)
         r = state.residual
         r.add_(update.detach())
@@ -401,36 +417,44 @@ class TopKCompressor(_ValueCompressor):
             part = r[offset : offset + n]
             index, smallest = self._select(part, k)
             cut = min(cut, smallest)
-            picks.append(torch.sort(index).values + offset)
+            picks.append(index + offset)
         index = torch.cat(picks) if picks else torch.zeros(0, dtype=torch.int64, device=r.device)
         ranges = _merge(ranges)
         message = ValueUpdate(layout.length, tuple(ranges), index, torch.empty(0, dtype=dtype))
         positions = message.positions()
         values = r[positions].to(dtype)
         r.index_add_(0, positions, values.to(torch.float32), alpha=-1)  # what rounding lost stays
+        state.waited = index[~state.sent[index]]
+        if state._positions is not None:
+            state.sent[state._positions] = False
+        state.sent[positions] = True
+        state._positions = positions
         state.step += 1
         state.threshold = 0.0 if cut == math.inf else cut
         state.density = positions.numel() / layout.length if layout.length else 0.0
         return dataclasses.replace(message, values=values)
 
     def _select(self, part: torch.Tensor, k: int) -> tuple[torch.Tensor, float]:
-        """The positions of about ``k`` elements of largest magnitude in ``part``, and the smallest
-        magnitude among them."""
-        magnitude = part.abs()
-        if part.numel() < self.exact_below:
-            top = torch.topk(magnitude, k, sorted=False)
-            return top.indices, float(top.values.min())
+        """The increasing positions of about ``k`` elements of largest magnitude in ``part``, and the
+        smallest magnitude among them."""
         n = part.numel()
+        if n < self.exact_below:
+            top = torch.topk(part.abs(), k, sorted=False)
+            return torch.sort(top.indices).values, float(top.values.min())
         s = min(n, self.sample)
-        sample = magnitude[torch.randint(0, n, (s,), device=part.device)]
-        cut = torch.topk(sample, max(1, math.ceil(k * s / n))).values[-1]
-        index = torch.nonzero(magnitude >= cut).squeeze(1)
+        sample = part[torch.randint(0, n, (s,), device=part.device)].abs()
+        cut = float(torch.topk(sample, max(1, math.ceil(k * s / n))).values[-1])
+        index = _at_least(part, cut)
         if index.numel() > 2 * k:  # a sample's cut that fell too low: the k largest of those found
-            index = index[torch.topk(magnitude[index], k, sorted=False).indices]
-        return index, float(magnitude[index].min()) if index.numel() else float(cut)
+            index = torch.sort(index[torch.topk(part[index].abs(), k, sorted=False).indices]).values
+        return index, float(part[index].abs().min()) if index.numel() else cut
 
-    def momentum_mask(self, message: ValueUpdate) -> torch.Tensor:
-        return message.index
+    def momentum_mask(self, state: TopKState, message: ValueUpdate) -> torch.Tensor:
+        """The picks that waited: elements the message before this one did not send. An element
+        sent at every step waits for nothing and keeps its momentum, as in one process (masking
+        it too would take momentum SGD's momentum away from every element a dense phase sends,
+        such as the warm-up's)."""
+        return state.waited
 
     def __repr__(self) -> str:
         return (
@@ -438,6 +462,16 @@ class TopKCompressor(_ValueCompressor):
             f"min_elements={self.min_elements!r}, "
             f"exact_below={self.exact_below!r}, sample={self.sample!r})"
         )
+
+
+def _at_least(values: torch.Tensor, cut: float) -> torch.Tensor:
+    """The increasing positions (int64) of the elements of the 1-D ``values`` whose magnitude is at
+    least ``cut``. On the CPU numpy's kernels do it (about 2.5 ms for 4.2M float32 elements on one
+    thread, against 7 ms for torch's ``abs``, ``ge`` and ``nonzero``)."""
+    if values.device.type == "cpu":
+        a = values.detach().numpy()
+        return torch.from_numpy(np.flatnonzero(np.abs(a) >= np.float32(cut)).astype(np.int64, copy=False))
+    return torch.nonzero(values.abs() >= cut).squeeze(1)
 
 
 def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -515,7 +549,7 @@ class Dl4jCompressor(Compressor):
     def from_bytes(self, data: bytes | bytearray | memoryview) -> EncodedUpdate:
         return EncodedUpdate.from_bytes(data)
 
-    def momentum_mask(self, message: EncodedUpdate) -> torch.Tensor:
+    def momentum_mask(self, state: Dl4jState, message: EncodedUpdate) -> torch.Tensor:
         return torch.from_numpy(_codec.sent_indices(message))
 
     def describe(self, state: CompressorState, message: EncodedUpdate | None) -> dict[str, float | int | str]:

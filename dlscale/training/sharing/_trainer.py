@@ -281,7 +281,7 @@ class _Trainer:
                 params.copy_(before)
                 if message is not None:
                     compressor.apply(message, params)
-                    mask = compressor.momentum_mask(message) if spec.momentum_masking else None
+                    mask = compressor.momentum_mask(own, message) if spec.momentum_masking else None
                     if mask is not None and mask.numel():
                         _mask_momentum(net, mask)
                 if spec.debug:
