@@ -11,6 +11,7 @@ import os
 import signal
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 from sklearn.datasets import load_digits
@@ -167,6 +168,28 @@ def test_the_default_compressor_trains_as_one_process(
         SparkNet(sc, net, SharedTrainingMaster(32, rng_seed=seed)).fit(sc.parallelize(batches, 2), epochs=epochs)
         shared.append(accuracy(net, tx, ty))
     assert sum(shared) / 3 >= sum(single) / 3 - TOLERANCE[kind], (shared, single)
+
+
+@pytest.mark.parametrize("compressor", ["topk", "dense"])
+def test_one_trainer_with_a_lossless_compressor_takes_one_process_steps(compressor: str) -> None:
+    """A trainer keeps its whole update in its replica and sends from its residual: alone, it takes
+    the steps one process takes on the same minibatches in the same order (item ``i`` of epoch
+    ``e`` is the ``i``-th of ``numpy.random.default_rng([rng_seed, e]).permutation``), whatever it
+    sends, and the fit ends where that process ends (the residual added back to the shared part)."""
+    x, y, _, _ = digits()
+    batches = [DataSet(x[i : i + 32], y[i : i + 32]) for i in range(0, len(x), 32)]
+    reference = _digits_model("cnn", 0)
+    for epoch in range(3):
+        for i in np.random.default_rng([5, epoch]).permutation(len(batches)):
+            reference.fit_batch(batches[i])
+    net = _digits_model("cnn", 0)
+    with SparkContext("local[1]", "one-trainer") as ctx:
+        master = SharedTrainingMaster(32, compressor=compressor, rng_seed=5, collect_training_stats=True)
+        spark_net = SparkNet(ctx, net, master)
+        spark_net.fit(ctx.parallelize(batches, 2), epochs=3)
+    (trainer,) = spark_net.training_stats.trainers
+    assert trainer.minibatches == 3 * len(batches) and trainer.bytes_sent > 0
+    torch.testing.assert_close(net.params(), reference.params(), rtol=0, atol=1e-6)
 
 
 def test_momentum_masking_zeroes_the_momentum_of_sent_elements() -> None:

@@ -103,6 +103,14 @@ class Compressor(abc.ABC):
     residual_device: str | None = None
     """Where the residual lives: ``None`` for the parameters' device, or a fixed device (``"cpu"``)."""
 
+    lossless: bool = False
+    """Whether what :meth:`compress` takes in and does not send stays in the residual exactly, to be
+    sent later (error feedback that loses nothing). A trainer then keeps its whole update in its own
+    replica, whose parameters are the shared ones plus its residual, so that its next gradient is
+    taken where it would be without compression; it applies only its peers' messages. Otherwise a
+    trainer applies its own message to its replica, as DL4J does, and every replica holds the
+    shared parameters."""
+
     def state(self, layout: Layout) -> CompressorState:
         """A trainer's fresh state: an all-zero residual."""
         device = layout.device if self.residual_device is None else torch.device(self.residual_device)
@@ -320,6 +328,8 @@ class _ValueCompressor(Compressor):
 class DenseCompressor(_ValueCompressor):
     """Every element's value at every step, as float32: no compression, the residual stays zero."""
 
+    lossless = True
+
     def compress(self, state: CompressorState, update: torch.Tensor) -> ValueUpdate:
         _check_update(state, update)
         values = update.detach().to(torch.float32, copy=True)
@@ -359,7 +369,10 @@ class TopKCompressor(_ValueCompressor):
     over the first ``warmup_steps`` steps.
     Tensors of more than ``exact_below`` elements pick their cut from a random sample of about
     ``sample`` elements instead of an exact top-k (the sent count is then close to, not exactly, k).
+    The residual loses nothing (:attr:`~Compressor.lossless`).
     """
+
+    lossless = True
 
     def __init__(
         self,

@@ -1,13 +1,17 @@
 """One gradient-sharing trainer: a long-lived task that fits minibatches and exchanges compressed
 updates with its peers until the session's minibatches are done.
 
-Each step fits one minibatch; the optimizer's update (the change it would make to the parameters),
-scaled by the aggregation's weight, goes to the session's compressor instead of the parameters; the
-compressor keeps what it does not send in the trainer's residual, and its message is applied to the
-parameters here and sent to every peer, which apply it too. Peers' updates are applied between
-steps, as they arrive: there is no barrier per step. At the end each trainer waits until it has
-applied every update its live peers sent. The trainer knows nothing of any compression scheme: it
-asks the compressor (``dlscale.encoding.compressors``).
+Each step fits one minibatch; the optimizer's update (the change it makes to the parameters),
+scaled by the aggregation's weight, goes to the session's compressor, which keeps what it does not
+send in the trainer's residual; its message is sent to every peer, which applies it. With a
+lossless compressor (``Compressor.lossless``: "topk", "dense") the trainer's own replica keeps its
+whole update, so that its parameters are the shared ones plus its residual and its next gradient is
+taken where one process's would be; with another ("dl4j") the update is taken back out and the
+message applied instead, so that every replica holds the shared parameters. Peers' updates are
+applied between steps, as they arrive: there is no barrier per step. At the end each trainer waits
+until it has applied every update its live peers sent, and returns the shared parameters (its own
+less its residual) with the residual. The trainer knows nothing of any compression scheme: it asks
+the compressor (``dlscale.encoding.compressors``).
 """
 
 from __future__ import annotations
@@ -247,7 +251,8 @@ class _Trainer:
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         params, compressor = self.params, self.compressor
-        before = torch.empty_like(params)
+        lossless = compressor.lossless
+        before, delta = torch.empty_like(params), torch.empty_like(params)
         own = compressor.state(Layout.of(net.module.parameters()))
         seq = step = 0
         last_gc = time.monotonic()
@@ -268,20 +273,24 @@ class _Trainer:
                 except Exception as e:
                     e.add_note(f"while fitting minibatch {self.refs[item % len(self.refs)]}")
                     raise
-                # the optimizer's update goes to the compressor instead of the parameters
-                update = params.sub_(before)
+                update = torch.sub(params, before, out=delta)  # the optimizer's update
                 if spec.aggregation == "mean" and self.alive > 1:
                     update.mul_(1 / self.alive)  # the sender weighs its update: every replica applies the same
+                    if lossless:  # the replica keeps the weighed update
+                        params.sub_(update, alpha=self.alive - 1)
                 t = self._phase("fit", t)
                 try:
                     message = compressor.compress(own, update)
                 except NonFiniteUpdateError as e:
                     e.add_note(f"after fitting minibatch {self.refs[item % len(self.refs)]}")
                     raise
-                params.copy_(before)
-                if message is not None:
-                    compressor.apply(message, params)
-                    mask = compressor.momentum_mask(own, message) if spec.momentum_masking else None
+                if not lossless:  # the update goes to the compressor instead of the parameters
+                    params.copy_(before)
+                    if message is not None:
+                        compressor.apply(message, params)
+                # a lossless trainer alone takes every gradient where one process would: nothing is stale
+                if message is not None and spec.momentum_masking and (self.alive > 1 or not lossless):
+                    mask = compressor.momentum_mask(own, message)
                     if mask is not None and mask.numel():
                         _mask_momentum(net, mask)
                 if spec.debug:
@@ -312,6 +321,8 @@ class _Trainer:
             self.stopping.set()
             batches.close()
         self._finish(seq)
+        if lossless:  # the shared parameters: this replica's less what it has not sent
+            params.sub_(own.residual.to(params.device))
         state = state_of(net, with_optimizer=True)
         return {
             **state,
