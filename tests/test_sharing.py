@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import math
 import os
 import signal
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ from dlscale import (
     TrainerLostWarning,
 )
 from dlscale.data import DataSet, export_minibatches, list_paths, save
-from dlscale.encoding import DenseCompressor, FixedThresholdAlgorithm
+from dlscale.encoding import DenseCompressor, FixedThresholdAlgorithm, Layout
 from dlscale.nn import Network
 from dlscale.nn.listeners import TrainingListener
 
@@ -190,6 +191,24 @@ def test_one_trainer_with_a_lossless_compressor_takes_one_process_steps(compress
     (trainer,) = spark_net.training_stats.trainers
     assert trainer.minibatches == 3 * len(batches) and trainer.bytes_sent > 0
     torch.testing.assert_close(net.params(), reference.params(), rtol=0, atol=1e-6)
+
+
+def test_topk_warms_up_once_when_training_starts_not_at_every_fit(sc: SparkContext) -> None:
+    """A loop of one ``fit`` per epoch, as DL4J's examples train: the second fit's trainers go on
+    from where the network's training is, so their first messages are already sparse."""
+    x, y, _, _ = digits()
+    batches = [DataSet(x[i : i + 16], y[i : i + 16]) for i in range(0, len(x), 16)]
+    spark_net = SparkNet(sc, _digits_model("mlp", 0), SharedTrainingMaster(16, rng_seed=0, collect_training_stats=True))
+    first_steps = []
+    for _ in range(2):
+        spark_net.fit(sc.parallelize(batches, 2))
+        first_steps.append(
+            [t.steps[0][2] for t in spark_net.training_stats.trainers[-2:]]
+        )  # (time, cut, density, bytes)
+    assert first_steps[0] == [1.0, 1.0]  # everything, at the start of training
+    layout = Layout.of(_digits_model("mlp", 0).module.parameters())
+    steady = (max(32, math.ceil(0.004 * 64 * 256)) + 32 + 256 + 10) / layout.length  # picks, plus the biases whole
+    assert all(abs(d - steady) < 1e-9 for d in first_steps[1]), (first_steps, steady)
 
 
 def test_momentum_masking_zeroes_the_momentum_of_sent_elements() -> None:

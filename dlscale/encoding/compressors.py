@@ -83,7 +83,9 @@ class Layout:
 @dataclass
 class CompressorState:
     """One trainer's state: the ``residual`` (a flat float32 vector of what it has computed and not
-    sent yet), the number of ``step`` s compressed, and what the last one sent: its ``threshold``
+    sent yet), its ``step`` s in its network's training so far (a trainer starts at its network's
+    minibatches over the trainers, so that a fit that goes on with a trained network does not warm
+    up again), and what the last one sent: its ``threshold``
     (the smallest magnitude it would send; 0 when it sends everything) and ``density`` (elements
     sent over elements)."""
 
@@ -366,7 +368,7 @@ class TopKCompressor(_ValueCompressor):
     residual, so nothing is lost. 1-D tensors (biases, norm weights) are sent whole at every step.
     Selection is per tensor, so a layer of small updates is sent as often as a layer of large ones.
     The density warms up: it starts at 1 (everything sent) and falls geometrically to ``density``
-    over the first ``warmup_steps`` steps.
+    over the first ``warmup_steps`` steps of the network's training (not of each fit).
     Tensors of more than ``exact_below`` elements pick their cut from a random sample of about
     ``sample`` elements instead of an exact top-k (the sent count is then close to, not exactly, k).
     The residual loses nothing (:attr:`~Compressor.lossless`).

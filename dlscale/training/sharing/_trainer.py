@@ -254,6 +254,7 @@ class _Trainer:
         lossless = compressor.lossless
         before, delta = torch.empty_like(params), torch.empty_like(params)
         own = compressor.state(Layout.of(net.module.parameters()))
+        own.step = net.iteration // max(1, self.alive)  # a fit goes on with its network's training: one warm-up
         seq = step = 0
         last_gc = time.monotonic()
         batches = prefetch(self._items(), self.loader, spec.prefetch)
