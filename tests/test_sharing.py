@@ -31,9 +31,10 @@ from dlscale.nn.listeners import TrainingListener
 
 BATCH = 16
 EPOCHS = 60
-TOLERANCE = {"mlp": 0.01, "cnn": 0.02}
-"""How far below single-process accuracy the default may end (mean of three seeds), by model: measured
-0.06 points below on the MLP and 1.1 below on the CNN, and seeds differ by a point or two."""
+TOLERANCE = {"mlp": 0.01, "cnn": 0.015}
+"""How far below single-process accuracy the default may end (mean of three seeds), by model: in four
+runs each, the MLP between 0.06 below and 0.06 above, the CNN between 0.95 below and level; seeds
+differ by a point or two."""
 
 
 def digits() -> tuple[torch.Tensor, ...]:
