@@ -32,8 +32,8 @@ from dlscale.nn.listeners import TrainingListener
 BATCH = 16
 EPOCHS = 60
 TOLERANCE = {"mlp": 0.01, "cnn": 0.015}
-"""How far below single-process accuracy the default may end (mean of three seeds), by model: in four
-runs each, the MLP between 0.06 below and 0.06 above, the CNN between 0.95 below and level; seeds
+"""How far below single-process accuracy the default may end (mean of three seeds), by model: the MLP
+measured between 0.06 below and 0.06 above in four runs, the CNN 0.95 below and level in two; seeds
 differ by a point or two."""
 
 
