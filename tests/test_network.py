@@ -159,6 +159,26 @@ def test_pickled_network_continues_identically() -> None:
     assert torch.equal(copy.params(), net.params())
 
 
+def test_a_pickled_network_holds_its_parameters_once() -> None:
+    """Every parameter is a view of the one flat buffer, and pickling a view writes its whole storage:
+    a network of 8 parameter tensors pickled naively is 8 times its parameters (a 5.8M-parameter
+    MLP's blob was 155 MiB instead of 44, and took 4 s to ship over 1 Gbit/s)."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(256, 256) for _ in range(4)]
+    net = Network(torch.nn.Sequential(*layers), "mse", functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9))
+    net.fit_batch(DataSet(torch.randn(8, 256), torch.randn(8, 256)))
+    size = 4 * net.num_params()
+    blob = pickle.dumps(net)
+    assert 2 * size < len(blob) < 2 * size + 64 * 1024  # the parameters once and the momentum once
+    copy = pickle.loads(blob)
+    assert torch.equal(copy.params(), net.params())
+    assert all(
+        p.grad is not None and p.grad.untyped_storage().data_ptr() == copy._flat_grad.data_ptr()
+        for p in copy.module.parameters()
+    )
+    assert net.module[0].weight.untyped_storage().data_ptr() == net.params().data_ptr()  # the original keeps its views
+
+
 def test_listeners_see_every_iteration() -> None:
     scores, perf = ScoreIterationListener(frequency=2), PerformanceListener(frequency=2)
     net = Network(fresh(mlp), "cross_entropy", functools.partial(torch.optim.SGD, lr=0.1), listeners=[scores, perf])

@@ -248,8 +248,15 @@ class Network:
     def __getstate__(self) -> dict[str, Any]:
         state = {k: v for k, v in self.__dict__.items() if k not in ("_flat", "_flat_grad", "optimizer")}
         optimizer_state = self.optimizer.state_dict() if self.optimizer is not None else None
-        if self._flat.device.type != "cpu":  # a network travels as CPU tensors
-            state["module"] = copy.deepcopy(self.module).cpu()
+        # Each parameter is a view of the flat buffer, and pickling a view writes its whole storage:
+        # the module travels with CPU parameters of their own (the flat buffer once in all, not once
+        # per parameter tensor), and a network travels as CPU tensors.
+        own = {
+            id(p): torch.nn.Parameter(p.detach().to("cpu", copy=True), requires_grad=p.requires_grad)
+            for p in self.module.parameters()
+        }
+        state["module"] = copy.deepcopy(self.module, own).cpu()
+        if self._flat.device.type != "cpu":
             optimizer_state = cpu_copy(optimizer_state)
         state["_optimizer_state"] = optimizer_state
         return state
