@@ -11,6 +11,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -115,8 +116,18 @@ def _worker_pids(ctx: SparkContext) -> list[int]:
         return []
 
 
+def _nanny_status(dask_worker: Any) -> str:
+    return dask_worker.status.name
+
+
 def test_a_killed_worker_is_restarted_by_its_nanny() -> None:
     with SparkContext("local[1]") as ctx:
+        # a worker registers before its nanny has finished starting, and a worker that dies before
+        # then fails its nanny's start (Dask's behaviour): kill it once the nanny runs
+        deadline = time.monotonic() + 30
+        while set(ctx.client.run(_nanny_status, nanny=True).values()) != {"running"}:
+            assert time.monotonic() < deadline, "the nanny did not finish starting"
+            time.sleep(0.05)
         (before,) = _worker_pids(ctx)
         os.kill(before, signal.SIGKILL)
         deadline = time.monotonic() + 60
