@@ -118,9 +118,9 @@ class _KillStateHolder(TrainingListener):
 
 
 def _fit_averaging(ctx: SparkContext, data: tuple[torch.Tensor, ...], approach: str, seed: int) -> float:
-    """Test accuracy of the same fit as :func:`_fit_averaging_killed` without a fault: what a fault
-    must not cost more than 2 points of (the issue's bound; a single process with another shuffle
-    differs from it by as much as seeds do, 1.5 points measured)."""
+    """Test accuracy of the same fit as :func:`_fit_averaging_killed` without a fault, which a fault
+    must not cost more than 2 points of (one process with another shuffle differs from it by as
+    much as seeds do, 1.5 points measured)."""
     x, y, tx, ty = data
     net = mlp(SIZES, lr=LR)
     SparkNet(ctx, net, _averaging(approach, seed)).fit(examples_rdd(ctx, x, y, 3), epochs=EPOCHS)
