@@ -481,8 +481,8 @@ class TopKCompressor(_ValueCompressor):
 
 def _at_least(values: torch.Tensor, cut: float) -> torch.Tensor:
     """The increasing positions (int64) of the elements of the 1-D ``values`` whose magnitude is at
-    least ``cut``. On the CPU numpy's kernels do it (about 2.5 ms for 4.2M float32 elements on one
-    thread, against 7 ms for torch's ``abs``, ``ge`` and ``nonzero``)."""
+    least ``cut``. On the CPU numpy's kernels do it: on one thread they are faster than torch's
+    ``abs``, ``ge`` and ``nonzero``."""
     if values.device.type == "cpu":
         a = values.detach().numpy()
         return torch.from_numpy(np.flatnonzero(np.abs(a) >= np.float32(cut)).astype(np.int64, copy=False))
