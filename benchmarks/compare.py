@@ -11,6 +11,7 @@ it says so)::
     python -m benchmarks.compare --quick    # a small smoke run of every runner on loopback
     python -m benchmarks.compare --report   # the table, plots and projection again from the last results
     python -m benchmarks.compare --runners single,sharing --links loopback,1gbit   # a part, on its own
+    python -m benchmarks.compare --device cuda --runners single,sharing --links loopback   # on a GPU
 
 Every run is a fresh process inside the link's network namespace (``benchmarks._links``), so that
 its CPU time, peak memory and link traffic are its own. Per run: samples/s over the timed epochs,
@@ -22,7 +23,10 @@ between epochs is not timed. Results go to
 ``benchmarks/results/compare.json``, plots to ``docs/images/compare-*.png``, and the scaling model
 (``benchmarks.scaling``) is projected from the measured gradient-sharing run. A run of some
 runners only (``--runners``) goes to ``benchmarks/results/compare-<runners>.json`` and leaves the
-complete run's results and plots alone.
+complete run's results and plots alone. ``--device cuda`` trains every run on the machine's GPU (the
+single process, each of the ceiling's processes, dlscale's workers through ``DLSCALE_DEVICE``; the
+launchers' runs, which need a GPU per rank, are left out) and writes
+``benchmarks/results/compare-cuda-<runners>.json``.
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "cnn": {"title": "CNN conv16-conv32-linear", "module": cnn, "epochs": 3},
 }
 RUNNERS = ("single", "ceiling", "ddp", "ddp_powersgd", "torch_distributor", "averaging", "sharing")
+DEVICE_RUNNERS = ("single", "ceiling", "averaging", "sharing")  # those that run on one shared GPU
 # Runs that move dense tensors every step or round take minutes a epoch at 100 Mbit/s: there they
 # train one epoch of a part of the data, enough for a steady samples/s but not for time to accuracy.
 SHORT = {"100mbit": (("ddp", "torch_distributor", "averaging"), 6400)}
@@ -149,13 +154,17 @@ def _data(quick: bool) -> tuple[torch.Tensor, ...]:
 
 
 def _train_alone(
-    workload: dict[str, Any], epochs: int, data: tuple[torch.Tensor, ...], before_epoch: Callable[[], Any]
+    workload: dict[str, Any],
+    epochs: int,
+    data: tuple[torch.Tensor, ...],
+    before_epoch: Callable[[], Any],
+    device: str = "cpu",
 ) -> tuple[int, float, list[tuple[float, float]]]:
-    """The plain PyTorch loop of one thread: steps, training seconds, and (seconds so far, test
-    accuracy) after each epoch. ``before_epoch`` runs, untimed, before each epoch."""
-    x, y, tx, ty = data
+    """The plain PyTorch loop of one thread on ``device`` (data held there): steps, training seconds, and
+    (seconds so far, test accuracy) after each epoch. ``before_epoch`` runs, untimed, before each epoch."""
+    x, y, tx, ty = (t.to(device) for t in data)
     torch.set_num_threads(1)
-    module = workload["module"]()
+    module = workload["module"]().to(device)
     optimizer = SGD(module.parameters())
     g = torch.Generator().manual_seed(0)
     elapsed, curve, steps = 0.0, [], 0
@@ -163,33 +172,43 @@ def _train_alone(
         before_epoch()
         start = time.perf_counter()
         steps += train_epoch(module, optimizer, x, y, g)
+        if x.is_cuda:
+            torch.cuda.synchronize()  # the epoch's steps are done, not only queued
         elapsed += time.perf_counter() - start
         curve.append((elapsed, accuracy(module, tx, ty)))
     return steps, elapsed, curve
 
 
-def run_single(workload: dict[str, Any], epochs: int, data: tuple[torch.Tensor, ...], out: dict[str, Any]) -> None:
+def run_single(
+    workload: dict[str, Any], epochs: int, data: tuple[torch.Tensor, ...], out: dict[str, Any], device: str
+) -> None:
     with measured(out):
-        steps, elapsed, curve = _train_alone(workload, epochs, data, lambda: None)
+        steps, elapsed, curve = _train_alone(workload, epochs, data, lambda: None, device)
     out.update(samples=steps * BATCH, seconds=elapsed, minibatches=steps, curve=curve, bytes_per_minibatch=0)
 
 
 def _ceiling_process(
-    rank: int, workload_name: str, epochs: int, quick: bool, barrier: Any, results: multiprocessing.Queue
+    rank: int,
+    workload_name: str,
+    epochs: int,
+    quick: bool,
+    barrier: Any,
+    results: multiprocessing.Queue,
+    device: str,
 ) -> None:
     """One of the ceiling's processes: the single process's training, each epoch started together
     with the others'."""
-    steps, elapsed, curve = _train_alone(WORKLOADS[workload_name], epochs, _data(quick), barrier.wait)
+    steps, elapsed, curve = _train_alone(WORKLOADS[workload_name], epochs, _data(quick), barrier.wait, device)
     results.put((rank, steps, elapsed, curve, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
 
 
-def run_ceiling(workload_name: str, workers: int, epochs: int, quick: bool, out: dict[str, Any]) -> None:
+def run_ceiling(workload_name: str, workers: int, epochs: int, quick: bool, out: dict[str, Any], device: str) -> None:
     """The machine's ceiling: ``workers`` independent single processes training at the same time, with
     no communication. Their samples/s is the sum of theirs; the curve is the first process's."""
     ctx = multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(workers, timeout=600), ctx.Queue()
     processes = [
-        ctx.Process(target=_ceiling_process, args=(rank, workload_name, epochs, quick, barrier, results))
+        ctx.Process(target=_ceiling_process, args=(rank, workload_name, epochs, quick, barrier, results, device))
         for rank in range(workers)
     ]
     done: list[tuple[Any, ...]] = []
@@ -254,9 +273,11 @@ def run_dlscale(
     epochs: int,
     data: tuple[torch.Tensor, ...],
     out: dict[str, Any],
+    device: str,
 ) -> None:
-    """A SparkNet on ``local[workers]`` (one thread each) fitting minibatch files exported before
-    timing, one ``fit_paths`` per epoch so that the network can be evaluated between epochs."""
+    """A SparkNet on ``local[workers]`` (one thread each, training on ``device``) fitting minibatch
+    files exported before timing, one ``fit_paths`` per epoch so that the network can be evaluated
+    between epochs."""
     from dlscale import (
         ParameterAveragingTrainingMaster,
         SharedTrainingMaster,
@@ -266,6 +287,7 @@ def run_dlscale(
     from dlscale.nn import Network
 
     x, y, tx, ty = data
+    os.environ["DLSCALE_DEVICE"] = device  # the workers' environment is this process's
 
     def master() -> Any:
         if master_name == "averaging":
@@ -309,7 +331,7 @@ def run_dlscale(
         out.update(bytes_per_minibatch=2 * dense / 5 if workers > 1 else 0)
 
 
-def inner(link: str, workload_name: str, runner: str, workers: int, quick: bool) -> dict[str, Any]:
+def inner(link: str, workload_name: str, runner: str, workers: int, quick: bool, device: str) -> dict[str, Any]:
     workload = WORKLOADS[workload_name]
     epochs = 1 if quick else workload["epochs"]
     data = _data(quick)
@@ -322,15 +344,16 @@ def inner(link: str, workload_name: str, runner: str, workers: int, quick: bool)
         "workload": workload_name,
         "runner": runner,
         "workers": workers,
+        "device": device,
         "epochs": epochs,
         "batch": BATCH,
         "train_examples": len(data[0]),
         "short": short,
     }
     if runner == "single":
-        run_single(workload, epochs, data, out)
+        run_single(workload, epochs, data, out, device)
     elif runner == "ceiling":
-        run_ceiling(workload_name, workers, epochs, quick, out)
+        run_ceiling(workload_name, workers, epochs, quick, out, device)
     elif runner in ("ddp", "ddp_powersgd"):
         run_launcher(_ddp.ddp_samples_per_s, workload, workers, epochs, data, out, powersgd=runner == "ddp_powersgd")
     elif runner == "torch_distributor":
@@ -338,7 +361,7 @@ def inner(link: str, workload_name: str, runner: str, workers: int, quick: bool)
 
         run_launcher(torch_distributor_samples_per_s, workload, workers, epochs, data, out)
     else:
-        run_dlscale(runner, workload, workers, epochs, data, out)
+        run_dlscale(runner, workload, workers, epochs, data, out, device)
     out.setdefault("samples_per_s", out["samples"] / out["seconds"])
     out["link_bytes_per_minibatch"] = out["link_bytes"] / out["minibatches"]
     out["test_accuracy"] = out["curve"][-1][1]
@@ -361,7 +384,9 @@ def plan(quick: bool, links: tuple[str, ...]) -> list[tuple[str, str, str, int]]
     return runs
 
 
-def _one(ns: str | None, link: str, workload: str, runner: str, workers: int, quick: bool) -> dict[str, Any]:
+def _one(
+    ns: str | None, link: str, workload: str, runner: str, workers: int, quick: bool, device: str
+) -> dict[str, Any]:
     argv = [
         "python",
         "-m",
@@ -372,6 +397,7 @@ def _one(ns: str | None, link: str, workload: str, runner: str, workers: int, qu
         runner,
         str(workers),
         *(["--quick"] if quick else []),
+        f"--device={device}",
     ]
     if ns is None:
         done = subprocess.run(
@@ -526,15 +552,25 @@ def plots(runs: list[dict[str, Any]]) -> list[str]:
 
 
 def write_report(
-    runs: list[dict[str, Any]], quick: bool, namespaces: str, date: str, runners: tuple[str, ...] = RUNNERS
+    runs: list[dict[str, Any]],
+    quick: bool,
+    namespaces: str,
+    date: str,
+    runners: tuple[str, ...] = RUNNERS,
+    device: str = "cpu",
 ) -> None:
     """Ratios, targets, plots and the scaling projection of ``runs``; written to :data:`RESULTS`, or
-    for a part of the runners to a file of their own, without plots or projection."""
-    complete = runners == RUNNERS
-    results = RESULTS if complete else RESULTS.with_name(f"compare-{'-'.join(runners)}.json")
+    for a part of the runners or another device to a file of their own, without plots or projection."""
+    complete = runners == RUNNERS and device == "cpu"
+    results = (
+        RESULTS
+        if complete
+        else RESULTS.with_name(f"compare-{device + '-' if device != 'cpu' else ''}{'-'.join(runners)}.json")
+    )
     targets = summarise(runs)
+    gpu = {"gpu": torch.cuda.get_device_name(0)} if device == "cuda" else {}
     report = {
-        **header("compare", namespaces=namespaces),
+        **header("compare", namespaces=namespaces, device=device, **gpu),
         "date": date,
         "quick": quick,
         "setup": {
@@ -583,11 +619,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--report", action="store_true", help="redo the table, plots and projection from the runs of the last results"
     )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help=f"where every run trains (cuda: the runners {', '.join(DEVICE_RUNNERS)}, on the machine's GPU)",
+    )
     parser.add_argument("--inner", nargs=4, metavar=("LINK", "WORKLOAD", "RUNNER", "WORKERS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.inner:
         link, workload, runner, workers = args.inner
-        print(json.dumps(inner(link, workload, runner, int(workers), args.quick)))
+        print(json.dumps(inner(link, workload, runner, int(workers), args.quick, args.device)))
         return
     if args.report:
         last = json.loads(RESULTS.read_text())
@@ -597,6 +639,13 @@ def main(argv: list[str] | None = None) -> None:
     if asked - set(RUNNERS):
         parser.error(f"--runners: unknown {', '.join(sorted(asked - set(RUNNERS)))}; known: {', '.join(RUNNERS)}")
     runners = tuple(r for r in RUNNERS if r == "single" or r in asked)
+    if args.device != "cpu" and set(runners) - set(DEVICE_RUNNERS):
+        parser.error(
+            f"--device {args.device}: {', '.join(sorted(set(runners) - set(DEVICE_RUNNERS)))} need a GPU per rank; "
+            f"on one GPU, --runners takes {', '.join(DEVICE_RUNNERS)}"
+        )
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no GPU here")
     reason = _links.available()
     links = ("loopback",) if args.quick else tuple(args.links.split(","))
     if reason is not None and links != ("loopback",):
@@ -609,7 +658,7 @@ def main(argv: list[str] | None = None) -> None:
                 p for p in plan(args.quick, links) if p[0] == link and p[2] in runners
             ]:
                 t0 = time.perf_counter()
-                r = _one(ns, link, workload, runner, workers, args.quick)
+                r = _one(ns, link, workload, runner, workers, args.quick, args.device)
                 runs.append(r)
                 what = r.get("error") or f"{r['samples_per_s']:,.0f} samples/s, accuracy {r['test_accuracy']:.3f}"
                 print(
@@ -622,6 +671,7 @@ def main(argv: list[str] | None = None) -> None:
         reason or "available",
         datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         runners,
+        args.device,
     )
 
 

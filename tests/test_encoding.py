@@ -24,6 +24,7 @@ from dlscale.encoding import (
     NoOpResidualPostProcessor,
     ResidualClippingPostProcessor,
     TargetSparsityThresholdAlgorithm,
+    _codec,
     apply,
     decode,
     describe,
@@ -77,6 +78,37 @@ def test_encode_matches_reference(length: int, fraction: float, form: str | None
     replica = torch.zeros(length)
     apply(message, replica)
     assert torch.equal(replica, expected)
+
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])
+@pytest.mark.parametrize("form", [None, "sparse", "bitmap"])
+def test_torch_kernels_match_the_cpu_kernels(device: str, form: str | None) -> None:
+    """A residual on a GPU is encoded and applied by torch's kernels there: the same messages, the same
+    residual left, the same targets, byte for byte, as numpy's kernels on the CPU give. Run on the CPU
+    too, so that the GPU's code is checked where there is no GPU."""
+    for length in LENGTHS:
+        for fraction in FRACTIONS:
+            before, threshold = update_with(length, fraction, seed=length)
+            on_cpu, on_device = before.clone(), before.to(device)
+            expected = encode(on_cpu, threshold, form=form)
+            message = _codec._encode_on_device(on_device, np.float32(threshold), form)
+            assert message.to_bytes() == expected.to_bytes()
+            assert torch.equal(on_device.cpu(), on_cpu)
+            for scale in (1.0, -0.5):
+                target = torch.randn(length, generator=torch.Generator().manual_seed(1))
+                on_gpu = target.to(device)
+                apply(expected, target, scale)
+                _codec._apply_on_device(message, on_gpu, np.float32(message.threshold * scale))
+                assert torch.equal(on_gpu.cpu(), target)
+    residual, kept = torch.ones(1000, device=device), torch.ones(1000)
+    residual[700:702] = float("nan")
+    with pytest.raises(NonFiniteUpdateError, match="element 700 is nan"):
+        _codec._encode_on_device(residual, np.float32(0.5), form)
+    kept[700:702] = float("nan")
+    assert torch.equal(bits(residual.cpu()), bits(kept))
 
 
 def test_residual_bookkeeping_is_exact() -> None:
@@ -280,7 +312,7 @@ def test_bad_arguments_refused() -> None:
         encode(r, 0.5, form="dense")
     with pytest.raises(ValueError, match=r"residual has 2147483648 elements; .* at most 2147483646"):
         encode(torch.empty(2**31, device="meta"), 0.5)
-    with pytest.raises(ValueError, match="residual must be on the CPU"):
+    with pytest.raises(ValueError, match="residual is a meta tensor, which holds no values"):
         encode(torch.empty(10, device="meta"), 0.5)
     assert torch.equal(r, torch.ones(10))
 

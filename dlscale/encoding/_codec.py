@@ -7,10 +7,14 @@ included, adds the message to its parameters with :func:`apply`.
 
 A message takes one of two forms, whichever is smaller: *sparse*, one int32 per sent element
 (``(index + 1) * sign``), or *bitmap*, two bits per element of the whole vector.
+
+A residual or target on the CPU is encoded and updated by numpy's kernels; one on a GPU by torch's,
+on the GPU, so that only the message itself crosses to the host (and back, at a peer).
 """
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 
@@ -171,6 +175,8 @@ def encode(residual: torch.Tensor, threshold: float, *, form: str | None = None)
     if form is not None and form not in FORMS:
         raise ValueError(f"form must be None, 'sparse' or 'bitmap', got {form!r}")
     r = residual.detach()
+    if r.device.type != "cpu":
+        return _encode_on_device(r, t, form)
     a = r.numpy()
     # The scans below count NaN as to be sent: non-finite elements are then always among those
     # looked at, and are refused before anything changes.
@@ -229,6 +235,9 @@ def apply(message: EncodedUpdate, target: torch.Tensor, scale: float = 1.0) -> N
         value = np.float32(message.threshold * scale)
     if not np.isfinite(value):
         raise ValueError(f"scale must make a finite step, got scale={scale!r} with threshold {message.threshold}")
+    if target.device.type != "cpu":
+        _apply_on_device(message, target.detach(), value)
+        return
     a = target.detach().numpy()
     if message.form == BITMAP:
         _add_bitmap(a, message.payload, value)
@@ -256,8 +265,8 @@ def _check_vector(t: torch.Tensor, name: str) -> int:
         raise TypeError(f"{name} must be float32, got {t.dtype}")
     if t.numel() > MAX_LENGTH:
         raise ValueError(f"{name} has {t.numel()} elements; an encoded update holds at most {MAX_LENGTH}")
-    if t.device.type != "cpu":
-        raise ValueError(f"{name} must be on the CPU, got device {t.device}")
+    if t.is_meta:
+        raise ValueError(f"{name} is a meta tensor, which holds no values")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
     return t.numel()
@@ -330,6 +339,40 @@ def _encode_at(a: np.ndarray, t: np.float32, index: np.ndarray, form: str | None
     codes = np.zeros(n, np.uint8)
     codes[index] = np.where(neg, 2, 1)
     return EncodedUpdate(BITMAP, float(t), n, count, _pack(codes))
+
+
+def _encode_on_device(r: torch.Tensor, t: np.float32, form: str | None) -> EncodedUpdate:
+    """:func:`encode` of a residual on a GPU, by torch on the GPU: one round trip to the host for the
+    count and the finiteness check, then the message's payload."""
+    n, value = r.numel(), float(t)
+    pos, neg = r >= value, r <= -value
+    total, count = torch.stack([r.sum(dtype=torch.float64), (pos.sum() + neg.sum()).double()]).tolist()
+    if not math.isfinite(total):
+        check_finite(r)
+    count = int(count)
+    r.sub_(pos.float() - neg.float(), alpha=value)  # ±t exactly, one rounding: as the CPU's kernels do
+    if (form or _choose(count, n)) == SPARSE:
+        index = torch.nonzero(pos | neg).squeeze(1)
+        payload = (index + 1).int()
+        payload = torch.where(neg[index], -payload, payload)
+        return EncodedUpdate(SPARSE, value, n, count, payload.cpu().numpy())
+    codes = pos.to(torch.uint8) | (neg.to(torch.uint8) << 1)
+    codes = torch.nn.functional.pad(codes, (0, -n % 4)).view(-1, 4)
+    packed = codes[:, 0] | codes[:, 1] << 2 | codes[:, 2] << 4 | codes[:, 3] << 6
+    return EncodedUpdate(BITMAP, value, n, count, packed.cpu().numpy())
+
+
+def _apply_on_device(message: EncodedUpdate, target: torch.Tensor, value: np.float32) -> None:
+    """:func:`apply` to a target on a GPU: the payload goes to the GPU, which decodes it there."""
+    payload = torch.from_numpy(message.payload).to(target.device)
+    if message.form == SPARSE:
+        index = payload.abs().long() - 1
+        target.index_add_(0, index, torch.where(payload > 0, float(value), -float(value)).to(target.dtype))
+        return
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=target.device)
+    codes = ((payload[:, None] >> shifts) & 3).view(-1)[: message.length]
+    steps = torch.tensor([0, value, -value, 0], dtype=target.dtype, device=target.device)
+    target.add_(steps[codes.long()])
 
 
 def _pack(codes: np.ndarray) -> np.ndarray:

@@ -102,9 +102,6 @@ class Compressor(abc.ABC):
     ``dlscale.registry.register("compressor", name, cls)`` to make ``SharedTrainingMaster(...,
     compressor=name)`` use it."""
 
-    residual_device: str | None = None
-    """Where the residual lives: ``None`` for the parameters' device, or a fixed device (``"cpu"``)."""
-
     lossless: bool = False
     """Whether what :meth:`compress` takes in and does not send stays in the residual exactly, to be
     sent later (error feedback that loses nothing). A trainer then keeps its whole update in its own
@@ -114,9 +111,8 @@ class Compressor(abc.ABC):
     shared parameters."""
 
     def state(self, layout: Layout) -> CompressorState:
-        """A trainer's fresh state: an all-zero residual."""
-        device = layout.device if self.residual_device is None else torch.device(self.residual_device)
-        return CompressorState(layout, torch.zeros(layout.length, dtype=torch.float32, device=device))
+        """A trainer's fresh state: an all-zero residual on the parameters' device."""
+        return CompressorState(layout, torch.zeros(layout.length, dtype=torch.float32, device=layout.device))
 
     @abc.abstractmethod
     def compress(self, state: CompressorState, update: torch.Tensor) -> Any | None:
@@ -369,8 +365,10 @@ class TopKCompressor(_ValueCompressor):
     Selection is per tensor, so a layer of small updates is sent as often as a layer of large ones.
     The density warms up: it starts at 1 (everything sent) and falls geometrically to ``density``
     over the first ``warmup_steps`` steps of the network's training (not of each fit).
-    Tensors of more than ``exact_below`` elements pick their cut from a random sample of about
-    ``sample`` elements instead of an exact top-k (the sent count is then close to, not exactly, k).
+    On the CPU, tensors of more than ``exact_below`` elements pick their cut from a random sample of
+    about ``sample`` elements instead of an exact top-k (the sent count is then close to, not exactly,
+    k); on a GPU every tensor's top-k is exact and the step stays on the device, with one round trip
+    to the host (the finiteness check and the statistics) besides the message's own bytes.
     The residual loses nothing (:attr:`~Compressor.lossless`).
     """
 
@@ -416,12 +414,14 @@ class TopKCompressor(_ValueCompressor):
         _check_update(state, update)
         r = state.residual
         r.add_(update.detach())
-        _codec.check_finite(r)
+        on_host = r.device.type == "cpu"
+        if on_host:
+            _codec.check_finite(r)
         layout, dtype = state.layout, VALUE_DTYPES[self.values]
         density = self.density_at(state.step)
         ranges: list[tuple[int, int]] = []
         picks: list[torch.Tensor] = []
-        cut = math.inf
+        cuts: list[float | torch.Tensor] = []
         for offset, n, shape in zip(layout.offsets, layout.numels, layout.shapes, strict=True):
             if not n:
                 continue
@@ -430,9 +430,15 @@ class TopKCompressor(_ValueCompressor):
                 ranges.append((offset, offset + n))
                 continue
             part = r[offset : offset + n]
-            index, smallest = self._select(part, k)
-            cut = min(cut, smallest)
+            index, smallest = self._select(part, k) if on_host else _top(part, k)
+            cuts.append(smallest)
             picks.append(index + offset)
+        if on_host:
+            cut = min(cuts, default=0.0)
+        else:  # one round trip to the host a step: the finiteness check and the smallest value sent
+            total, cut = torch.stack([r.sum(), torch.stack(cuts).min() if cuts else r.new_zeros(())]).tolist()
+            if not math.isfinite(total):
+                _codec.check_finite(r)
         index = torch.cat(picks) if picks else torch.zeros(0, dtype=torch.int64, device=r.device)
         ranges = _merge(ranges)
         message = ValueUpdate(layout.length, tuple(ranges), index, torch.empty(0, dtype=dtype))
@@ -445,17 +451,17 @@ class TopKCompressor(_ValueCompressor):
         state.sent[positions] = True
         state._positions = positions
         state.step += 1
-        state.threshold = 0.0 if cut == math.inf else cut
+        state.threshold = float(cut)
         state.density = positions.numel() / layout.length if layout.length else 0.0
         return dataclasses.replace(message, values=values)
 
     def _select(self, part: torch.Tensor, k: int) -> tuple[torch.Tensor, float]:
-        """The increasing positions of about ``k`` elements of largest magnitude in ``part``, and the
-        smallest magnitude among them."""
+        """The increasing positions of about ``k`` elements of largest magnitude in ``part`` (on the
+        CPU), and the smallest magnitude among them."""
         n = part.numel()
         if n < self.exact_below:
-            top = torch.topk(part.abs(), k, sorted=False)
-            return torch.sort(top.indices).values, float(top.values.min())
+            index, smallest = _top(part, k)
+            return index, float(smallest)
         s = min(n, self.sample)
         sample = part[torch.randint(0, n, (s,), device=part.device)].abs()
         cut = float(torch.topk(sample, max(1, math.ceil(k * s / n))).values[-1])
@@ -479,14 +485,19 @@ class TopKCompressor(_ValueCompressor):
         )
 
 
+def _top(part: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The increasing positions of the ``k`` elements of largest magnitude in ``part``, and the
+    smallest magnitude among them (a 0-d tensor on ``part``'s device: reading it is left to the caller)."""
+    top = torch.topk(part.abs(), k, sorted=False)
+    return torch.sort(top.indices).values, top.values.min()
+
+
 def _at_least(values: torch.Tensor, cut: float) -> torch.Tensor:
-    """The increasing positions (int64) of the elements of the 1-D ``values`` whose magnitude is at
-    least ``cut``. On the CPU numpy's kernels do it: on one thread they are faster than torch's
+    """The increasing positions (int64) of the elements of the 1-D CPU tensor ``values`` whose
+    magnitude is at least ``cut``, by numpy's kernels: on one thread they are faster than torch's
     ``abs``, ``ge`` and ``nonzero``."""
-    if values.device.type == "cpu":
-        a = values.detach().numpy()
-        return torch.from_numpy(np.flatnonzero(np.abs(a) >= np.float32(cut)).astype(np.int64, copy=False))
-    return torch.nonzero(values.abs() >= cut).squeeze(1)
+    a = values.detach().numpy()
+    return torch.from_numpy(np.flatnonzero(np.abs(a) >= np.float32(cut)).astype(np.int64, copy=False))
 
 
 def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -513,9 +524,7 @@ class Dl4jCompressor(Compressor):
     """Deeplearning4j's threshold encoding: :func:`~dlscale.encoding.encode` of the whole residual
     with one threshold from ``threshold_algorithm`` (every element at or above it sent as ``±t``),
     then ``residual_post_processor`` (clipping by default, which discards what it clips). The
-    residual lives on the CPU, where the codec works."""
-
-    residual_device = "cpu"
+    residual lives with the parameters, on the CPU or a GPU, where the codec works."""
 
     def __init__(
         self,
@@ -538,7 +547,7 @@ class Dl4jCompressor(Compressor):
     def compress(self, state: Dl4jState, update: torch.Tensor) -> EncodedUpdate | None:
         _check_update(state, update)
         r = state.residual
-        r.add_(update.detach().cpu())
+        r.add_(update.detach())
         message = _codec.encode(r, state.thresholds.threshold)
         state.post.process(state.step, message.threshold, r)
         state.thresholds.update(message.sparsity, message.length)
@@ -547,16 +556,7 @@ class Dl4jCompressor(Compressor):
         return message if message.count else None
 
     def apply(self, message: EncodedUpdate, params: torch.Tensor, scale: float = 1.0) -> None:
-        if params.device.type == "cpu":
-            _codec.apply(message, params, scale)
-            return
-        _check_target(params, message.length)
-        if message.form == _codec.SPARSE:
-            index = torch.from_numpy(np.abs(message.payload.astype(np.int64)) - 1).to(params.device)
-            sign = torch.from_numpy(np.sign(message.payload).astype(np.float32)).to(params.device, params.dtype)
-            params.index_add_(0, index, sign * (np.float32(message.threshold) * scale))
-        else:
-            params.add_(_codec.decode(message).to(params.device, params.dtype), alpha=scale)
+        _codec.apply(message, params, scale)
 
     def to_bytes(self, message: EncodedUpdate) -> bytes:
         return message.to_bytes()

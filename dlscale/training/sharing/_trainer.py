@@ -388,11 +388,10 @@ def _mask_momentum(network: Any, sent: torch.Tensor) -> None:
     buffers = [(p.numel(), network.optimizer.state[p].get("momentum_buffer")) for p in network.module.parameters()]
     if all(b is None for _, b in buffers):
         return
-    sent = sent.cpu().numpy()
-    offset = lo = 0
-    for n, buffer in buffers:
-        hi = lo + int(np.searchsorted(sent[lo:], offset + n))
+    sent = sent.to(next(b for _, b in buffers if b is not None).device)
+    # where each tensor's positions start and end in ``sent``: one round trip from a GPU for them all
+    offsets = np.cumsum([0] + [n for n, _ in buffers]).tolist()
+    bounds = torch.searchsorted(sent, torch.tensor(offsets, device=sent.device)).tolist()
+    for (_, buffer), offset, lo, hi in zip(buffers, offsets, bounds, bounds[1:]):
         if buffer is not None and hi > lo:
-            index = torch.from_numpy(sent[lo:hi] - offset).to(buffer.device)
-            buffer.view(-1).index_fill_(0, index, 0)
-        offset, lo = offset + n, hi
+            buffer.view(-1).index_fill_(0, sent[lo:hi] - offset, 0)
