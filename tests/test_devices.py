@@ -44,7 +44,7 @@ def minibatches(n: int = 600, size: int = 20) -> list[DataSet]:
 
 def accuracy(net: Network, batches: list[DataSet]) -> float:
     merged = DataSet.merge(batches)
-    return float((net.output(merged.features).argmax(1) == merged.labels).float().mean())
+    return float((net.output(merged.features).argmax(1) == merged.labels).double().mean())
 
 
 @pytest.fixture

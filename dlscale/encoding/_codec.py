@@ -364,7 +364,7 @@ def _encode_on_device(r: torch.Tensor, t: np.float32, form: str | None) -> Encod
 
 def _apply_on_device(message: EncodedUpdate, target: torch.Tensor, value: np.float32) -> None:
     """:func:`apply` to a target on a GPU: the payload goes to the GPU, which decodes it there."""
-    payload = torch.from_numpy(message.payload).to(target.device)
+    payload = torch.tensor(message.payload, device=target.device)
     if message.form == SPARSE:
         index = payload.abs().long() - 1
         target.index_add_(0, index, torch.where(payload > 0, float(value), -float(value)).to(target.dtype))
