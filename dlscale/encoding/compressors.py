@@ -115,10 +115,13 @@ class Compressor(abc.ABC):
         return CompressorState(layout, torch.zeros(layout.length, dtype=torch.float32, device=layout.device))
 
     @abc.abstractmethod
-    def compress(self, state: CompressorState, update: torch.Tensor) -> Any | None:
+    def compress(self, state: CompressorState, update: torch.Tensor | None) -> Any | None:
         """Add ``update`` (the flat float32 update, on the parameters' device; not kept) to the
         residual, take out what is sent, and return the message (``None`` when nothing is sent).
-        A non-finite update raises :class:`~dlscale.encoding.NonFiniteUpdateError`."""
+        ``update`` ``None`` says that the caller has set the residual itself: a trainer with a
+        :attr:`lossless` compressor sets it to its replica less the shared parameters, which is what
+        adding each update gives, in one pass. A non-finite update raises
+        :class:`~dlscale.encoding.NonFiniteUpdateError`."""
 
     @abc.abstractmethod
     def apply(self, message: Any, params: torch.Tensor, scale: float = 1.0) -> None:
@@ -304,7 +307,9 @@ def _check_target(params: torch.Tensor, length: int) -> None:
         raise ValueError(f"params has {params.numel()} elements, the message describes {length}")
 
 
-def _check_update(state: CompressorState, update: torch.Tensor) -> None:
+def _check_update(state: CompressorState, update: torch.Tensor | None) -> None:
+    if update is None:
+        return
     if not isinstance(update, torch.Tensor) or update.dim() != 1 or update.numel() != state.layout.length:
         got = tuple(update.shape) if isinstance(update, torch.Tensor) else type(update).__name__
         raise ValueError(f"update must be a flat tensor of {state.layout.length} elements, got {got}")
@@ -328,10 +333,12 @@ class DenseCompressor(_ValueCompressor):
 
     lossless = True
 
-    def compress(self, state: CompressorState, update: torch.Tensor) -> ValueUpdate:
+    def compress(self, state: CompressorState, update: torch.Tensor | None) -> ValueUpdate:
         _check_update(state, update)
-        values = update.detach().to(torch.float32, copy=True)
+        values = (state.residual if update is None else update).detach().to(torch.float32, copy=True)
         _codec.check_finite(values)
+        if update is None:
+            state.residual.zero_()
         state.step += 1
         state.threshold, state.density = 0.0, 1.0
         n = state.layout.length
@@ -414,10 +421,11 @@ class TopKCompressor(_ValueCompressor):
             return self.density
         return self.density ** (step / self.warmup_steps)
 
-    def compress(self, state: TopKState, update: torch.Tensor) -> ValueUpdate:
+    def compress(self, state: TopKState, update: torch.Tensor | None) -> ValueUpdate:
         _check_update(state, update)
         r = state.residual
-        r.add_(update.detach())
+        if update is not None:
+            r.add_(update.detach())
         on_host = r.device.type == "cpu"
         if on_host:
             _codec.check_finite(r)
@@ -548,10 +556,11 @@ class Dl4jCompressor(Compressor):
             post=self.residual_post_processor.clone(),
         )
 
-    def compress(self, state: Dl4jState, update: torch.Tensor) -> EncodedUpdate | None:
+    def compress(self, state: Dl4jState, update: torch.Tensor | None) -> EncodedUpdate | None:
         _check_update(state, update)
         r = state.residual
-        r.add_(update.detach())
+        if update is not None:
+            r.add_(update.detach())
         message = _codec.encode(r, state.thresholds.threshold)
         state.post.process(state.step, message.threshold, r)
         state.thresholds.update(message.sparsity, message.length)

@@ -6,7 +6,10 @@ scaled by the aggregation's weight, goes to the session's compressor, which keep
 send in the trainer's residual; its message is sent to every peer, which applies it. With a
 lossless compressor (``Compressor.lossless``: "topk", "dense") the trainer's own replica keeps its
 whole update, so that its parameters are the shared ones plus its residual and its next gradient is
-taken where one process's would be; with another ("dl4j") the update is taken back out and the
+taken where one process's would be (summing updates, it keeps the shared parameters beside its
+replica, to which its own messages and its peers' are added, and its residual is its replica less
+them: one subtraction a step, where taking each update out and adding it to the residual were three
+passes over the parameters and a copy); with another ("dl4j") the update is taken back out and the
 message applied instead, so that every replica holds the shared parameters. Peers' updates are
 applied between steps, as they arrive: there is no barrier per step. At the end each trainer waits
 until it has applied every update its live peers sent, and returns the shared parameters (its own
@@ -180,6 +183,7 @@ class _Trainer:
         self.start_version = joined.version
         self.network, _ = replica(f"{key}/{local}", blob, local, spec.workers_per_node)
         self.params = self.network.params()
+        self.targets = [self.params]  # what a peer's message is added to
         self.compressor = spec.compressor
         self.alive = len(joined.alive)
         self.refs, self.loader = refs, loader
@@ -219,7 +223,8 @@ class _Trainer:
             except Exception as e:
                 e.add_note(f"in an update from trainer {update.origin}")
                 raise
-            self.compressor.apply(message, self.params)
+            for target in self.targets:
+                self.compressor.apply(message, target)
             self.applied[update.origin] += 1
             self.stats["messages_received"] += 1
             self.stats["bytes_received"] += len(update.payload)
@@ -252,7 +257,13 @@ class _Trainer:
             torch.set_num_threads(threads)
         params, compressor = self.params, self.compressor
         lossless = compressor.lossless
-        before, delta = torch.empty_like(params), torch.empty_like(params)
+        # A lossless trainer that sums updates keeps the shared parameters beside its replica; its
+        # residual is then its replica less them, one subtraction a step. Otherwise it keeps the
+        # parameters from before each step to take the update out.
+        shared = params.clone() if lossless and spec.aggregation == "sum" else None
+        before, delta = (None, None) if shared is not None else (torch.empty_like(params), torch.empty_like(params))
+        if shared is not None:
+            self.targets.append(shared)  # peers' messages change the shared parameters too
         own = compressor.state(Layout.of(net.module.parameters()))
         own.step = net.iteration // max(1, self.alive)  # a fit goes on with its network's training: one warm-up
         seq = step = 0
@@ -268,23 +279,30 @@ class _Trainer:
                 item = self.handed.popleft()
                 self._apply_inbox()
                 t = self._phase("apply", t)
-                before.copy_(params)
+                if shared is None:
+                    before.copy_(params)
                 try:
                     score = net.fit_batch(batch)
                 except Exception as e:
                     e.add_note(f"while fitting minibatch {self.refs[item % len(self.refs)]}")
                     raise
-                update = torch.sub(params, before, out=delta)  # the optimizer's update
-                if spec.aggregation == "mean" and self.alive > 1:
-                    update.mul_(1 / self.alive)  # the sender weighs its update: every replica applies the same
-                    if lossless:  # the replica keeps the weighed update
-                        params.sub_(update, alpha=self.alive - 1)
+                if shared is not None:
+                    torch.sub(params, shared, out=own.residual)  # the residual, set: no update to add
+                    update = None
+                else:
+                    update = torch.sub(params, before, out=delta)  # the optimizer's update
+                    if spec.aggregation == "mean" and self.alive > 1:
+                        update.mul_(1 / self.alive)  # the sender weighs its update: every replica applies the same
+                        if lossless:  # the replica keeps the weighed update
+                            params.sub_(update, alpha=self.alive - 1)
                 t = self._phase("fit", t)
                 try:
                     message = compressor.compress(own, update)
                 except NonFiniteUpdateError as e:
                     e.add_note(f"after fitting minibatch {self.refs[item % len(self.refs)]}")
                     raise
+                if shared is not None and message is not None:
+                    compressor.apply(message, shared)
                 if not lossless:  # the update goes to the compressor instead of the parameters
                     params.copy_(before)
                     if message is not None:
@@ -322,7 +340,9 @@ class _Trainer:
             self.stopping.set()
             batches.close()
         self._finish(seq)
-        if lossless:  # the shared parameters: this replica's less what it has not sent
+        if shared is not None:
+            params.copy_(shared)
+        elif lossless:  # the shared parameters: this replica's less what it has not sent
             params.sub_(own.residual.to(params.device))
         state = state_of(net, with_optimizer=True)
         return {
