@@ -455,9 +455,9 @@ class TopKCompressor(_ValueCompressor):
         ranges = _merge(ranges)
         message = ValueUpdate(layout.length, tuple(ranges), index, torch.empty(0, dtype=dtype))
         positions = message.positions()
-        values = r[positions].to(dtype)
+        values = r.index_select(0, positions).to(dtype)  # index_select: several times faster than r[positions]
         r.index_add_(0, positions, values.to(torch.float32), alpha=-1)  # what rounding lost stays
-        state.waited = index[~state.sent[index]]
+        state.waited = index.masked_select(~state.sent.index_select(0, index))
         if state._positions is not None:
             state.sent[state._positions] = False
         state.sent[positions] = True
@@ -475,12 +475,12 @@ class TopKCompressor(_ValueCompressor):
             index, smallest = _top(part, k)
             return index, float(smallest)
         s = min(n, self.sample)
-        sample = part[torch.randint(0, n, (s,), generator=generator)].abs()
+        sample = part.index_select(0, torch.randint(0, n, (s,), generator=generator)).abs()
         cut = float(torch.topk(sample, max(1, math.ceil(k * s / n))).values[-1])
         index = _at_least(part, cut)
         if index.numel() > 2 * k:  # a sample's cut that fell too low: the k largest of those found
-            index = torch.sort(index[torch.topk(part[index].abs(), k, sorted=False).indices]).values
-        return index, float(part[index].abs().min()) if index.numel() else cut
+            index = torch.sort(index[torch.topk(part.index_select(0, index).abs(), k, sorted=False).indices]).values
+        return index, float(part.index_select(0, index).abs().min()) if index.numel() else cut
 
     def momentum_mask(self, state: TopKState, message: ValueUpdate) -> torch.Tensor:
         """The picks that waited: elements the message before this one did not send. An element

@@ -1,8 +1,9 @@
 """``Network``: a PyTorch module with its loss and optimizer, its parameters in one flat buffer.
 
-Every parameter (and its gradient) is a view into one contiguous vector, as DL4J keeps a network's
-parameters in one flattened array: averaging parameters, sending them and encoding updates work on
-that one vector without copying per layer.
+Every parameter is a view into one contiguous vector, as DL4J keeps a network's parameters in one
+flattened array: averaging parameters, sending them and encoding updates work on that one vector
+without copying per layer. Gradients are torch's own, cleared (set to ``None``) before each step,
+so that backward writes them without a zeroing and an accumulating pass over the whole network.
 
 A network computes on its :attr:`~Network.device` but takes and returns CPU tensors, and pickles as
 CPU tensors: a driver without a GPU can send it to GPU workers and read what they send back.
@@ -75,12 +76,11 @@ class Network:
         if len(kinds) > 1:
             raise ValueError(f"all parameters must share one dtype and device to live in one buffer, found {kinds}")
         self._flat = torch.cat([p.detach().reshape(-1) for p in params])
-        self._flat_grad = torch.zeros_like(self._flat)
         offset = 0
         for p in params:
             n = p.numel()
             p.data = self._flat[offset : offset + n].view_as(p)
-            p.grad = self._flat_grad[offset : offset + n].view_as(p)
+            p.grad = None
             offset += n
 
     @property
@@ -116,8 +116,11 @@ class Network:
             self._flat.copy_(vector)
 
     def gradients(self) -> torch.Tensor:
-        """The gradients of the last minibatch, as one vector laid out like :meth:`params`."""
-        return self._flat_grad
+        """The gradients of the last step, as one vector laid out like :meth:`params` (a copy; zero
+        for a parameter that the step gave no gradient)."""
+        return torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.module.parameters()]
+        )
 
     def optimizer_state(self) -> dict[str, Any]:
         """The optimizer's state (``torch.optim.Optimizer.state_dict``), e.g. momentum buffers."""
@@ -155,7 +158,7 @@ class Network:
         """One optimizer step on ``batch``; returns its loss."""
         optimizer = self._require_optimizer()
         self.module.train()
-        self._flat_grad.zero_()  # in place: the gradients stay views of the flat buffer
+        self.module.zero_grad(set_to_none=True)  # backward then writes each gradient afresh
         outputs, labels, masks, single = self._forward(batch)
         loss = losses.compute(self.loss, outputs, labels, masks, single)
         loss.backward()
@@ -246,7 +249,7 @@ class Network:
 
     # -- pickling (networks travel to the workers) ----------------------------------------
     def __getstate__(self) -> dict[str, Any]:
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_flat", "_flat_grad", "optimizer")}
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_flat", "optimizer")}
         optimizer_state = self.optimizer.state_dict() if self.optimizer is not None else None
         # Each parameter is a view of the flat buffer, and pickling a view writes its whole storage:
         # the module travels with CPU parameters of their own (the flat buffer once in all, not once
