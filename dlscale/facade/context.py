@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar, Self
 
+import dask.config
 import distributed
 from dask.bag import Bag
 from distributed.comm.core import FatalCommClosedError
@@ -170,7 +171,11 @@ class SparkContext:
             if n < 1:
                 raise MasterURLError(f"master {master!r} asks for {n} workers; use at least 1")
             self._owned_cluster = EmbeddedCluster(**self._local_cluster_kwargs(n))
-            return distributed.Client(self._owned_cluster)
+            # Its workers are on this machine: scattered networks and gathered results go straight to and
+            # from them, not through the scheduler (which doubles the bytes: a fit of compare's MLP moved
+            # 432 MB over loopback, 2 x 23 MB network + 4 x 23 MB states of its own). Dask's setting wins.
+            direct = dask.config.get("distributed.client.direct-to-workers")
+            return distributed.Client(self._owned_cluster, direct_to_workers=True if direct is None else direct)
         if _ADDRESS.match(master):
             scheme, location = distributed.comm.parse_address(master)
             if scheme != "inproc":
