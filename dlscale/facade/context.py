@@ -172,8 +172,7 @@ class SparkContext:
                 raise MasterURLError(f"master {master!r} asks for {n} workers; use at least 1")
             self._owned_cluster = EmbeddedCluster(**self._local_cluster_kwargs(n))
             # Its workers are on this machine: scattered networks and gathered results go straight to and
-            # from them, not through the scheduler (which doubles the bytes: a fit of compare's MLP moved
-            # 432 MB over loopback, 2 x 23 MB network + 4 x 23 MB states of its own). Dask's setting wins.
+            # from them, not through the scheduler, which carries each twice. Dask's own setting wins.
             direct = dask.config.get("distributed.client.direct-to-workers")
             return distributed.Client(self._owned_cluster, direct_to_workers=True if direct is None else direct)
         if _ADDRESS.match(master):
