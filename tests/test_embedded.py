@@ -13,6 +13,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import dask.config
 import psutil
 import pytest
 
@@ -145,3 +146,12 @@ def test_a_module_on_the_driver_path_imports_on_the_workers(tmp_path: Path, monk
 
     with SparkContext("local[1]") as ctx:
         assert ctx.parallelize([1, 2], 2).map(next_to_the_script.triple).collect() == [3, 6]
+
+
+def test_data_goes_straight_between_driver_and_workers_unless_dask_says_otherwise() -> None:
+    """Scattered and gathered data of an embedded cluster skip the scheduler (which carries each
+    transfer twice); Dask's own setting, where set, decides."""
+    with SparkContext("local[1]", "direct") as sc:
+        assert sc.client.direct_to_workers is True
+    with dask.config.set({"distributed.client.direct-to-workers": False}), SparkContext("local[1]", "via") as sc:
+        assert sc.client.direct_to_workers is False
