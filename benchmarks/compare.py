@@ -8,7 +8,7 @@ Run from the repository root, as root for the limited links (without root only l
 it says so)::
 
     python -m benchmarks.compare            # the full comparison; about 40 minutes on 2 cores
-    python -m benchmarks.compare --quick    # a small smoke run of every runner on loopback
+    python -m benchmarks.compare --quick    # a small smoke run of every runner on loopback (compare-quick-*.json)
     python -m benchmarks.compare --report   # the table, plots and projection again from the last results
     python -m benchmarks.compare --runners single,sharing --links loopback,1gbit   # a part, on its own
     python -m benchmarks.compare --device cuda --runners single,sharing --links loopback   # on a GPU
@@ -560,13 +560,11 @@ def write_report(
     device: str = "cpu",
 ) -> None:
     """Ratios, targets, plots and the scaling projection of ``runs``; written to :data:`RESULTS`, or
-    for a part of the runners or another device to a file of their own, without plots or projection."""
-    complete = runners == RUNNERS and device == "cpu"
-    results = (
-        RESULTS
-        if complete
-        else RESULTS.with_name(f"compare-{device + '-' if device != 'cpu' else ''}{'-'.join(runners)}.json")
-    )
+    for a part of the runners, another device or a quick run to a file of their own
+    (``compare-[quick-][DEVICE-]RUNNERS.json``), without plots or projection."""
+    complete = runners == RUNNERS and device == "cpu" and not quick
+    prefix = ("quick-" if quick else "") + (f"{device}-" if device != "cpu" else "")
+    results = RESULTS if complete else RESULTS.with_name(f"compare-{prefix}{'-'.join(runners)}.json")
     targets = summarise(runs)
     gpu = {"gpu": torch.cuda.get_device_name(0)} if device == "cuda" else {}
     report = {
