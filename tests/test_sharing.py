@@ -378,13 +378,17 @@ def test_settings_are_validated() -> None:
         SharedTrainingMaster(32, rdd_training_approach="stream")
 
 
-def test_a_late_bad_label_names_its_minibatch(sc: SparkContext, tmp_path: object) -> None:
+@pytest.mark.parametrize("fault", ["class", "width"])
+def test_a_late_bad_label_names_its_minibatch(sc: SparkContext, tmp_path: object, fault: str) -> None:
     x, y, _, _ = digits()
     paths = export_minibatches(
         [DataSet(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, 160, BATCH)], f"{tmp_path}/train", BATCH
     )
-    bad = y[96:112].clone()
-    bad[0] = 12  # class 12 of 10
+    if fault == "class":
+        bad = y[96:112].clone()
+        bad[0] = 12  # class 12 of 10
+    else:
+        bad = torch.nn.functional.one_hot(y[96:112], 11).float()  # 11 columns for 10 outputs
     save(DataSet(x[96:112], bad), paths[6])
     with pytest.raises(Exception, match="do not fit loss 'cross_entropy'") as info:
         SparkNet(sc, mlp([64, 32, 10]), SharedTrainingMaster(BATCH)).fit_paths(list_paths(sc, f"{tmp_path}/train"))

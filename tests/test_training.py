@@ -18,6 +18,7 @@ from dlscale import (
     CorruptDataError,
     NetworkSerializationError,
     ParameterAveragingTrainingMaster,
+    SharedTrainingMaster,
     SparkContext,
     SparkNet,
 )
@@ -386,13 +387,33 @@ def test_fit_paths_names_an_element_that_is_not_a_path(sc) -> None:
         SparkNet(sc, mlp_network(), ParameterAveragingTrainingMaster(8)).fit_paths(sc.parallelize([1, 2, 3], 2))
 
 
-def test_a_late_bad_label_names_its_minibatch(sc, tmp_path) -> None:
+@pytest.mark.parametrize("fault", ["class", "width"])
+def test_a_late_bad_label_names_its_minibatch(sc, tmp_path, fault: str) -> None:
     x, y = data(64)
     paths = export_minibatches([DataSet(x, y)], str(tmp_path / "files"), 8)
-    bad = y[40:48].clone()
-    bad[3] = 12  # class 12 of 3
+    if fault == "class":
+        bad = y[40:48].clone()
+        bad[3] = 12  # class 12 of 3
+    else:
+        bad = torch.nn.functional.one_hot(y[40:48], 4).float()  # 4 columns for 3 outputs
     save(DataSet(x[40:48], bad), paths[5])
     master = ParameterAveragingTrainingMaster(8, averaging_frequency=2)
     with pytest.raises(DataShapeError, match="do not fit loss 'cross_entropy'") as info:
         SparkNet(sc, mlp_network(), master).fit_paths(list_paths(sc, str(tmp_path / "files")))
     assert f"while fitting minibatch {paths[5]}" in info.value.__notes__
+
+
+@pytest.mark.parametrize("master", ["averaging", "sharing"])
+def test_a_foreign_file_among_minibatch_files_is_named(sc, tmp_path, master: str) -> None:
+    """A README.txt left in a directory of minibatch files is listed with them and refused when its
+    turn comes, by name, as not a minibatch file (not as a truncated one)."""
+    x, y = data(64)
+    export_minibatches([DataSet(x, y)], str(tmp_path / "files"), 8)
+    (tmp_path / "files" / "README.txt").write_text("hello")
+    paths = list_paths(sc, str(tmp_path / "files"))
+    assert any(p.endswith("README.txt") for p in paths.collect())
+    chosen = (
+        ParameterAveragingTrainingMaster(8, averaging_frequency=2) if master == "averaging" else SharedTrainingMaster(8)
+    )
+    with pytest.raises(CorruptDataError, match=r"README.txt: not a dlscale minibatch file"):
+        SparkNet(sc, mlp_network(), chosen).fit_paths(paths)
