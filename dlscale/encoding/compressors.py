@@ -377,7 +377,7 @@ class TopKCompressor(_ValueCompressor):
     over the first ``warmup_steps`` steps of the network's training (not of each fit).
     On the CPU, tensors of more than ``exact_below`` elements pick their cut from a random sample of
     about ``sample`` elements instead of an exact top-k (the sent count is then close to, not exactly,
-    k: between 0.4 and 1.7 k for a million normal values at density 0.001); on a GPU every tensor's
+    k); on a GPU every tensor's
     top-k is exact and the step stays on the device, with one round trip to the host (the finiteness
     check and the statistics) besides the message's own bytes.
     The residual loses nothing (:attr:`~Compressor.lossless`).
