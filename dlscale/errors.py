@@ -53,6 +53,11 @@ class JobCancelledError(DlscaleError, RuntimeError):
     """An action whose job was cancelled (``cancelJobGroup``, ``cancelJobsWithTag``, ``cancelAllJobs``)."""
 
 
+class BarrierError(DlscaleError, RuntimeError):
+    """A barrier stage that cannot run (more partitions than the cluster has task slots), whose task failed,
+    or a barrier call outside a barrier stage or after its stage was aborted."""
+
+
 class UserStopIterationError(DlscaleError, RuntimeError):
     """A function given to an RDD operation raised ``StopIteration``: the task fails (as in PySpark) rather
     than let the loop over the partition that called the function end early and drop elements silently."""

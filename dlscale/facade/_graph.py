@@ -25,6 +25,7 @@ from dask.bag import Bag, Item
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 from dask.sizeof import sizeof
+from distributed.client import futures_of
 from distributed.protocol import (
     dask_deserialize,
     dask_serialize,
@@ -34,7 +35,7 @@ from distributed.protocol import (
 
 from dlscale.facade.accumulators import Updates, collecting
 from dlscale.facade.jobs import interruptible
-from dlscale.facade.taskcontext import running
+from dlscale.facade.taskcontext import BarrierStage, running
 
 if TYPE_CHECKING:
     from distributed import Client, Future
@@ -118,17 +119,25 @@ def _bag(name: str, dsk: dict, parents: Sequence[Bag], npartitions: int) -> Bag:
 
 
 @contextlib.contextmanager
-def _task(key: Any) -> Iterator[Updates]:
-    """Around the user's functions of the task for partition ``key``: its ``TaskContext``, its accumulator
-    record (yielded), and the mark that lets a cancelled job interrupt it."""
-    with interruptible(), running(key), collecting(key) as own:
+def _task(key: Any, stage: BarrierStage | None = None) -> Iterator[Updates]:
+    """Around the user's functions of the task for partition ``key``: its ``TaskContext`` (a barrier one in
+    a barrier ``stage``), its accumulator record (yielded), and the mark that lets a cancelled job
+    interrupt it."""
+    with interruptible(), running(key, stage), collecting(key) as own:
         yield own
 
 
 def compute_partition(key: Any, func: Callable[..., Iterable[Any]], *args: Any) -> Partition:
     """``func(*args)`` as a :class:`Partition`, the partition ``key`` of its graph, carrying the accumulator
     records of the partitions in ``args`` and its own."""
-    with _task(key) as own:
+    return compute_barrier_partition(None, key, func, *args)
+
+
+def compute_barrier_partition(
+    stage: BarrierStage | None, key: Any, func: Callable[..., Iterable[Any]], *args: Any
+) -> Partition:
+    """:func:`compute_partition` in a task of a barrier ``stage`` (or of none)."""
+    with _task(key, stage) as own:
         out = func(*args)
         if not isinstance(out, Partition) or any(out is a for a in args):
             out = Partition(out)  # a new one: an input may be held (persisted) and must keep its records
@@ -320,6 +329,7 @@ class PartitionJobs:
         dependents = Counter(dep for node in self._dsk.values() for dep in node.dependencies)
         self._shared = {key for key, n in dependents.items() if n > 1 and key in self._dsk}
         self._held: dict[Any, Future] = {}
+        self._outside = futures_of(bag)  # what the graph reads from futures (a persisted RDD, a barrier stage)
 
     def __len__(self) -> int:
         return len(self._keys)

@@ -15,6 +15,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
+from functools import partial
 from typing import Any, ClassVar, Self
 
 import dask.config
@@ -25,7 +26,7 @@ from distributed.diagnostics.plugin import UploadFile
 
 from dlscale import __version__, config, storage
 from dlscale.errors import ClusterConnectionError, DlscaleError, MasterURLError
-from dlscale.facade import _graph, _io, _ops, persist
+from dlscale.facade import _graph, _io, _ops, barrier, persist
 from dlscale.facade.accumulators import (
     COMPLEX_ACCUMULATOR_PARAM,
     FLOAT_ACCUMULATOR_PARAM,
@@ -550,9 +551,10 @@ class SparkContext:
         A reduction's result is unwrapped; a bag is computed partition by partition, so that each keeps its
         records, and comes back as Dask returns it (its elements in one list)."""
         if isinstance(collection, Bag):
-            return list(itertools.chain.from_iterable(self._compute(collection.to_delayed(), action)))
+            bag_tasks = collection.to_delayed(optimize_graph=not barrier.has_stages(collection))
+            return list(itertools.chain.from_iterable(self._compute(bag_tasks, action)))
         try:
-            result = self._jobs.run(self.client, collection)
+            result = self._jobs.run(self.client, collection, partial(barrier.run_stages, self.client))
         except TypeError as e:
             # a dlscale error raised while Dask serialized the graph is the real cause: raise that
             cause = e.__cause__ or e.__context__

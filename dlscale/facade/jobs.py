@@ -142,8 +142,15 @@ class Jobs:
         self.set_tags(self.tags() - {tag})
 
     # -- running and cancelling -----------------------------------------------------------
-    def run(self, client: distributed.Client, collection: Any) -> Any:
-        """Compute ``collection`` (a Dask collection or a list of them) as a job that may be cancelled."""
+    def run(
+        self,
+        client: distributed.Client,
+        collection: Any,
+        prepare: Callable[[Any, Callable[[list[distributed.Future]], None]], Any] | None = None,
+    ) -> Any:
+        """Compute ``collection`` (a Dask collection or a list of them) as a job that may be cancelled.
+        ``prepare(collection, track)``, within the job, returns what to compute, handing ``track`` the futures
+        of what it computes first (a barrier stage), so that cancelling the job cancels them too."""
         parts = collection if isinstance(collection, list) else [collection]
         keys = list({k for c in parts for k in c.__dask_graph__()})
         job = _Job(next(self._ids), dict(self.properties()), [], keys)
@@ -151,12 +158,10 @@ class Jobs:
             self._running[job.id] = job
         try:
             with dask.annotate(**{ANNOTATION: {"id": job.id, "properties": job.properties}}):
+                if prepare is not None:
+                    collection = prepare(collection, lambda futures: self._track(client, job, futures))
                 futures = client.compute(collection)
-            with job.lock:
-                job.futures = futures if isinstance(futures, list) else [futures]
-                cancelled = job.cancelled is not None
-            if cancelled:  # cancelled while it was being submitted
-                client.cancel(job.futures, force=True)
+            self._track(client, job, futures if isinstance(futures, list) else [futures])
             return client.gather(futures)
         except CancelledError:
             if job.cancelled is None:
@@ -165,6 +170,16 @@ class Jobs:
         finally:
             with self._lock:
                 self._running.pop(job.id, None)
+
+    @staticmethod
+    def _track(client: distributed.Client, job: _Job, futures: list[distributed.Future]) -> None:
+        """Count ``futures`` among the job's; cancel them at once if the job was cancelled meanwhile."""
+        with job.lock:
+            job.futures.extend(futures)
+            job.keys.extend(f.key for f in futures)
+            cancelled = job.cancelled is not None
+        if cancelled:
+            client.cancel(futures, force=True)
 
     def cancel(self, client: distributed.Client, which: Callable[[_Job], bool], reason: str) -> None:
         """Cancel the running jobs for which ``which`` holds: their futures, then their running tasks."""
@@ -177,7 +192,7 @@ class Jobs:
                     continue
                 job.cancelled = reason
                 futures = list(job.futures)
-            keys.extend(job.keys)
+                keys.extend(job.keys)
             if futures:
                 client.cancel(futures, force=True)
         if keys:

@@ -47,7 +47,7 @@ from distributed.utils import sync
 
 from dlscale import config
 from dlscale.errors import CorruptDataError, DlscaleError, StorageError
-from dlscale.facade import _graph
+from dlscale.facade import _graph, barrier
 from dlscale.runtime.extensions import Extension, install
 from dlscale.runtime.replicas import set_replication
 from dlscale.storage import as_storage_error, atomic_write
@@ -516,7 +516,7 @@ def persist(rdd: RDD, level: StorageLevel | None) -> RDD:
         to_hold, read = _graph.partitionwise("serialized", _serialize, lineage), _deserialize
     else:
         to_hold, read = lineage, None
-    held = client.persist(to_hold)
+    held = client.persist(barrier.run_stages(client, to_hold))
     futures = futures_of(held)
     if level.replication > 1 and level.useMemory:
         set_replication(client, futures, level.replication)

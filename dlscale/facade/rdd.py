@@ -24,7 +24,7 @@ from dask.utils import funcname
 from distributed import Future
 
 from dlscale.errors import CheckpointError
-from dlscale.facade import _graph, _hll, _io, _ops, persist
+from dlscale.facade import _graph, _hll, _io, _ops, barrier, persist
 from dlscale.facade._hash import portable_hash
 from dlscale.facade._sampling import RangeSampler, Sampler, fraction_for_sample_size
 from dlscale.facade.persist import StorageLevel
@@ -132,7 +132,7 @@ class RDD:
         """``func(partition)`` for the given partitions only (``SparkContext.runJob``); ``action`` as in
         :meth:`SparkContext._compute`."""
         bag = self._bag
-        parts = bag.to_delayed()
+        parts = bag.to_delayed(optimize_graph=not barrier.has_stages(bag))  # fused, a stage's layer would go
         tasks = [dask.delayed(_graph.partition_of)(func, parts[i]) for i in partitions]
         result = list(self.ctx._compute(tasks, action)) if tasks else []
         self._checkpoint_lineage(bag)
@@ -162,6 +162,11 @@ class RDD:
         return self._partitionwise(
             "mapPartitionsWithIndex", partial(_ops.map_partitions_with_index, f), preservesPartitioning
         )
+
+    def barrier(self) -> barrier.RDDBarrier:
+        """This RDD, for an operation whose tasks run all at once as a barrier stage (see
+        :mod:`dlscale.facade.barrier`): ``rdd.barrier().mapPartitions(f)``."""
+        return barrier.RDDBarrier(self)
 
     def map_partitions_with_future(self, f: Callable[[int, Any, Iterator[Any]], Iterable[Any]], future: Future) -> RDD:
         """``f(index, value, iterator)`` for every partition, where ``value`` is the result of
@@ -726,7 +731,7 @@ class RDD:
         (with ``prefetchPartitions``, the next one too), so the driver holds at most two. What several
         partitions share (a shuffle's map side) is computed once and kept on the workers until the
         iteration ends or the iterator is dropped."""
-        jobs = _graph.PartitionJobs(self.ctx.client, self._bag)
+        jobs = _graph.PartitionJobs(self.ctx.client, barrier.run_stages(self.ctx.client, self._bag))
         action: set = set()  # the iteration is one action for accumulators
         pending = None
         for i in range(len(jobs)):

@@ -1,20 +1,27 @@
-"""``TaskContext`` (PySpark's ``pyspark.TaskContext``): what a task knows about itself.
+"""``TaskContext`` and ``BarrierTaskContext`` (PySpark's ``pyspark.TaskContext``): what a task knows about
+itself, and how the tasks of a barrier stage meet.
 
 A task's code runs with a context for the partition it computes; ``TaskContext.get()`` returns it in a
 function given to an RDD operation and ``None`` elsewhere (on the driver). The job's local properties
 travel to the workers as an annotation of the job's tasks; the attempt number is asked of the scheduler
-when first read (the times a worker died while running the task).
+when first read (the times a worker died while running the task). A barrier stage's tasks get a
+:class:`BarrierTaskContext`, whose ``barrier()`` and ``allGather()`` meet the stage's other tasks at the
+scheduler (:mod:`dlscale.facade.barrier`).
 """
 
 from __future__ import annotations
 
 import threading
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from distributed import get_worker
+from distributed.utils import sync
 
-__all__ = ["ResourceInformation", "TaskContext"]
+from dlscale.errors import BarrierError
+
+__all__ = ["BarrierTaskContext", "BarrierTaskInfo", "ResourceInformation", "TaskContext"]
 
 ANNOTATION = "dlscale_job"  # {"id": job id, "properties": the local properties of the job's thread}
 
@@ -110,11 +117,82 @@ def _suspicious(key: Any, dask_scheduler: Any = None) -> int:
     return 0 if ts is None else ts.suspicious
 
 
-class running:  # noqa: N801 - used as a context manager
-    """Gives the calling thread the :class:`TaskContext` of partition ``key`` until the block ends."""
+@dataclass(frozen=True)
+class BarrierStage:
+    """One attempt of a barrier stage, as its tasks know it: its id at the scheduler's coordinator, and the
+    addresses (``host:port``) of the workers its tasks run on, by partition."""
 
-    def __init__(self, key: Any) -> None:
+    id: str
+    addresses: tuple[str, ...]
+
+
+class BarrierTaskInfo:
+    """Where one task of a barrier stage runs (PySpark's ``BarrierTaskInfo``): its worker's ``host:port``."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+
+    def __repr__(self) -> str:
+        return f"BarrierTaskInfo(address={self.address!r})"
+
+
+class BarrierTaskContext(TaskContext):
+    """The context of a task in a barrier stage (``rdd.barrier().mapPartitions(f)``): all the stage's tasks
+    run at once, and ``barrier()`` and ``allGather()`` wait until every one of them has made the same call.
+    Every task must make the same calls in the same order, or the stage waits until
+    ``dlscale.barrier.sync-timeout`` and fails."""
+
+    def __init__(self, key: Any, dask_key: Any, stage: BarrierStage) -> None:
+        super().__init__(key, dask_key)
+        self._stage = stage
+        self._calls = 0
+
+    @classmethod
+    def get(cls) -> BarrierTaskContext:
+        """The running barrier task's context; raises outside a barrier stage (as PySpark)."""
+        context = TaskContext.get()
+        if not isinstance(context, BarrierTaskContext):
+            raise BarrierError("It is not in a barrier stage.")
+        return context
+
+    def barrier(self) -> None:
+        """Wait until every task of the stage has called ``barrier()`` as often as this one."""
+        self._sync("barrier", None)
+
+    def allGather(self, message: str = "") -> list[str]:
+        """Wait until every task of the stage has called ``allGather``; the messages of all, by partition."""
+        if not isinstance(message, str):
+            raise TypeError("Argument `message` must be of type `str`")
+        return self._sync("allGather", message)
+
+    def getTaskInfos(self) -> list[BarrierTaskInfo]:
+        """Where each task of the stage runs, by partition."""
+        return [BarrierTaskInfo(a) for a in self._stage.addresses]
+
+    def _sync(self, call: str, message: str | None) -> list:
+        worker = get_worker()
+        self._calls += 1
+        reply = sync(
+            worker.loop,
+            worker.scheduler.dlscale_barrier_sync,
+            stage=self._stage.id,
+            rank=self._partition,
+            epoch=self._calls,
+            call=call,
+            message=message,
+        )
+        if reply["status"] != "OK":
+            raise BarrierError(reply["reason"])
+        return list(reply["messages"])
+
+
+class running:  # noqa: N801 - used as a context manager
+    """Gives the calling thread the :class:`TaskContext` of partition ``key`` until the block ends (a
+    :class:`BarrierTaskContext` in a barrier ``stage``)."""
+
+    def __init__(self, key: Any, stage: BarrierStage | None = None) -> None:
         self.key = key
+        self.stage = stage
 
     def __enter__(self) -> None:
         self.outer = getattr(_local, "context", None)
@@ -122,7 +200,10 @@ class running:  # noqa: N801 - used as a context manager
             dask_key = get_worker().get_current_task()
         except ValueError:  # not on a worker (a task run by Dask's local scheduler)
             dask_key = None
-        _local.context = TaskContext(self.key, dask_key)
+        if self.stage is None:
+            _local.context = TaskContext(self.key, dask_key)
+        else:
+            _local.context = BarrierTaskContext(self.key, dask_key, self.stage)
 
     def __exit__(self, *exc: object) -> None:
         _local.context = self.outer
