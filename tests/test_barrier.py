@@ -31,10 +31,16 @@ def gathered_sums(c: Any, barrier_context: Any) -> list:
         ctx.barrier()
         return [(index, ctx.partitionId(), sums, len(ctx.getTaskInfos()))]
 
+    def then_gather(s: int) -> list:  # a narrow operation after the stage runs in its tasks (Spark pipelines it)
+        return barrier_context.get().allGather(str(s))
+
     rdd = c.parallelize(range(20), 2)
+    sums = rdd.barrier().mapPartitions(lambda it: [sum(it)])
     return [
         rdd.barrier().mapPartitionsWithIndex(share).collect(),
-        rdd.barrier().mapPartitions(lambda it: [sum(it)]).map(lambda s: s * 10).collect(),
+        sums.map(lambda s: s * 10).collect(),
+        sums.filter(bool).map(then_gather).collect(),
+        [rdd._is_barrier(), sums._is_barrier(), sums.map(str)._is_barrier(), sums.cache().map(str)._is_barrier()],
     ]
 
 

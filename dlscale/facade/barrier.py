@@ -52,7 +52,16 @@ if TYPE_CHECKING:
 
     from dlscale.facade.rdd import RDD
 
-__all__ = ["BARRIER", "BarrierCoordinator", "RDDBarrier", "has_stages", "run_stages"]
+__all__ = [
+    "BARRIER",
+    "BarrierCoordinator",
+    "RDDBarrier",
+    "has_stages",
+    "pipelined",
+    "run_stages",
+    "stage_bag",
+    "stage_of",
+]
 
 logger = logging.getLogger("dlscale")
 
@@ -76,11 +85,43 @@ class RDDBarrier:
         return self._stage(partial(_ops.map_partitions_with_index, f), preservesPartitioning)
 
     def _stage(self, func: Callable[[int, Iterable[Any]], Iterable[Any]], preserves: bool) -> RDD:
-        parent = self.rdd._bag
-        name, n = _graph._name("barrier"), parent.npartitions
-        dsk = {(name, i): Task((name, i), _outside_stage, (name, i), TaskRef((parent.name, i))) for i in range(n)}
-        graph = HighLevelGraph.from_collections(name, BarrierLayer(dsk, parent.name, func, n), dependencies=[parent])
-        return self.rdd._derive(Bag(graph, name, n), self.rdd.partitioner if preserves else None)
+        out = self.rdd._derive(stage_bag(self.rdd._bag, func), self.rdd.partitioner if preserves else None)
+        out._barrier = True
+        return out
+
+
+def stage_bag(parent: Bag, func: Callable[[int, Iterable[Any]], Iterable[Any]]) -> Bag:
+    """A barrier stage computing ``func(i, partition i of parent)``."""
+    name, n = _graph._name("barrier"), parent.npartitions
+    dsk = {(name, i): Task((name, i), _outside_stage, (name, i), TaskRef((parent.name, i))) for i in range(n)}
+    graph = HighLevelGraph.from_collections(name, BarrierLayer(dsk, parent.name, func, n), dependencies=[parent])
+    return Bag(graph, name, n)
+
+
+def stage_of(bag: Bag) -> BarrierLayer | None:
+    """The barrier stage that computes ``bag``'s partitions, if one does."""
+    layer = bag.__dask_graph__().layers.get(bag.name)
+    return layer if isinstance(layer, BarrierLayer) else None
+
+
+def pipelined(bag: Bag, func: Callable[[int, Iterable[Any]], Iterable[Any]]) -> Bag:
+    """``bag``, computed by a barrier stage, with ``func`` run after the stage's function in the same tasks: as
+    Spark pipelines the narrow operations after ``barrier().mapPartitions`` into the barrier stage, so that
+    they too run in the barrier tasks (``rdd.barrier().mapPartitions(f).map(g)``: ``g`` may call
+    ``barrier()``)."""
+    layer = stage_of(bag)
+    assert layer is not None
+    inputs = bag.__dask_graph__().cull_layers([layer.parent])
+    return stage_bag(Bag(inputs, layer.parent, layer.npartitions), partial(_then, layer.func, func))
+
+
+def _then(
+    first: Callable[[int, Iterable[Any]], Iterable[Any]],
+    then: Callable[[int, Iterable[Any]], Iterable[Any]],
+    i: int,
+    part: Iterable[Any],
+) -> Iterable[Any]:
+    return then(i, first(i, part))
 
 
 class BarrierLayer(MaterializedLayer):

@@ -72,6 +72,7 @@ class RDD:
         self._checkpoint_mark: str | None = None  # "reliable" or "local", once checkpoint() is called
         self._checkpointed = False  # written (reliable) or persisted (local) by an action since marked
         self._checkpoint_file: str | None = None
+        self._barrier = False  # computed in a barrier stage: rdd.barrier().mapPartitions(f) and narrow children
 
     @property
     def _bag(self) -> Bag:
@@ -120,7 +121,20 @@ class RDD:
         return RDD(bag, self.ctx, partitioner)
 
     def _partitionwise(self, prefix: str, func: Callable, preserves: bool = False) -> RDD:
-        return self._derive(_graph.partitionwise(prefix, func, self._bag), self.partitioner if preserves else None)
+        bag = self._bag
+        if not self._barrier:
+            return self._derive(_graph.partitionwise(prefix, func, bag), self.partitioner if preserves else None)
+        # as in Spark, a narrow operation on a barrier RDD runs in a barrier stage: in the same tasks, or
+        # reading the persisted partitions of one
+        stage = barrier.pipelined(bag, func) if barrier.stage_of(bag) is not None else barrier.stage_bag(bag, func)
+        out = self._derive(stage, self.partitioner if preserves else None)
+        out._barrier = True
+        return out
+
+    def _is_barrier(self) -> bool:
+        """Whether a barrier stage computes this RDD's partitions (PySpark's private method, which Spark's
+        own tests and some programs call)."""
+        return self._barrier
 
     def _reduce(self, per_partition: Callable, combine: Callable, split_every: int = 8) -> Any:
         bag = self._bag
