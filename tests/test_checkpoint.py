@@ -3,12 +3,17 @@ not run again), local checkpoints, and the error before a checkpoint directory i
 
 from __future__ import annotations
 
+import gc
+import os
+import signal
+import uuid
+import weakref
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from dlscale import CheckpointError, SparkContext
+from dlscale import CheckpointError, SparkContext, StorageLevel
 
 pytestmark = pytest.mark.pyspark
 
@@ -77,3 +82,46 @@ def test_checkpoint_needs_a_directory(sc: SparkContext) -> None:
         assert fresh.getCheckpointDir() is None
     finally:
         fresh.stop()
+
+
+def test_an_iterative_program_that_checkpoints_keeps_its_graph_bounded(sc: SparkContext, tmp_path: Path) -> None:
+    """200 steps, a checkpoint every 10: each checkpointed RDD's graph is its files' reader alone, and the
+    driver holds no RDD of the steps before (their graphs and functions go with them)."""
+    sc.setCheckpointDir(str(tmp_path))
+    rdd = sc.parallelize(range(100), 4)
+    alive: weakref.WeakSet = weakref.WeakSet()
+    graph_sizes = set()
+    for step in range(200):
+        rdd = rdd.map(lambda x: x + 1)
+        alive.add(rdd)
+        if step % 10 == 9:
+            rdd.checkpoint()
+            rdd.count()
+            graph_sizes.add(len(rdd.to_bag().__dask_graph__()))
+    assert rdd.collect() == list(range(200, 300))
+    assert graph_sizes == {4}  # one task per partition, reading its file
+    gc.collect()
+    assert len(alive) == 1
+
+
+def test_a_persisted_checkpointed_rdd_reads_its_files_after_losing_a_block(tmp_path: Path) -> None:
+    """Its lineage is cut: a block lost with its worker (SIGKILL) is read again from the checkpoint's files,
+    and the functions of the lineage never run again."""
+    calls = tmp_path / "calls"
+    calls.mkdir()
+
+    def traced(x: int) -> int:
+        (calls / f"{x}-{uuid.uuid4().hex}").touch()
+        return x * 3
+
+    with SparkContext("local[2]", "checkpoint-kill") as ctx:
+        ctx.setCheckpointDir(str(tmp_path / "checkpoints"))
+        rdd = ctx.parallelize(range(40), 4).map(traced).cache()
+        rdd.checkpoint()
+        assert rdd.count() == 40
+        ran = len(list(calls.iterdir()))
+        assert rdd.isCheckpointed() and rdd.getStorageLevel() == StorageLevel.MEMORY_ONLY
+        victim = next(iter(ctx.client.scheduler_info(n_workers=-1)["workers"]))
+        os.kill(ctx.client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
+        assert rdd.collect() == [x * 3 for x in range(40)]
+        assert len(list(calls.iterdir())) == ran

@@ -832,6 +832,11 @@ class RDD:
                     url, options = self.ctx._checkpoint_dir
                     path = f"{url}/rdd-{rdd.id()}"
                     _io.save_as_pickle_file(rdd, path, 10, options)
+                    level = rdd.getStorageLevel()
+                    if level != StorageLevel.NONE:  # kept, now read from the files: a lost block is read again
+                        rdd.unpersist(blocking=True)
                     rdd._bag = _io.pickle_file(path, (), options)
+                    if level != StorageLevel.NONE:
+                        rdd.persist(level)
                     rdd._checkpoint_file = path
                 rdd._checkpointed = True
