@@ -39,6 +39,8 @@ _EXPORTS = {
     "JobCancelledError": "dlscale.errors",
     "CheckpointError": "dlscale.errors",
     "UserStopIterationError": "dlscale.errors",
+    "PipeFunctionExitedError": "dlscale.errors",
+    "UnsupportedOperationError": "dlscale.errors",
     "MasterURLError": "dlscale.errors",
     "ClusterConnectionError": "dlscale.errors",
     "StorageError": "dlscale.errors",
