@@ -43,6 +43,8 @@ _EXPORTS = {
     "CheckpointError": "dlscale.errors",
     "BarrierError": "dlscale.errors",
     "UserStopIterationError": "dlscale.errors",
+    "PipeFunctionExitedError": "dlscale.errors",
+    "UnsupportedOperationError": "dlscale.errors",
     "MasterURLError": "dlscale.errors",
     "ClusterConnectionError": "dlscale.errors",
     "StorageError": "dlscale.errors",

@@ -63,6 +63,16 @@ class UserStopIterationError(DlscaleError, RuntimeError):
     than let the loop over the partition that called the function end early and drop elements silently."""
 
 
+class PipeFunctionExitedError(DlscaleError, RuntimeError):
+    """A command given to ``RDD.pipe(..., checkCode=True)`` that exited with a non-zero code (PySpark's
+    ``PIPE_FUNCTION_EXITED``)."""
+
+
+class UnsupportedOperationError(DlscaleError, NotImplementedError):
+    """A PySpark method that needs Spark's JVM (DataFrames, Hadoop formats, resource profiles); the message
+    names what to use instead."""
+
+
 class LabelError(DlscaleError, ValueError):
     """An example whose label cannot be derived (e.g. an image in a folder that is not a known class)."""
 

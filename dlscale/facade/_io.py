@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from dlscale.facade.rdd import RDD
 
 _MAX_SPLIT = 64 * 2**20
+_RECORD_SPLIT = 32 * 2**20  # Hadoop's block size for local files, where Spark splits binaryRecords' input
 _PICKLE_MAGIC = b"DLSPKL1\n"
 _LEN = struct.Struct("<Q")
 _CODECS = {
@@ -103,7 +104,39 @@ def whole_files(
     n = max(1, min(len(files), ctx.defaultMinPartitions if min_partitions is None else min_partitions))
     groups = [files[i * len(files) // n : (i + 1) * len(files) // n] for i in range(n)]
     calls = [(_read_whole, (fs, g, text, use_unicode)) for g in groups]
-    return _graph.from_calls("wholeFiles", calls)
+    return _graph.from_calls("wholeTextFiles" if text else "binaryFiles", calls)
+
+
+def _read_records(fs: fsspec.AbstractFileSystem, path: str, offset: int, length: int, record_length: int) -> list:
+    with fs.open(path, "rb") as f:
+        f.seek(offset)
+        data = f.read(length)
+    if len(data) != length:
+        raise CorruptDataError(
+            f"{fs.unstrip_protocol(path)} changed while being read: {len(data)} bytes at byte {offset}, not {length}"
+        )
+    return [data[i : i + record_length] for i in range(0, length, record_length)]
+
+
+def binary_records(path: str, record_length: int, storage_options: dict[str, Any] | None) -> Bag:
+    """The partitions of :meth:`SparkContext.binaryRecords`: each file in splits of whole records of at most
+    ``_RECORD_SPLIT`` bytes (one split for a small file, none for an empty one, as Spark splits them)."""
+    if isinstance(record_length, bool) or not isinstance(record_length, int):
+        raise TypeError(f"recordLength must be an int, not {type(record_length).__name__}")
+    if record_length < 1:
+        raise ValueError(f"recordLength must be positive, got {record_length}")
+    fs, files = list_files(path, storage_options)
+    split = max(1, _RECORD_SPLIT // record_length) * record_length
+    calls = []
+    for p in files:
+        size = fs.size(p) or 0
+        if size % record_length:
+            raise CorruptDataError(
+                f"{fs.unstrip_protocol(p)} has {size} bytes, not a whole number of {record_length}-byte records"
+            )
+        for offset in range(0, size, split):
+            calls.append((_read_records, (fs, p, offset, min(split, size - offset), record_length)))
+    return _graph.from_calls("binaryRecords", calls)
 
 
 def _prepare_output(path: str, storage_options: dict[str, Any] | None) -> tuple[fsspec.AbstractFileSystem, str]:

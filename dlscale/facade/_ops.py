@@ -10,12 +10,15 @@ import copy
 import heapq
 import itertools
 import math
+import shlex
+import subprocess
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from functools import reduce
 from typing import TYPE_CHECKING, Any
 
-from dlscale.errors import UserStopIterationError
+from dlscale.errors import PipeFunctionExitedError, UserStopIterationError
 from dlscale.facade._graph import Partition
 from dlscale.facade.statcounter import StatCounter
 
@@ -130,6 +133,57 @@ def zip_partitions(i: int, left: list, right: list) -> Iterable:
             f"(partition {i} has {len(left)} and {len(right)})"
         )
     return zip(left, right)
+
+
+def pipe(command: str, env: dict[str, str], check_code: bool, _i: int, it: Iterable) -> Iterator[str]:
+    """The lines ``command`` writes when fed the partition's elements, one ``str()`` a line (PySpark's
+    ``pipe``: the command's environment is ``env`` alone). A thread writes while this one reads, so
+    neither side waits on a full pipe and the input is never held as one block; a command that stops
+    reading early (``head``) just gets no more. The process is killed if the task ends first."""
+    proc = subprocess.Popen(shlex.split(command), env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    failed: list[BaseException] = []
+
+    def feed() -> None:
+        try:
+            with proc.stdin:
+                for x in it:
+                    proc.stdin.write((str(x).rstrip("\n") + "\n").encode("utf-8"))
+        except BrokenPipeError:
+            pass  # the command exited or closed its input: the rest is not wanted
+        except BaseException as e:  # an element's __str__ failed: the task fails with it
+            failed.append(e)
+
+    writer = threading.Thread(target=feed, name=f"dlscale-pipe-{proc.pid}", daemon=True)
+    writer.start()
+    try:
+        for line in proc.stdout:
+            yield line.rstrip(b"\n").decode("utf-8")
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        writer.join()
+    if failed:
+        raise failed[0]
+    if check_code and proc.returncode:
+        raise PipeFunctionExitedError(f"Pipe function `{command}` exited with error code {proc.returncode}.")
+
+
+def float_sum(it: Iterable) -> list[float]:
+    """A partition's sum as PySpark's ``sumApprox`` takes it."""
+    return [float(sum(it))]
+
+
+def float_count(it: Iterable) -> list[float]:
+    """A partition's size as PySpark's ``countApprox`` takes it."""
+    return [float(count(it))]
+
+
+def float_stats(it: Iterable) -> list[StatCounter]:
+    """A partition's statistics of its elements as floats (PySpark's ``meanApprox``)."""
+    return [StatCounter(map(float, it))]
 
 
 def pair(kv: Any) -> tuple[Any, Any]:

@@ -1,7 +1,7 @@
 """Per-partition random sampling, the same algorithm and seeding as PySpark's.
 
-With the same seed, ``sample``, ``randomSplit`` and ``takeSample`` select the same elements as
-PySpark does for the same partitioning.
+With the same seed, ``sample``, ``randomSplit``, ``takeSample`` and ``sampleByKey`` select the same
+elements as PySpark does for the same partitioning.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import math
 import random
 from collections.abc import Iterable, Iterator
 from typing import Any
+
+from dlscale.facade._ops import pair
 
 
 def _partition_random(seed: int, split: int) -> random.Random:
@@ -53,6 +55,26 @@ class Sampler:
             for x in items:
                 if rng.random() < self.fraction:
                     yield x
+
+
+class StratifiedSampler:
+    """Sampling of ``(key, value)`` pairs at a rate per key (``sampleByKey``, PySpark's
+    ``RDDStratifiedSampler``): Bernoulli or Poisson draws as :class:`Sampler`, at ``fractions[key]``."""
+
+    def __init__(self, with_replacement: bool, fractions: dict[Any, float], seed: int) -> None:
+        self.with_replacement = with_replacement
+        self.fractions = fractions
+        self.seed = seed
+
+    def __call__(self, split: int, items: Iterable[Any]) -> Iterator[Any]:
+        rng = _partition_random(self.seed, split)
+        for kv in items:
+            key, value = pair(kv)
+            if self.with_replacement:
+                for _ in range(_poisson(rng, self.fractions[key])):
+                    yield key, value
+            elif rng.random() < self.fractions[key]:
+                yield key, value
 
 
 class RangeSampler:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import getpass
 import importlib
 import itertools
+import logging
 import os
 import re
 import shutil
@@ -14,7 +16,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
 from typing import Any, ClassVar, Self
 
@@ -25,7 +27,7 @@ from distributed.comm.core import FatalCommClosedError
 from distributed.diagnostics.plugin import UploadFile
 
 from dlscale import __version__, config, storage
-from dlscale.errors import ClusterConnectionError, DlscaleError, MasterURLError
+from dlscale.errors import ClusterConnectionError, DlscaleError, MasterURLError, UnsupportedOperationError
 from dlscale.facade import _graph, _io, _ops, barrier, persist
 from dlscale.facade.accumulators import (
     COMPLEX_ACCUMULATOR_PARAM,
@@ -48,6 +50,17 @@ _ADDRESS = re.compile(r"^(tcp|tls|ws|wss|inproc)://.+")
 _RESOURCE = re.compile(r"^spark\.executor\.resource\.([^.]+)\.amount$")
 _SPARK_MANAGERS = ("spark://", "yarn", "mesos://", "k8s://")
 _SCHEDULER_PORT = 8786  # Dask's default, for an address without a port
+# Spark's log levels (in the order its message lists them) as the driver's logging levels
+_LOG_LEVELS = {
+    "ALL": 1,
+    "DEBUG": logging.DEBUG,
+    "ERROR": logging.ERROR,
+    "WARN": logging.WARNING,
+    "INFO": logging.INFO,
+    "OFF": logging.CRITICAL + 1,
+    "FATAL": logging.CRITICAL,
+    "TRACE": 5,
+}
 
 
 def _chain(e: BaseException) -> Iterator[BaseException]:
@@ -161,6 +174,7 @@ class SparkContext:
         self._to_checkpoint: weakref.WeakSet[RDD] = weakref.WeakSet()  # marked, not yet checkpointed
         self._py_files: str | None = None  # the driver's copies of addPyFile's files, made on first use
         self._py_paths: list[str] = []  # what addPyFile put on the driver's sys.path
+        self._spark_user = os.environ.get("SPARK_USER") or getpass.getuser()
         self._stopped = False
         with SparkContext._lock:
             SparkContext._running.append(self)
@@ -355,7 +369,7 @@ class SparkContext:
         if not rdds:
             raise ValueError("union needs at least one RDD")
         sources = [[(r._bag, i)] for r in rdds for i in range(r.getNumPartitions())]
-        return RDD(_graph.select("union", sources, [r._bag for r in rdds]), self)
+        return RDD(_graph.select("union", sources, [r._bag for r in rdds]), self, parents=tuple(rdds))
 
     def broadcast(self, value: Any) -> Broadcast:
         """Send ``value`` to every worker once; tasks read it through ``.value``."""
@@ -532,6 +546,12 @@ class SparkContext:
         """
         return RDD(_io.pickle_file(name, tuple(allowed), storage_options), self)
 
+    def binaryRecords(self, path: str, recordLength: int, *, storage_options: dict[str, Any] | None = None) -> RDD:
+        """The fixed-length records (``bytes`` of ``recordLength``) of a flat binary file, or of every file
+        of a directory (a glob, comma-separated paths; any fsspec URL), in splits of whole records. A
+        file whose size is not a whole number of records is refused here (Spark fails the job)."""
+        return RDD(_io.binary_records(path, recordLength, storage_options), self)
+
     def getRDDStorageInfo(self) -> list[Any]:
         """What each persisted RDD holds in worker memory and on disk."""
         return persist.storage_info(self, list(self._persisted.values()))
@@ -544,6 +564,114 @@ class SparkContext:
         if numSlices < 1:
             raise ValueError(f"numSlices must be at least 1, got {numSlices}")
         return numSlices
+
+    def runJob(
+        self,
+        rdd: RDD,
+        partitionFunc: Callable[[Iterable[Any]], Iterable[Any]],
+        partitions: Sequence[int] | None = None,
+        allowLocal: bool = False,
+    ) -> list:
+        """The elements ``partitionFunc(iterator)`` returns for each of ``partitions`` (all by default), in
+        the order given; only those partitions are computed. ``allowLocal`` has no effect, as in PySpark."""
+        partitionFunc = _ops.user_function(partitionFunc, "runJob", "partitionFunc")
+        n = rdd.getNumPartitions()
+        partitions = range(n) if partitions is None else list(partitions)
+        for p in partitions:
+            if not 0 <= p < n:
+                raise ValueError(f"Attempting to access a non-existent partition: {p}. Total number of partitions: {n}")
+        parts = rdd.mapPartitions(partitionFunc)._run_partitions(iter, partitions)
+        return list(itertools.chain.from_iterable(parts))
+
+    def setLogLevel(self, logLevel: str) -> None:
+        """Set the level of the driver's ``dlscale`` and ``distributed`` loggers to Spark's level
+        ``logLevel`` (any case): ALL, TRACE, DEBUG, INFO, WARN, ERROR, FATAL or OFF. The workers keep
+        theirs."""
+        level = _LOG_LEVELS.get(logLevel.upper()) if isinstance(logLevel, str) else None
+        if level is None:
+            raise ValueError(f"Supplied level {logLevel} did not match one of: {','.join(_LOG_LEVELS)}")
+        for name in ("dlscale", "distributed"):
+            logging.getLogger(name).setLevel(level)
+
+    def sparkUser(self) -> str:
+        """The user running this context: ``SPARK_USER`` if set, else the operating system's user, as
+        Spark takes it when the context starts."""
+        return self._spark_user
+
+    # -- parts of PySpark that need Spark's JVM --------------------------------------------
+    def sequenceFile(
+        self,
+        path: str,
+        keyClass: str | None = None,
+        valueClass: str | None = None,
+        keyConverter: str | None = None,
+        valueConverter: str | None = None,
+        minSplits: int | None = None,
+        batchSize: int = 0,
+    ) -> RDD:
+        """Not supported: SequenceFiles are a Hadoop format."""
+        raise _hadoop_input("sequenceFile")
+
+    def hadoopFile(
+        self,
+        path: str,
+        inputFormatClass: str,
+        keyClass: str,
+        valueClass: str,
+        keyConverter: str | None = None,
+        valueConverter: str | None = None,
+        conf: dict[str, str] | None = None,
+        batchSize: int = 0,
+    ) -> RDD:
+        """Not supported: Hadoop input formats need the JVM."""
+        raise _hadoop_input("hadoopFile")
+
+    def newAPIHadoopFile(
+        self,
+        path: str,
+        inputFormatClass: str,
+        keyClass: str,
+        valueClass: str,
+        keyConverter: str | None = None,
+        valueConverter: str | None = None,
+        conf: dict[str, str] | None = None,
+        batchSize: int = 0,
+    ) -> RDD:
+        """Not supported: Hadoop input formats need the JVM."""
+        raise _hadoop_input("newAPIHadoopFile")
+
+    def hadoopRDD(
+        self,
+        inputFormatClass: str,
+        keyClass: str,
+        valueClass: str,
+        keyConverter: str | None = None,
+        valueConverter: str | None = None,
+        conf: dict[str, str] | None = None,
+        batchSize: int = 0,
+    ) -> RDD:
+        """Not supported: Hadoop input formats need the JVM."""
+        raise _hadoop_input("hadoopRDD")
+
+    def newAPIHadoopRDD(
+        self,
+        inputFormatClass: str,
+        keyClass: str,
+        valueClass: str,
+        keyConverter: str | None = None,
+        valueConverter: str | None = None,
+        conf: dict[str, str] | None = None,
+        batchSize: int = 0,
+    ) -> RDD:
+        """Not supported: Hadoop input formats need the JVM."""
+        raise _hadoop_input("newAPIHadoopRDD")
+
+    def _compute_within(self, tasks: list, timeout: float) -> dict[int, Any]:
+        """The results of ``tasks`` finished within ``timeout`` seconds, by index (``Jobs.run_within``), after
+        adding the accumulator records they brought back."""
+        done = self._jobs.run_within(self.client, tasks, timeout)
+        self._accumulators.deliver(_graph.carried(done.values()), None)
+        return done
 
     def _compute(self, collection: Any, action: set | None = None) -> Any:
         """The result of an action's graph, after adding the accumulator records it brought back (``action``:
@@ -568,3 +696,11 @@ class SparkContext:
 
     def __repr__(self) -> str:
         return f"<SparkContext master={self.master} appName={self.appName}>"
+
+
+def _hadoop_input(method: str) -> UnsupportedOperationError:
+    return UnsupportedOperationError(
+        f"SparkContext.{method} needs Hadoop's input formats (Spark's JVM), which dlscale does not have: read "
+        "files with textFile, wholeTextFiles, binaryFiles, binaryRecords or pickleFile, which take a path or any "
+        "fsspec URL (storage_options= for its options)"
+    )

@@ -12,10 +12,11 @@ Python instruction (a call that blocks in native code, such as a sleep or a read
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError
 from dataclasses import dataclass, field
 from typing import Any
@@ -142,27 +143,17 @@ class Jobs:
         self.set_tags(self.tags() - {tag})
 
     # -- running and cancelling -----------------------------------------------------------
-    def run(
-        self,
-        client: distributed.Client,
-        collection: Any,
-        prepare: Callable[[Any, Callable[[list[distributed.Future]], None]], Any] | None = None,
-    ) -> Any:
-        """Compute ``collection`` (a Dask collection or a list of them) as a job that may be cancelled.
-        ``prepare(collection, track)``, within the job, returns what to compute, handing ``track`` the futures
-        of what it computes first (a barrier stage), so that cancelling the job cancels them too."""
+    @contextlib.contextmanager
+    def _job(self, collection: Any) -> Iterator[_Job]:
+        """A job for ``collection`` (a Dask collection or a list of them), registered while the block runs so
+        that it may be cancelled; a cancelled job's ``CancelledError`` is raised as ``JobCancelledError``."""
         parts = collection if isinstance(collection, list) else [collection]
         keys = list({k for c in parts for k in c.__dask_graph__()})
         job = _Job(next(self._ids), dict(self.properties()), [], keys)
         with self._lock:
             self._running[job.id] = job
         try:
-            with dask.annotate(**{ANNOTATION: {"id": job.id, "properties": job.properties}}):
-                if prepare is not None:
-                    collection = prepare(collection, lambda futures: self._track(client, job, futures))
-                futures = client.compute(collection)
-            self._track(client, job, futures if isinstance(futures, list) else [futures])
-            return client.gather(futures)
+            yield job
         except CancelledError:
             if job.cancelled is None:
                 raise
@@ -180,6 +171,52 @@ class Jobs:
             cancelled = job.cancelled is not None
         if cancelled:
             client.cancel(futures, force=True)
+
+    @staticmethod
+    def _annotation(job: _Job) -> Any:
+        return dask.annotate(**{ANNOTATION: {"id": job.id, "properties": job.properties}})
+
+    def _submit(self, client: distributed.Client, job: _Job, collection: Any) -> Any:
+        """Start computing ``collection`` as ``job``; its future (or list of futures)."""
+        with self._annotation(job):
+            futures = client.compute(collection)
+        self._track(client, job, futures if isinstance(futures, list) else [futures])
+        return futures
+
+    def run(
+        self,
+        client: distributed.Client,
+        collection: Any,
+        prepare: Callable[[Any, Callable[[list[distributed.Future]], None]], Any] | None = None,
+    ) -> Any:
+        """Compute ``collection`` (a Dask collection or a list of them) as a job that may be cancelled.
+        ``prepare(collection, track)``, within the job, returns what to compute, handing ``track`` the futures
+        of what it computes first (a barrier stage), so that cancelling the job cancels them too."""
+        with self._job(collection) as job:
+            if prepare is not None:
+                with self._annotation(job):
+                    collection = prepare(collection, lambda futures: self._track(client, job, futures))
+            return client.gather(self._submit(client, job, collection))
+
+    def run_within(self, client: distributed.Client, collections: list, timeout: float) -> dict[int, Any]:
+        """Compute ``collections`` as one job for at most ``timeout`` seconds (approximate actions): the
+        results of those finished by then, by index. The others are cancelled and their running tasks
+        interrupted, so nothing of the job runs on; a task's error is raised at once, as Spark fails the
+        job."""
+        with self._job(collections) as job:
+            futures = self._submit(client, job, collections)
+            try:
+                with contextlib.suppress(TimeoutError):
+                    for future in distributed.as_completed(futures, timeout=max(timeout, 0.0)):
+                        if future.status != "finished":
+                            future.result()  # the task's error, or CancelledError when the job was cancelled
+                done = {i: f for i, f in enumerate(futures) if f.status == "finished"}
+                return dict(zip(done, client.gather(list(done.values()))))
+            finally:
+                unfinished = [f for f in futures if f.status != "finished"]
+                if unfinished and job.cancelled is None:
+                    client.cancel(unfinished, force=True)
+                    client.run(_interrupt, job.keys)
 
     def cancel(self, client: distributed.Client, which: Callable[[_Job], bool], reason: str) -> None:
         """Cancel the running jobs for which ``which`` holds: their futures, then their running tasks."""

@@ -23,10 +23,11 @@ import dask
 from dask.utils import funcname
 from distributed import Future
 
-from dlscale.errors import CheckpointError
-from dlscale.facade import _graph, _hll, _io, _ops, barrier, persist
+from dlscale.errors import CheckpointError, UnsupportedOperationError
+from dlscale.facade import _graph, _hll, _io, _lineage, _ops, barrier, persist
+from dlscale.facade._approx import BoundedFloat, check_confidence, mean_bound, sum_bound
 from dlscale.facade._hash import portable_hash
-from dlscale.facade._sampling import RangeSampler, Sampler, fraction_for_sample_size
+from dlscale.facade._sampling import RangeSampler, Sampler, StratifiedSampler, fraction_for_sample_size
 from dlscale.facade.persist import StorageLevel
 from dlscale.facade.statcounter import StatCounter
 
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 
     from dlscale.facade.context import SparkContext
 
-__all__ = ["RDD", "Partitioner", "ResultIterable", "portable_hash"]
+__all__ = ["RDD", "BoundedFloat", "Partitioner", "ResultIterable", "portable_hash"]
 
 ResultIterable = _ops.ResultIterable
 
@@ -62,10 +63,16 @@ class Partitioner:
 class RDD:
     """A partitioned collection, computed lazily on the cluster (PySpark's ``RDD``)."""
 
-    def __init__(self, bag: Bag, ctx: SparkContext, partitioner: Partitioner | None = None) -> None:
+    def __init__(
+        self, bag: Bag, ctx: SparkContext, partitioner: Partitioner | None = None, parents: tuple[RDD, ...] = ()
+    ) -> None:
         self._plan = bag
         self.ctx = ctx
         self.partitioner = partitioner
+        # the lineage toDebugString prints: the operation that made this RDD (its graph layer's prefix,
+        # see _graph._name) and the RDDs it was made from
+        self._operation = bag.name.rsplit("-", 1)[0]
+        self._parents = parents
         self._id: int | None = None  # given on first use, see id()
         self._name: str | None = None
         self._stored: Any = None  # dlscale.persist.Stored when persisted
@@ -117,8 +124,8 @@ class RDD:
         return f"{label}RDD[{self.id()}] with {self.getNumPartitions()} partitions"
 
     # -- building blocks -----------------------------------------------------------------
-    def _derive(self, bag: Bag, partitioner: Partitioner | None = None) -> RDD:
-        return RDD(bag, self.ctx, partitioner)
+    def _derive(self, bag: Bag, partitioner: Partitioner | None = None, parents: tuple[RDD, ...] | None = None) -> RDD:
+        return RDD(bag, self.ctx, partitioner, (self,) if parents is None else parents)
 
     def _partitionwise(self, prefix: str, func: Callable, preserves: bool = False) -> RDD:
         bag = self._bag
@@ -151,6 +158,23 @@ class RDD:
         result = list(self.ctx._compute(tasks, action)) if tasks else []
         self._checkpoint_lineage(bag)
         return result
+
+    def _run_within(self, func: Callable, timeout: float) -> dict[int, Any]:
+        """``func(partition)`` for every partition, for at most ``timeout`` milliseconds: the results of the
+        partitions done by then, by index; the rest are cancelled (approximate actions, which, as in
+        Spark, checkpoint nothing)."""
+        if not self.getNumPartitions():
+            return {}
+        bag = _graph.partitionwise("approx", partial(_ops.map_partitions, func), self._bag)
+        return self.ctx._compute_within(bag.to_delayed(), timeout / 1000)
+
+    def _sum_within(self, per_partition: Callable, timeout: float, confidence: float) -> BoundedFloat:
+        check_confidence(confidence)
+        done = self._run_within(per_partition, timeout)
+        counter = StatCounter()
+        for i in sorted(done):
+            counter.mergeStats(StatCounter(done[i]))
+        return sum_bound(counter, len(done), self.getNumPartitions(), confidence)
 
     # -- narrow transformations ----------------------------------------------------------
     def map(self, f: Callable[[Any], Any], preservesPartitioning: bool = False) -> RDD:
@@ -228,7 +252,8 @@ class RDD:
                 "Can only zip with RDD which has the same number of partitions "
                 f"({self.getNumPartitions()} and {other.getNumPartitions()})"
             )
-        return self._derive(_graph.partitionwise("zip", _ops.zip_partitions, self._bag, other._bag))
+        bag = _graph.partitionwise("zip", _ops.zip_partitions, self._bag, other._bag)
+        return self._derive(bag, None, (self, other))
 
     def zipWithIndex(self) -> RDD:
         """``(element, index)`` in partition order; runs one job to count the partitions."""
@@ -284,6 +309,24 @@ class RDD:
         bounds = list(itertools.accumulate((w / total for w in weights), initial=0.0))
         seed = random.randint(0, 2**32 - 1) if seed is None else seed
         return [self.mapPartitionsWithIndex(RangeSampler(lo, hi, seed), True) for lo, hi in itertools.pairwise(bounds)]
+
+    def sampleByKey(self, withReplacement: bool, fractions: dict[Any, float], seed: int | None = None) -> RDD:
+        """A random subset of the pairs, each key's kept at its own rate ``fractions[key]`` (stratified
+        sampling: a pair whose key has no fraction fails the task, as in PySpark)."""
+        for fraction in fractions.values():
+            if not fraction >= 0.0:
+                raise ValueError(f"Negative fraction value: {fraction}")
+        seed = random.randint(0, sys.maxsize) if seed is None else seed
+        return self.mapPartitionsWithIndex(StratifiedSampler(withReplacement, fractions, seed), True)
+
+    def pipe(self, command: str, env: dict[str, str] | None = None, checkCode: bool = False) -> RDD:
+        """The lines that ``command`` (split as a shell would, run without a shell) prints when fed a
+        partition's elements, one ``str()`` per line. As in PySpark, the command's environment is ``env``
+        alone (empty by default, so ``PATH`` is the system's default); with ``checkCode``, a non-zero exit
+        fails the task with ``PipeFunctionExitedError``."""
+        if not isinstance(command, str):
+            raise TypeError(f"command must be a str, not {type(command).__name__}")
+        return self._partitionwise("pipe", partial(_ops.pipe, command, dict(env or {}), checkCode))
 
     # -- wide transformations ------------------------------------------------------------
     def _check_num_partitions(self, n: Any, name: str) -> int:
@@ -431,7 +474,7 @@ class RDD:
 
     def cartesian(self, other: RDD) -> RDD:
         """Every pair ``(a, b)``; partition ``i * m + j`` pairs partition i of self with j of other."""
-        return self._derive(_graph.product("cartesian", self._bag, other._bag, _ops.cartesian))
+        return self._derive(_graph.product("cartesian", self._bag, other._bag, _ops.cartesian), None, (self, other))
 
     def sortByKey(
         self,
@@ -670,6 +713,28 @@ class RDD:
             return 0
         return _hll.estimate(self._reduce(partial(_hll.registers, p), partial(_hll.merge, p)))
 
+    def countApprox(self, timeout: int, confidence: float = 0.95) -> int:
+        """The number of elements, estimated from the partitions counted within ``timeout`` milliseconds
+        (exact if all were): PySpark's ``sumApprox`` of the partitions' sizes, as an int."""
+        return int(self._sum_within(_ops.float_count, timeout, confidence))
+
+    def sumApprox(self, timeout: int, confidence: float = 0.95) -> BoundedFloat:
+        """The sum, from the partitions summed within ``timeout`` milliseconds, with a ``confidence``
+        interval (``low``, ``high``; Spark's ``SumEvaluator`` over the partitions' sums, as PySpark). Once
+        every partition is in, the sum is exact (confidence 1.0, low == high); at the timeout the rest
+        of the job is cancelled."""
+        return self._sum_within(_ops.float_sum, timeout, confidence)
+
+    def meanApprox(self, timeout: int, confidence: float = 0.95) -> BoundedFloat:
+        """The mean, from the partitions done within ``timeout`` milliseconds, with a ``confidence``
+        interval (Spark's ``MeanEvaluator``); exact when every partition is done, as ``sumApprox``."""
+        check_confidence(confidence)
+        done = self._run_within(_ops.float_stats, timeout)
+        counter = StatCounter()
+        for i in sorted(done):
+            counter.mergeStats(done[i][0])
+        return mean_bound(counter, len(done), self.getNumPartitions(), confidence)
+
     def countByValue(self) -> dict:
         if self.getNumPartitions() == 0:
             return defaultdict(int)
@@ -788,6 +853,12 @@ class RDD:
     def getStorageLevel(self) -> StorageLevel:
         return self._stored.level if self._stored is not None else StorageLevel.NONE
 
+    def toDebugString(self) -> bytes:
+        """This RDD's lineage, UTF-8 encoded, laid out as Spark lays it out: one line per RDD with its
+        partition count at the top and at each shuffle, the storage level of persisted RDDs and what they
+        hold. Gives ids to the RDDs it prints, as PySpark does."""
+        return _lineage.debug_string(self).encode("utf-8")
+
     # -- checkpoints ---------------------------------------------------------------------
     def checkpoint(self) -> None:
         """Save this RDD in the context's checkpoint directory after the next action that computes it (or
@@ -839,4 +910,79 @@ class RDD:
                     if level != StorageLevel.NONE:
                         rdd.persist(level)
                     rdd._checkpoint_file = path
+                    rdd._parents = ()
                 rdd._checkpointed = True
+
+    # -- parts of PySpark that need Spark's JVM --------------------------------------------
+    def toDF(self, schema: Any = None, sampleRatio: float | None = None) -> Any:
+        """Not supported: dlscale has no Spark SQL."""
+        raise UnsupportedOperationError(
+            "RDD.toDF needs Spark SQL, which dlscale does not have: make a Dask DataFrame with "
+            "rdd.to_bag().to_dataframe() instead"
+        )
+
+    def saveAsHadoopFile(
+        self,
+        path: str,
+        outputFormatClass: str,
+        keyClass: str | None = None,
+        valueClass: str | None = None,
+        keyConverter: str | None = None,
+        valueConverter: str | None = None,
+        conf: dict[str, str] | None = None,
+        compressionCodecClass: str | None = None,
+    ) -> None:
+        """Not supported: Hadoop output formats need the JVM."""
+        raise _hadoop_output("saveAsHadoopFile")
+
+    def saveAsNewAPIHadoopFile(
+        self,
+        path: str,
+        outputFormatClass: str,
+        keyClass: str | None = None,
+        valueClass: str | None = None,
+        keyConverter: str | None = None,
+        valueConverter: str | None = None,
+        conf: dict[str, str] | None = None,
+    ) -> None:
+        """Not supported: Hadoop output formats need the JVM."""
+        raise _hadoop_output("saveAsNewAPIHadoopFile")
+
+    def saveAsHadoopDataset(
+        self, conf: dict[str, str], keyConverter: str | None = None, valueConverter: str | None = None
+    ) -> None:
+        """Not supported: Hadoop output formats need the JVM."""
+        raise _hadoop_output("saveAsHadoopDataset")
+
+    def saveAsNewAPIHadoopDataset(
+        self, conf: dict[str, str], keyConverter: str | None = None, valueConverter: str | None = None
+    ) -> None:
+        """Not supported: Hadoop output formats need the JVM."""
+        raise _hadoop_output("saveAsNewAPIHadoopDataset")
+
+    def saveAsSequenceFile(self, path: str, compressionCodecClass: str | None = None) -> None:
+        """Not supported: SequenceFiles are a Hadoop format."""
+        raise _hadoop_output("saveAsSequenceFile")
+
+    def withResources(self, profile: Any) -> RDD:
+        """Not supported: stage-level scheduling needs Spark's scheduler."""
+        raise _resource_profiles("withResources")
+
+    def getResourceProfile(self) -> Any:
+        """Not supported: stage-level scheduling needs Spark's scheduler."""
+        raise _resource_profiles("getResourceProfile")
+
+
+def _hadoop_output(method: str) -> UnsupportedOperationError:
+    return UnsupportedOperationError(
+        f"RDD.{method} needs Hadoop's output formats (Spark's JVM), which dlscale does not have: write with "
+        "saveAsPickleFile (read back by SparkContext.pickleFile) or saveAsTextFile, to a path or any fsspec URL"
+    )
+
+
+def _resource_profiles(method: str) -> UnsupportedOperationError:
+    return UnsupportedOperationError(
+        f"RDD.{method} needs Spark's stage-level scheduling (ResourceProfile), which dlscale does not have: "
+        "give the workers resources instead (spark.executor.resource.<name>.amount in the SparkConf of a "
+        "local[N] context, or dlscale run --resources GPU=1)"
+    )
