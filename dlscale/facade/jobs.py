@@ -8,13 +8,19 @@ and the job takes those of its thread. Cancelling a job (``cancelJobGroup``, ``c
 thread waiting for it raises :class:`~dlscale.errors.JobCancelledError`, and interrupts its running tasks:
 each worker raises an exception in the threads running the job's tasks, which stops them at their next
 Python instruction (a call that blocks in native code, such as a sleep or a read, returns first).
+
+The jobs keep a record for :class:`~dlscale.facade.status.StatusTracker`: every running job and the last
+``retained`` finished ones (Spark's ``spark.ui.retainedJobs``), with their group, tags and final status.
 """
 
 from __future__ import annotations
 
 import ctypes
 import itertools
+import os
+import sys
 import threading
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import CancelledError
 from dataclasses import dataclass, field
@@ -26,7 +32,7 @@ import distributed
 from dlscale.errors import JobCancelledError
 from dlscale.facade.taskcontext import ANNOTATION
 
-__all__ = ["Jobs", "interruptible"]
+__all__ = ["JobRecord", "Jobs", "interruptible"]
 
 JOB_GROUP = "spark.jobGroup.id"
 JOB_DESCRIPTION = "spark.job.description"
@@ -86,6 +92,32 @@ class _Job:
         return _tags(self.properties)
 
 
+@dataclass
+class JobRecord:
+    """What the status tracker knows of a job: its group, tags and name (its action and where the program
+    called it, as Spark names a stage), and ``RUNNING``, ``SUCCEEDED`` or ``FAILED``."""
+
+    id: int
+    group: str | None
+    tags: set[str]
+    name: str
+    status: str = "RUNNING"
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _call_site() -> str:
+    """Spark's name for a job's stage: the action the program called and where (``collect at job.py:12``),
+    the outermost dlscale function on the stack and the first frame outside dlscale."""
+    frame = sys._getframe(1)
+    action = "run"
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        action = frame.f_code.co_name
+        frame = frame.f_back
+    return action if frame is None else f"{action} at {frame.f_code.co_filename}:{frame.f_lineno}"
+
+
 def _tags(properties: dict[str, str]) -> set[str]:
     value = properties.get(JOB_TAGS)
     return set(value.split(",")) if value else set()
@@ -103,12 +135,18 @@ def _check_tag(tag: str) -> None:
 
 
 class Jobs:
-    """The jobs of one context: the threads' local properties and the jobs now running."""
+    """The jobs of application ``application``: the threads' local properties, the jobs now running and the
+    records of the last ``retained`` finished ones. A task that raises runs again, up to ``retries`` times."""
 
-    def __init__(self) -> None:
+    def __init__(self, application: str, *, retries: int = 0, retained: int = 1000) -> None:
+        self._application = application
+        self._retries = retries
+        self._retained = retained
         self._local = threading.local()
         self._ids = itertools.count()
         self._running: dict[int, _Job] = {}
+        self._records: dict[int, JobRecord] = {}  # running and retained finished jobs, by id
+        self._finished: deque[int] = deque()  # the retained finished jobs, oldest first
         self._lock = threading.Lock()
 
     # -- local properties -----------------------------------------------------------------
@@ -149,15 +187,20 @@ class Jobs:
         job = _Job(next(self._ids), dict(self.properties()), [], keys)
         with self._lock:
             self._running[job.id] = job
+            self._records[job.id] = JobRecord(job.id, job.properties.get(JOB_GROUP), job.tags, _call_site())
+        succeeded = False
         try:
-            with dask.annotate(**{ANNOTATION: {"id": job.id, "properties": job.properties}}):
-                futures = client.compute(collection)
+            annotation = {"id": job.id, "app": self._application, "properties": job.properties}
+            with dask.annotate(**{ANNOTATION: annotation}):
+                futures = client.compute(collection, retries=self._retries)
             with job.lock:
                 job.futures = futures if isinstance(futures, list) else [futures]
                 cancelled = job.cancelled is not None
             if cancelled:  # cancelled while it was being submitted
                 client.cancel(job.futures, force=True)
-            return client.gather(futures)
+            result = client.gather(futures)
+            succeeded = True
+            return result
         except CancelledError:
             if job.cancelled is None:
                 raise
@@ -165,6 +208,25 @@ class Jobs:
         finally:
             with self._lock:
                 self._running.pop(job.id, None)
+            self._finish(job.id, succeeded)
+
+    def _finish(self, job_id: int, succeeded: bool) -> None:
+        """Record the end of job ``job_id``, forgetting the oldest finished job beyond ``retained``."""
+        with self._lock:
+            self._records[job_id].status = "SUCCEEDED" if succeeded else "FAILED"
+            self._finished.append(job_id)
+            while len(self._finished) > self._retained:
+                del self._records[self._finished.popleft()]
+
+    def records(self) -> list[JobRecord]:
+        """The records of the running jobs and the retained finished ones, oldest first."""
+        with self._lock:
+            return list(self._records.values())
+
+    def record(self, job_id: int) -> JobRecord | None:
+        """Job ``job_id``'s record, ``None`` if it is unknown or forgotten."""
+        with self._lock:
+            return self._records.get(job_id)
 
     def cancel(self, client: distributed.Client, which: Callable[[_Job], bool], reason: str) -> None:
         """Cancel the running jobs for which ``which`` holds: their futures, then their running tasks."""
