@@ -224,6 +224,32 @@ def test_a_worker_that_joins_later_gets_the_files_and_all_go_on_stop(tmp_path: P
     assert not any(os.path.exists(root) for root, _ in on_workers.values()) and not os.path.exists(driver)
 
 
+def test_an_addition_a_worker_cannot_write_leaves_nothing(tmp_path: Path) -> None:
+    (tmp_path / "blocked.txt").write_text("x")
+
+    def block(dask_worker: Any, application: str) -> None:
+        Path(worker_root(dask_worker.local_directory, application)).write_text("a file where the directory goes")
+
+    with SparkContext("local[1]") as c:
+        c.client.run(block, application=c.applicationId)
+        with pytest.raises(FileExistsError):
+            c.addFile(str(tmp_path / "blocked.txt"))
+        assert c.listFiles == [] and not os.path.exists(SparkFiles.get("blocked.txt"))
+        plugins = c.client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.worker_plugins))
+        assert not any(c.applicationId in p for p in plugins)
+
+
+def test_stop_after_the_cluster_is_gone(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "kept.txt").write_text("x")
+    with distributed.LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cluster:
+        c = SparkContext(cluster=cluster)
+        c.addFile(str(tmp_path / "kept.txt"))
+        driver = SparkFiles.getRootDirectory()
+    c.stop()
+    assert not os.path.exists(driver) and c not in SparkContext._running
+    assert not [r for r in caplog.records if r.name == "dlscale"]
+
+
 def test_two_contexts_on_one_cluster_keep_their_files_apart(sc: SparkContext, tmp_path: Path) -> None:
     name = f"{unique('mine')}.txt"
     for who in ("first", "second"):

@@ -269,9 +269,11 @@ class SparkContext:
             b.destroy()
         self._stopped = True
         self._remove_py_files()
-        self._files.close(self._client)
-        if self._task_counts:
-            self._client.unregister_scheduler_plugin(status.plugin_name(self.applicationId))
+        # a closed client's cluster is gone, and the plugins and the workers' copies of the files with it
+        reachable = self._client.status != "closed"
+        self._files.close(self._client if reachable else None)
+        if self._task_counts and reachable:
+            status.uninstall(self._client, self.applicationId)
         if self._owns_client:
             self._client.close()
         if self._owned_cluster is not None:

@@ -14,6 +14,7 @@ Elsewhere it is the driver's copy of the newest running context.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import logging
@@ -239,18 +240,29 @@ class Files:
             else:
                 _place(root, name, content)  # refuses an unsafe archive before any worker sees it
                 plugin = f"dlscale-file-{self._application}-{name}"
-                client.register_plugin(_AddedFile(self._application, name, content), name=plugin)
+                try:
+                    client.register_plugin(_AddedFile(self._application, name, content), name=plugin)
+                except BaseException:  # a worker could not write it: nothing of the addition stays
+                    _remove(os.path.join(root, name))
+                    with contextlib.suppress(Exception):
+                        client.unregister_worker_plugin(plugin)
+                    raise
                 self._plugins.append(plugin)
                 self._digests[name] = (url, digest)
             if url not in listed:
                 listed.append(url)
 
-    def close(self, client: Client) -> None:
-        """Unregister the workers' plugins, which delete their files, and delete the driver's copies."""
+    def close(self, client: Client | None) -> None:
+        """Unregister the workers' plugins through ``client`` (if the cluster is still there), which deletes
+        the workers' copies, and delete the driver's."""
         with _open_lock:
             _open.remove(self)
-        for plugin in self._plugins:
-            client.unregister_worker_plugin(plugin)
+        if client is not None:
+            try:
+                for plugin in self._plugins:
+                    client.unregister_worker_plugin(plugin)
+            except Exception as e:  # stopping goes on: workers that are gone took their copies with them
+                logger.warning("could not delete the workers' copies of added files: %s: %s", type(e).__name__, e)
         self._plugins.clear()
         if self._root is not None:
             shutil.rmtree(self._root, ignore_errors=True)

@@ -132,6 +132,14 @@ def install(client: Client, application: str, retained: int) -> bool:
     return True
 
 
+def uninstall(client: Client, application: str) -> None:
+    """Unregister ``application``'s :class:`TaskCounts`; a scheduler that is gone is warned about."""
+    try:
+        client.unregister_scheduler_plugin(plugin_name(application))
+    except Exception as e:  # stopping goes on: the plugin went with its scheduler
+        logger.warning("could not remove the status tracker's plugin: %s: %s", type(e).__name__, e)
+
+
 def _counts(name: str, jobs: list[int], dask_scheduler: Any = None) -> dict[int, tuple[int, int, int, int]]:
     plugin = dask_scheduler.plugins.get(name)
     return {} if plugin is None else plugin.counts(jobs)
