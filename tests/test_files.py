@@ -241,7 +241,7 @@ def test_an_addition_a_worker_cannot_write_leaves_nothing(tmp_path: Path) -> Non
 
 def test_stop_after_the_cluster_is_gone(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     (tmp_path / "kept.txt").write_text("x")
-    with distributed.LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cluster:
+    with distributed.LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster:
         c = SparkContext(cluster=cluster)
         c.addFile(str(tmp_path / "kept.txt"))
         driver = SparkFiles.getRootDirectory()
@@ -290,3 +290,9 @@ def test_as_pyspark(sc: SparkContext, spark: Any, tmp_path: Path) -> None:
         names, listed, archives = add_everything(c, tmp_path)
         results.append(same_program((seen_by_tasks(c, names, files), listed, archives)))
     assert results[0] == results[1]
+
+
+def test_not_in_the_tasks_of_to_local_iterator(sc: SparkContext) -> None:
+    """Those tasks carry no job annotation, so a task cannot tell whose files it would see: it is told."""
+    with pytest.raises(RuntimeError, match=r"not in those of toLocalIterator"):
+        list(sc.parallelize([0], 1).map(lambda _: SparkFiles.get("x")).toLocalIterator())

@@ -290,6 +290,9 @@ class SparkFiles:
             return worker_root(get_worker().local_directory, application)
         with _open_lock:
             if not _open:
-                raise RuntimeError("SparkFiles needs a running SparkContext, or a task of one")
+                raise RuntimeError(
+                    "SparkFiles works on the driver of a running SparkContext and in the tasks of its actions "
+                    "(not in those of toLocalIterator)"
+                )
             files = _open[-1]
         return files.root()
