@@ -170,11 +170,16 @@ def watched(c: Any, group: str) -> tuple:
         clear_group(c)
     ids = sorted(wait_for(lambda: (found := tracker.getJobIdsForGroup(group)) and len(found) == 2 and found))
     infos = [wait_for(lambda i=i: (j := tracker.getJobInfo(i)) and j.status != "RUNNING" and j) for i in ids]
-    stages = [tracker.getStageInfo(s) for info in infos for s in info.stageIds]
+    # a failed job's other tasks may still run a moment (dlscale does not stop them): wait for them
+    stages = [
+        wait_for(lambda s=s: (stage := tracker.getStageInfo(s)) and stage.numActiveTasks == 0 and stage)
+        for info in infos
+        for s in info.stageIds
+    ]
     return (
         len(ids),
         [(info.jobId == i, len(list(info.stageIds)), info.status) for i, info in zip(ids, infos)],
-        [(s.currentAttemptId, s.name.split(" at ")[0], s.numActiveTasks, s.numFailedTasks > 0) for s in stages],
+        [(s.currentAttemptId, s.name.split(" at ")[0], s.numFailedTasks > 0) for s in stages],
         stages[0].numCompletedTasks == stages[0].numTasks,
         [type(v) for v in stages[0]],
         tracker.getJobInfo(10**6),

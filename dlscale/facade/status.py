@@ -116,6 +116,7 @@ class TaskCounts(SchedulerPlugin):
 
 
 def plugin_name(application: str) -> str:
+    """The name of ``application``'s :class:`TaskCounts` on the scheduler."""
     return f"dlscale-status-{application}"
 
 
