@@ -28,7 +28,7 @@ from distributed.diagnostics.plugin import UploadFile
 
 from dlscale import __version__, config, storage
 from dlscale.errors import ClusterConnectionError, DlscaleError, MasterURLError, UnsupportedOperationError
-from dlscale.facade import _graph, _io, _ops, barrier, persist
+from dlscale.facade import _graph, _io, _ops, barrier, persist, status
 from dlscale.facade.accumulators import (
     COMPLEX_ACCUMULATOR_PARAM,
     FLOAT_ACCUMULATOR_PARAM,
@@ -40,12 +40,13 @@ from dlscale.facade.accumulators import (
 from dlscale.facade.broadcast import Broadcast
 from dlscale.facade.conf import SparkConf, spark_size_to_bytes
 from dlscale.facade.embedded import EmbeddedCluster
+from dlscale.facade.files import Files
 from dlscale.facade.jobs import INTERRUPT_ON_CANCEL, JOB_DESCRIPTION, JOB_GROUP, Jobs
 from dlscale.facade.rdd import RDD
 from dlscale.runtime.cluster import cluster_workers
 from dlscale.runtime.extensions import install_dashboard_pages
 
-_LOCAL = re.compile(r"^local(?:\[(\d+|\*)\])?$")
+_LOCAL = re.compile(r"^local(?:\[(\d+|\*)(?:\s*,\s*(\d+))?\])?$")
 _ADDRESS = re.compile(r"^(tcp|tls|ws|wss|inproc)://.+")
 _RESOURCE = re.compile(r"^spark\.executor\.resource\.([^.]+)\.amount$")
 _SPARK_MANAGERS = ("spark://", "yarn", "mesos://", "k8s://")
@@ -102,14 +103,16 @@ def _dashboard_address(setting: Any) -> str | None:
     return f"127.0.0.1:{port}" if port.isdigit() else address
 
 
-def _parse_local(master: str) -> int | None:
+def _parse_local(master: str) -> tuple[int, int] | None:
+    """The workers and the attempts per task (Spark's ``maxFailures``) of ``local``, ``local[N]``,
+    ``local[*]`` or ``local[N, F]``; ``None`` for any other master."""
     m = _LOCAL.match(master)
     if not m:
         return None
-    n = m.group(1)
+    n, failures = m.group(1), int(m.group(2) or 1)
     if n is None:
-        return 1
-    return os.cpu_count() or 1 if n == "*" else int(n)
+        return 1, failures
+    return (os.cpu_count() or 1 if n == "*" else int(n)), failures
 
 
 class SparkContext:
@@ -147,6 +150,7 @@ class SparkContext:
 
         self.appName = appName or self._conf.get("spark.app.name") or "dlscale"
         self._owned_cluster: Any = None
+        self._max_failures = 1  # attempts per task: F of local[N, F]; a failed task is otherwise not retried
         self._owns_client = client is None
         if client is not None:
             self.master = client.scheduler.address
@@ -169,22 +173,28 @@ class SparkContext:
         self._disk_blocks = persist.DiskBlocks(self)
         self._broadcasts: weakref.WeakSet[Broadcast] = weakref.WeakSet()
         self._accumulators = Accumulators()
-        self._jobs = Jobs()
+        retained = int(self._conf.get("spark.ui.retainedJobs") or 1000)
+        self._jobs = Jobs(self.applicationId, retries=self._max_failures - 1, retained=retained)
+        self._task_counts = status.install(self._client, self.applicationId, retained)
         self._checkpoint_dir: tuple[str, dict[str, Any] | None] | None = None  # URL, storage options
         self._to_checkpoint: weakref.WeakSet[RDD] = weakref.WeakSet()  # marked, not yet checkpointed
         self._py_files: str | None = None  # the driver's copies of addPyFile's files, made on first use
         self._py_paths: list[str] = []  # what addPyFile put on the driver's sys.path
         self._spark_user = os.environ.get("SPARK_USER") or getpass.getuser()
+        self._files = Files(self.applicationId)
         self._stopped = False
         with SparkContext._lock:
             SparkContext._running.append(self)
 
     # -- cluster ownership ---------------------------------------------------------------
     def _connect(self, master: str, security: distributed.Security | None) -> distributed.Client:
-        n = _parse_local(master)
-        if n is not None:
+        local = _parse_local(master)
+        if local is not None:
+            n, self._max_failures = local
             if n < 1:
                 raise MasterURLError(f"master {master!r} asks for {n} workers; use at least 1")
+            if self._max_failures < 1:
+                raise MasterURLError(f"master {master!r} allows {self._max_failures} attempts per task; use at least 1")
             self._owned_cluster = EmbeddedCluster(**self._local_cluster_kwargs(n))
             # Its workers are on this machine: scattered networks and gathered results go straight to and
             # from them, not through the scheduler, which carries each twice. Dask's own setting wins.
@@ -228,7 +238,7 @@ class SparkContext:
                 " Dask scheduler (tcp://host:8786) or pass cluster= (e.g. a dask-jobqueue cluster)."
             )
         raise MasterURLError(
-            f"unknown master URL {master!r}; expected local, local[N], local[*], tcp://host:port "
+            f"unknown master URL {master!r}; expected local, local[N], local[*], local[N, F], tcp://host:port "
             f"or tls://host:port.{hint}"
         )
 
@@ -263,7 +273,8 @@ class SparkContext:
 
     def stop(self) -> None:
         """Release every persisted RDD, delete the application's DISK_ONLY blocks (waiting for tasks still
-        writing them), and close the client and cluster this context created."""
+        writing them) and the files added with ``addFile`` and ``addArchive`` (the driver's and the workers'),
+        and close the client and cluster this context created."""
         if self._stopped:
             return
         for rdd in list(self._persisted.values()):
@@ -273,6 +284,11 @@ class SparkContext:
             b.destroy()
         self._stopped = True
         self._remove_py_files()
+        # a closed client's cluster is gone, and the plugins and the workers' copies of the files with it
+        reachable = self._client.status != "closed"
+        self._files.close(self._client if reachable else None)
+        if self._task_counts and reachable:
+            status.uninstall(self._client, self.applicationId)
         if self._owns_client:
             self._client.close()
         if self._owned_cluster is not None:
@@ -421,6 +437,11 @@ class SparkContext:
         self._jobs.set_property(JOB_DESCRIPTION, description)
         self._jobs.set_property(INTERRUPT_ON_CANCEL, str(bool(interruptOnCancel)).lower())
 
+    def setInterruptOnCancel(self, interruptOnCancel: bool) -> None:
+        """Set this thread's ``spark.job.interruptOnCancel`` property. A cancelled job's running tasks are
+        always interrupted, so it is kept as a property only."""
+        self._jobs.set_property(INTERRUPT_ON_CANCEL, str(bool(interruptOnCancel)).lower())
+
     def setJobDescription(self, value: str) -> None:
         """Describe the jobs this thread starts."""
         self._jobs.set_property(JOB_DESCRIPTION, value)
@@ -484,6 +505,32 @@ class SparkContext:
             sys.path.insert(1, entry)
             self._py_paths.append(entry)
         importlib.invalidate_caches()
+
+    def addFile(self, path: str, recursive: bool = False, *, storage_options: dict[str, Any] | None = None) -> None:
+        """Give every task a copy of a file, or with ``recursive`` a directory, found by ``SparkFiles.get(name)``
+        on the workers (those that join later included) and on the driver. ``path`` is a local path or any
+        fsspec URL. Adding a path again does nothing; another path of the same name must have the same content."""
+        self._files.add(self.client, path, archive=False, recursive=recursive, storage_options=storage_options)
+
+    def addArchive(self, path: str, *, storage_options: dict[str, Any] | None = None) -> None:
+        """Give every task an archive (``.zip``, ``.jar``, ``.tar``, ``.tar.gz``, ``.tgz``) unpacked into a
+        directory named after it, or after the URL's fragment (``deps.zip#deps``), as ``addFile`` does. An
+        archive with a member outside that directory (an absolute path, ``..``) is refused."""
+        self._files.add(self.client, path, archive=True, storage_options=storage_options)
+
+    @property
+    def listFiles(self) -> list[str]:
+        """The files and directories added with ``addFile``, as URLs (``file:/path``)."""
+        return list(self._files.files)
+
+    @property
+    def listArchives(self) -> list[str]:
+        """The archives added with ``addArchive``, as URLs (``file:/path``, with its ``#name``)."""
+        return list(self._files.archives)
+
+    def statusTracker(self) -> status.StatusTracker:
+        """The :class:`~dlscale.facade.status.StatusTracker` of this context's jobs."""
+        return status.StatusTracker(self)
 
     def _remove_py_files(self) -> None:
         """Take addPyFile's files off the driver's ``sys.path`` and delete them: a module not yet imported

@@ -8,6 +8,9 @@ and the job takes those of its thread. Cancelling a job (``cancelJobGroup``, ``c
 thread waiting for it raises :class:`~dlscale.errors.JobCancelledError`, and interrupts its running tasks:
 each worker raises an exception in the threads running the job's tasks, which stops them at their next
 Python instruction (a call that blocks in native code, such as a sleep or a read, returns first).
+
+The jobs keep a record for :class:`~dlscale.facade.status.StatusTracker`: every running job and the last
+``retained`` finished ones (Spark's ``spark.ui.retainedJobs``), with their group, tags and final status.
 """
 
 from __future__ import annotations
@@ -15,7 +18,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import itertools
+import os
+import sys
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError
 from dataclasses import dataclass, field
@@ -27,7 +33,7 @@ import distributed
 from dlscale.errors import JobCancelledError
 from dlscale.facade.taskcontext import ANNOTATION
 
-__all__ = ["Jobs", "interruptible"]
+__all__ = ["JobRecord", "Jobs", "interruptible"]
 
 JOB_GROUP = "spark.jobGroup.id"
 JOB_DESCRIPTION = "spark.job.description"
@@ -87,6 +93,32 @@ class _Job:
         return _tags(self.properties)
 
 
+@dataclass
+class JobRecord:
+    """What the status tracker knows of a job: its group, tags and name (its action and where the program
+    called it, as Spark names a stage), and ``RUNNING``, ``SUCCEEDED`` or ``FAILED``."""
+
+    id: int
+    group: str | None
+    tags: set[str]
+    name: str
+    status: str = "RUNNING"
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _call_site() -> str:
+    """Spark's name for a job's stage: the action the program called and where (``collect at job.py:12``),
+    the outermost dlscale function on the stack and the first frame outside dlscale."""
+    frame = sys._getframe(1)
+    action = "run"
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        action = frame.f_code.co_name
+        frame = frame.f_back
+    return action if frame is None else f"{action} at {frame.f_code.co_filename}:{frame.f_lineno}"
+
+
 def _tags(properties: dict[str, str]) -> set[str]:
     value = properties.get(JOB_TAGS)
     return set(value.split(",")) if value else set()
@@ -104,12 +136,18 @@ def _check_tag(tag: str) -> None:
 
 
 class Jobs:
-    """The jobs of one context: the threads' local properties and the jobs now running."""
+    """The jobs of application ``application``: the threads' local properties, the jobs now running and the
+    records of the last ``retained`` finished ones. A task that raises runs again, up to ``retries`` times."""
 
-    def __init__(self) -> None:
+    def __init__(self, application: str, *, retries: int = 0, retained: int = 1000) -> None:
+        self._application = application
+        self._retries = retries
+        self._retained = retained
         self._local = threading.local()
         self._ids = itertools.count()
         self._running: dict[int, _Job] = {}
+        self._records: dict[int, JobRecord] = {}  # running and retained finished jobs, by id
+        self._finished: deque[int] = deque()  # the retained finished jobs, oldest first
         self._lock = threading.Lock()
 
     # -- local properties -----------------------------------------------------------------
@@ -144,16 +182,20 @@ class Jobs:
 
     # -- running and cancelling -----------------------------------------------------------
     @contextlib.contextmanager
-    def _job(self, collection: Any) -> Iterator[_Job]:
-        """A job for ``collection`` (a Dask collection or a list of them), registered while the block runs so
-        that it may be cancelled; a cancelled job's ``CancelledError`` is raised as ``JobCancelledError``."""
+    def _job(self, collection: Any, call_site: str) -> Iterator[_Job]:
+        """A job for ``collection`` (a Dask collection or a list of them) started at ``call_site``, registered
+        while the block runs so that it may be cancelled; a cancelled job's ``CancelledError`` is raised as
+        ``JobCancelledError``."""
         parts = collection if isinstance(collection, list) else [collection]
         keys = list({k for c in parts for k in c.__dask_graph__()})
         job = _Job(next(self._ids), dict(self.properties()), [], keys)
         with self._lock:
             self._running[job.id] = job
+            self._records[job.id] = JobRecord(job.id, job.properties.get(JOB_GROUP), job.tags, call_site)
+        succeeded = False
         try:
             yield job
+            succeeded = True
         except CancelledError:
             if job.cancelled is None:
                 raise
@@ -161,6 +203,25 @@ class Jobs:
         finally:
             with self._lock:
                 self._running.pop(job.id, None)
+            self._finish(job.id, succeeded)
+
+    def _finish(self, job_id: int, succeeded: bool) -> None:
+        """Record the end of job ``job_id``, forgetting the oldest finished job beyond ``retained``."""
+        with self._lock:
+            self._records[job_id].status = "SUCCEEDED" if succeeded else "FAILED"
+            self._finished.append(job_id)
+            while len(self._finished) > self._retained:
+                del self._records[self._finished.popleft()]
+
+    def records(self) -> list[JobRecord]:
+        """The records of the running jobs and the retained finished ones, oldest first."""
+        with self._lock:
+            return list(self._records.values())
+
+    def record(self, job_id: int) -> JobRecord | None:
+        """Job ``job_id``'s record, ``None`` if it is unknown or forgotten."""
+        with self._lock:
+            return self._records.get(job_id)
 
     @staticmethod
     def _track(client: distributed.Client, job: _Job, futures: list[distributed.Future]) -> None:
@@ -172,14 +233,13 @@ class Jobs:
         if cancelled:
             client.cancel(futures, force=True)
 
-    @staticmethod
-    def _annotation(job: _Job) -> Any:
-        return dask.annotate(**{ANNOTATION: {"id": job.id, "properties": job.properties}})
+    def _annotation(self, job: _Job) -> Any:
+        return dask.annotate(**{ANNOTATION: {"id": job.id, "app": self._application, "properties": job.properties}})
 
     def _submit(self, client: distributed.Client, job: _Job, collection: Any) -> Any:
         """Start computing ``collection`` as ``job``; its future (or list of futures)."""
         with self._annotation(job):
-            futures = client.compute(collection)
+            futures = client.compute(collection, retries=self._retries)
         self._track(client, job, futures if isinstance(futures, list) else [futures])
         return futures
 
@@ -192,7 +252,7 @@ class Jobs:
         """Compute ``collection`` (a Dask collection or a list of them) as a job that may be cancelled.
         ``prepare(collection, track)``, within the job, returns what to compute, handing ``track`` the futures
         of what it computes first (a barrier stage), so that cancelling the job cancels them too."""
-        with self._job(collection) as job:
+        with self._job(collection, _call_site()) as job:
             if prepare is not None:
                 with self._annotation(job):
                     collection = prepare(collection, lambda futures: self._track(client, job, futures))
@@ -203,7 +263,7 @@ class Jobs:
         results of those finished by then, by index. The others are cancelled and their running tasks
         interrupted, so nothing of the job runs on; a task's error is raised at once, as Spark fails the
         job."""
-        with self._job(collections) as job:
+        with self._job(collections, _call_site()) as job:
             futures = self._submit(client, job, collections)
             try:
                 with contextlib.suppress(TimeoutError):

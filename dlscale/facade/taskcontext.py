@@ -4,9 +4,9 @@ itself, and how the tasks of a barrier stage meet.
 A task's code runs with a context for the partition it computes; ``TaskContext.get()`` returns it in a
 function given to an RDD operation and ``None`` elsewhere (on the driver). The job's local properties
 travel to the workers as an annotation of the job's tasks; the attempt number is asked of the scheduler
-when first read (the times a worker died while running the task). A barrier stage's tasks get a
-:class:`BarrierTaskContext`, whose ``barrier()`` and ``allGather()`` meet the stage's other tasks at the
-scheduler (:mod:`dlscale.facade.barrier`).
+when first read (the times the task ran before: its worker died, or it raised and was retried). A barrier
+stage's tasks get a :class:`BarrierTaskContext`, whose ``barrier()`` and ``allGather()`` meet the stage's
+other tasks at the scheduler (:mod:`dlscale.facade.barrier`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from dlscale.errors import BarrierError
 
 __all__ = ["BarrierTaskContext", "BarrierTaskInfo", "ResourceInformation", "TaskContext"]
 
-ANNOTATION = "dlscale_job"  # {"id": job id, "properties": the local properties of the job's thread}
+# {"id": job id, "app": the context's applicationId, "properties": the local properties of the job's thread}
+ANNOTATION = "dlscale_job"
 
 _local = threading.local()  # .context: the TaskContext of the partition this thread computes
 
@@ -87,9 +88,10 @@ class TaskContext:
         return self._job.get("id", 0)
 
     def attemptNumber(self) -> int:
-        """0 for the task's first attempt, then 1, 2, ... for each time it ran again because its worker died."""
+        """0 for the task's first attempt, then 1, 2, ... for each time it ran again: because its worker died,
+        or because it raised and its master allows more attempts (``local[N, F]``)."""
         if self._attempt is None:
-            self._attempt = get_worker().client.run_on_scheduler(_suspicious, self._dask_key)
+            self._attempt = get_worker().client.run_on_scheduler(_attempts_before, self._dask_key)
         return self._attempt
 
     def taskAttemptId(self) -> int:
@@ -112,9 +114,13 @@ class TaskContext:
         return {name: ResourceInformation(name, [str(i) for i in range(int(n))]) for name, n in total.items()}
 
 
-def _suspicious(key: Any, dask_scheduler: Any = None) -> int:
+def _attempts_before(key: Any, dask_scheduler: Any = None) -> int:
+    """The times task ``key`` ran before: those its worker died (Dask's ``suspicious``) and the retries it
+    used up (its ``retries`` annotation counts down in ``ts.retries``)."""
     ts = dask_scheduler.tasks.get(key)
-    return 0 if ts is None else ts.suspicious
+    if ts is None:
+        return 0
+    return ts.suspicious + (ts.annotations or {}).get("retries", 0) - ts.retries
 
 
 @dataclass(frozen=True)
