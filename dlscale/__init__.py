@@ -60,6 +60,7 @@ _EXPORTS = {
     "NetworkSerializationError": "dlscale.errors",
     "NonFiniteUpdateError": "dlscale.errors",
     "TrainerLostWarning": "dlscale.errors",
+    "WorkersUnavailableError": "dlscale.errors",
     "EvaluationError": "dlscale.errors",
     "IncompatibleEvaluationError": "dlscale.errors",
     "DeviceError": "dlscale.errors",

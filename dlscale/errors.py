@@ -86,6 +86,12 @@ class NetworkSerializationError(DlscaleError, TypeError):
     """A network that cannot be pickled to send it to the workers."""
 
 
+class WorkersUnavailableError(DlscaleError, TimeoutError):
+    """A fit that waited ``dlscale.training.workers-timeout`` for the workers it needs (the cluster's, or
+    ``dlscale.training.min-workers``) without seeing them all: the message says how many are up and which
+    jobs are still pending."""
+
+
 class TrainerLostWarning(UserWarning):
     """A training run that lost a worker and finished without it (its work done by the others)."""
 

@@ -140,7 +140,8 @@ def _fit_averaging_killed(
     net = mlp(SIZES, lr=LR)
     spark_net = SparkNet(ctx, net, _averaging(approach, seed))
     spark_net.set_listeners(killer)
-    spark_net.fit(examples_rdd(ctx, x, y, 3), epochs=EPOCHS)
+    with pytest.warns(TrainerLostWarning, match=r"parameter averaging lost worker\(s\) tcp://127\.0\.0\.1:\d+;"):
+        spark_net.fit(examples_rdd(ctx, x, y, 3), epochs=EPOCHS)
     assert killer.killed
     assert net.epoch == EPOCHS
     fitted = Counter((r.epoch, b) for r in spark_net.training_stats.rounds for w in r.workers for b in w.batches)

@@ -10,14 +10,19 @@ after a failure, leave the network's counters as they were.
 
 from __future__ import annotations
 
+import logging
 import secrets
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from dask.utils import format_time, parse_timedelta
 from distributed import Client
 
+from dlscale import config
+from dlscale.errors import WorkersUnavailableError
 from dlscale.monitor import panel
 from dlscale.monitor.progress import Progress
 from dlscale.monitor.stats import TrainingStats
@@ -30,6 +35,8 @@ from dlscale.training import _worker
 if TYPE_CHECKING:
     from dlscale.training._sources import Minibatches
     from dlscale.training.master import TrainingMaster
+
+logger = logging.getLogger("dlscale")
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,59 @@ def workers(client: Client) -> list[str]:
     return found
 
 
+def wanted_workers(client: Client) -> int:
+    """How many workers a fit waits for: ``dlscale.training.min-workers``, or by default every worker the
+    cluster object was asked for (a ``LocalCluster``'s workers, a dask-jobqueue cluster's ``scale``), at
+    least one; one on a cluster known only by its scheduler's address."""
+    setting = config.get("training.min-workers")
+    if setting is not None:
+        if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
+            raise ValueError(f"dlscale.training.min-workers must be an integer >= 1 or null, got {setting!r}")
+        return setting
+    requested = getattr(getattr(client, "cluster", None), "requested", None)  # a SpecCluster's
+    return max(1, len(requested)) if requested is not None else 1
+
+
+def _pending(client: Client) -> str:
+    """What the cluster object says of the workers not up yet: its jobs (or worker specs) none of whose
+    workers has connected."""
+    cluster = getattr(client, "cluster", None)
+    spec = getattr(cluster, "worker_spec", None)
+    if not spec:
+        return ""
+    names = {str(info.get("name")) for info in cluster_workers(client).values()}
+    pending = sorted(str(job) for job in spec if not any(n == str(job) or n.startswith(f"{job}-") for n in names))
+    if not pending:
+        return ""
+    shown = ", ".join(pending[:8]) + (f" and {len(pending) - 8} more" if len(pending) > 8 else "")
+    return f"; {type(cluster).__name__} has {len(pending)} job(s) not connected yet (pending or starting): {shown}"
+
+
+def start_workers(client: Client) -> list[str]:
+    """The workers a fit starts on, sorted, once :func:`wanted_workers` are up: on a batch system they join as
+    their jobs start, and a fit that began with the first would leave the others idle. Waits up to
+    ``dlscale.training.workers-timeout``, then fails naming how many are up and which jobs are pending."""
+    wanted = wanted_workers(client)
+    timeout = parse_timedelta(config.get("training.workers-timeout"))
+    start = time.monotonic()
+    told = start
+    while len(found := sorted(cluster_workers(client))) < wanted:
+        now = time.monotonic()
+        if now - start >= timeout:
+            raise WorkersUnavailableError(
+                f"the fit needs {wanted} worker(s) and {len(found)} are up after waiting {format_time(timeout)}"
+                f"{_pending(client)}. Scale the cluster, wait for its jobs, or set "
+                "dlscale.training.min-workers (and dlscale.training.workers-timeout)"
+            )
+        if now - told >= 30:
+            logger.info("waiting for workers: %d of %d up%s", len(found), wanted, _pending(client))
+            told = now
+        time.sleep(0.2)
+    shown = ", ".join(found[:8]) + (f" and {len(found) - 8} more" if len(found) > 8 else "")
+    logger.info("training on %d worker%s: %s", len(found), "s" * (len(found) > 1), shown)
+    return found
+
+
 class FitRun:
     """One fit of ``master`` on ``batches`` for ``epochs`` epochs, used as a context manager.
 
@@ -67,7 +127,7 @@ class FitRun:
     ) -> None:
         self.client, self.network, self.listeners = context.client, context.network, context.listeners
         self.context, self.master, self.batches, self.epochs = context, master, batches, epochs
-        self.workers = workers(self.client)
+        self.workers = start_workers(self.client)
         self.seed = master.rng_seed if master.rng_seed is not None else secrets.randbits(63)
         self.stats = (
             TrainingStats(master.approach, len(self.workers), batches.seconds)

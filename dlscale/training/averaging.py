@@ -14,11 +14,13 @@ import dataclasses
 import math
 import time
 import uuid
+import warnings
 from typing import Any, ClassVar
 
 import numpy as np
 from distributed import Future
 
+from dlscale.errors import TrainerLostWarning
 from dlscale.monitor.stats import RoundStats, WorkerRound
 from dlscale.runtime.cluster import cluster_workers
 from dlscale.runtime.replicas import keep_newest_copied
@@ -87,6 +89,7 @@ class _Rounds:
         self.key = run.replicas[0]
         self.tag = uuid.uuid4().hex[:8]
         self.checkpoints: list[list[Future]] = []  # oldest first
+        self.seen, self.lost = set(self.workers), set()  # the workers of the fit so far, and those that left
 
     def train(self, probe: bool) -> None:
         run = self.run
@@ -99,6 +102,7 @@ class _Rounds:
         try:
             for epoch in range(run.epochs):
                 self.workers = workers(self.client)  # a lost worker's share goes to those left
+                self._note_lost(self.workers)
                 states = self._epoch(states, epoch)
             _worker.apply_state(run.network, _worker.average(*self.client.gather(states)))
         except Exception as e:
@@ -106,6 +110,19 @@ class _Rounds:
             if lost:
                 e.add_note(f"worker(s) {', '.join(lost)} left the cluster during the fit")
             raise
+
+    def _note_lost(self, alive: list[str]) -> None:
+        """Warn once about each worker of the fit that has left the cluster: its tasks run on the others."""
+        gone = sorted(self.seen - set(alive) - self.lost)
+        self.seen.update(alive)
+        if gone:
+            self.lost.update(gone)
+            warnings.warn(
+                f"parameter averaging lost worker(s) {', '.join(gone)}; their minibatches are trained by the "
+                f"{len(alive)} worker(s) left",
+                TrainerLostWarning,
+                stacklevel=2,
+            )
 
     def _keep(self, states: list[Future]) -> None:
         """Add ``states`` to the checkpoints, and let go of those older than the newest on two workers."""
@@ -128,6 +145,7 @@ class _Rounds:
                 info = _worker.combine(self.client.gather(futures))
                 now = time.perf_counter()
                 self._done(epoch, r, info, now - last)
+                self._note_lost(list(cluster_workers(self.client)))
                 last = now
                 self._keep(ends[r])
                 summaries[r] = ends[r] = []  # drop the futures: nothing waits on them any more
