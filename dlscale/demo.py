@@ -19,7 +19,7 @@ from typing import Any
 import dask
 import torch
 
-from dlscale import SharedTrainingMaster, SparkConf, SparkContext, SparkNet, storage
+from dlscale import CheckpointListener, SharedTrainingMaster, SparkConf, SparkContext, SparkNet, storage
 from dlscale.data import DataSet, export_minibatches, list_paths, load_digits
 from dlscale.evaluation import Evaluation, ROCMultiClass
 from dlscale.nn import Network, build, model_factory
@@ -67,20 +67,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--epochs", type=int, default=15, help="training epochs (default 15)")
     parser.add_argument("--batch-size", type=int, default=32, help="minibatch size per worker (default 32)")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an interrupted run from its last checkpoint (one is written every epoch under "
+        "STORAGE/checkpoints), with its exported files",
+    )
     args = parser.parse_args(argv)
     if args.epochs < 1 or args.batch_size < 1:
         parser.error("--epochs and --batch-size must be positive")
 
     base, options = storage.resolve(args.storage)
-    fs, path = storage.open_fs(base, options)
-    if fs.exists(path):
-        fs.rm(path, recursive=True)
+    checkpoints = CheckpointListener(f"{base}/checkpoints", save_every_n_epochs=1, keep_last=2, storage_options=options)
     started = time.perf_counter()
     x, y, test_x, test_y = _split()
     print(f"data: {len(x)} training and {len(test_x)} test images of handwritten digits (8x8)")
-    _export(x, y, f"{base}/train", args.batch_size)
-    _export(test_x, test_y, f"{base}/test", 64)
-    print(f"exported minibatch files to {base}/train and {base}/test")
+    resume = checkpoints.last_checkpoint() if args.resume else None
+    if args.resume and resume is None:
+        parser.error(f"--resume: there is no checkpoint under {base}/checkpoints to resume from")
+    if resume is None:
+        fs, path = storage.open_fs(base, options)
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+        _export(x, y, f"{base}/train", args.batch_size)
+        _export(test_x, test_y, f"{base}/test", 64)
+        print(f"exported minibatch files to {base}/train and {base}/test")
+    else:
+        print(f"resuming from {resume.url} (epoch {resume.epoch}, iteration {resume.iteration})")
 
     conf = SparkConf().setIfMissing("spark.master", "local[2]")  # `dlscale run --master` sets it
     if args.master is not None:
@@ -91,9 +104,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"network: CNN with {network.num_params():,} parameters; training with gradient sharing")
         master = SharedTrainingMaster(args.batch_size, collect_training_stats=True, rng_seed=0)
         spark_net = SparkNet(sc, network, master)
+        spark_net.set_listeners(checkpoints)
         t0 = time.perf_counter()
         with dask.config.set({"dlscale.progress": True}):  # a line per epoch, a live bar on a terminal
-            spark_net.fit_paths(list_paths(sc, f"{base}/train"), epochs=args.epochs)
+            spark_net.fit_paths(
+                list_paths(sc, f"{base}/train"),
+                epochs=args.epochs,
+                resume_from=None if resume is None else resume.url,
+                storage_options=options,
+            )
         train_seconds = time.perf_counter() - t0
 
         test_paths = list_paths(sc, f"{base}/test")

@@ -323,6 +323,26 @@ def test_a_trainer_joins_once() -> None:
         s.join("a#0")
 
 
+def test_a_drained_session_ends_with_the_items_its_trainers_hold() -> None:
+    s = session()
+    s.hand_out("a#0", 3)
+    assert s.drain() == [3, 4, 5, 6, 7, 8, 9]  # for the next segment, in order
+    assert s.hand_out("b#0", 2).items == () and s.work_left()
+    s.acknowledge("a#0", [ack(0), ack(1), ack(2)])
+    assert not s.work_left() and s.view().done
+
+
+def test_a_driver_that_disconnects_ends_its_sessions() -> None:
+    plugin = SharingSchedulerPlugin()
+    plugin.sessions = {"mine": session(), "other": session()}
+    plugin.sessions["mine"].client = "client-1"
+    plugin.sessions["other"].client = "client-2"
+    plugin.remove_client(None, "client-1")  # type: ignore[arg-type]
+    assert list(plugin.sessions) == ["other"]
+    reply = plugin.next("mine", "a#0", [], 1)
+    assert reply["status"] != "OK"  # its trainers are told at their next call, and stop
+
+
 def test_items_are_handed_out_in_order_and_acknowledged_once() -> None:
     s = session()
     assert s.hand_out("a#0", 3).items == (0, 1, 2)

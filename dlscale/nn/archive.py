@@ -137,8 +137,16 @@ def _decode(value: Any, tensors: list[torch.Tensor]) -> Any:
     return value["value"]
 
 
-def save(network: Network, url: str, save_updater: bool = True, storage_options: dict[str, Any] | None = None) -> None:
-    """Write ``network`` to ``url`` atomically, with its optimizer state when ``save_updater``."""
+def save(
+    network: Network,
+    url: str,
+    save_updater: bool = True,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Write ``network`` to ``url`` atomically, with its optimizer state when ``save_updater``; ``extra`` (plain
+    JSON data, e.g. a checkpoint's fit position) is kept beside it and read by :func:`load_with_extra`."""
     tensors = _Tensors()
     tensors.add(network.params())
     state = None
@@ -163,6 +171,9 @@ def save(network: Network, url: str, save_updater: bool = True, storage_options:
         "crc32c": crc32c.crc32c(blob),
         "metadata": network.metadata,
     }
+    if extra is not None:
+        _json_ready(extra, "extra")
+        header["extra"] = extra
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
         z.writestr("network.json", json.dumps(header))
@@ -356,6 +367,18 @@ def load(
     archived ones; the optimizer state is restored when the archive has it. A damaged, foreign or
     crafted archive raises :class:`CorruptDataError` naming ``url`` and what is wrong in it.
     """
+    return load_with_extra(url, storage_options, module, loss=loss, optimizer=optimizer)[0]
+
+
+def load_with_extra(
+    url: str,
+    storage_options: dict[str, Any] | None = None,
+    module: torch.nn.Module | None = None,
+    *,
+    loss: str | losses.LossFn | None = None,
+    optimizer: Any = None,
+) -> tuple[Network, Any]:
+    """:func:`load`, and the ``extra`` data saved with the network (``None`` if none was)."""
     header, blob = _read(url, storage_options)
     tensors = _tensors(header, blob, url)
     module = _module(header, url) if module is None else module
@@ -390,4 +413,4 @@ def load(
             ) from e
     network.iteration, network.epoch = header.get("iteration", 0), header.get("epoch", 0)
     network.metadata = header.get("metadata", {})
-    return network
+    return network, header.get("extra")

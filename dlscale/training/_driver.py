@@ -31,6 +31,7 @@ from dlscale.nn.listeners import TrainingListener
 from dlscale.nn.network import Network
 from dlscale.runtime.cluster import cluster_workers
 from dlscale.training import _worker
+from dlscale.training.checkpoints import CheckpointListener, FitPosition, checkpointers, network_with
 
 if TYPE_CHECKING:
     from dlscale.training._sources import Minibatches
@@ -57,6 +58,23 @@ def workers(client: Client) -> list[str]:
     if not found:
         raise RuntimeError("the cluster has no workers to train on")
     return found
+
+
+def _check_resume(resume: FitPosition, approach: str, minibatches: int, epochs: int) -> None:
+    """Refuse to resume a fit from a checkpoint of another fit, or one that is past the fit's end."""
+    for what, theirs, ours in (
+        ("training master", resume.approach, approach),
+        ("number of minibatches", resume.minibatches, minibatches),
+    ):
+        if theirs != ours:
+            raise ValueError(
+                f"the checkpoint is of a fit with another {what} ({theirs!r}, this fit has {ours!r}): "
+                "resume with the same master and data as the fit that wrote it"
+            )
+    if resume.epoch > epochs:
+        raise ValueError(
+            f"the checkpoint was written after epoch {resume.epoch} of its fit, past this fit's {epochs} epoch(s)"
+        )
 
 
 def wanted_workers(client: Client) -> int:
@@ -123,12 +141,27 @@ class FitRun:
     """
 
     def __init__(
-        self, context: FitContext, master: TrainingMaster, blob: bytes, batches: Minibatches, epochs: int
+        self,
+        context: FitContext,
+        master: TrainingMaster,
+        blob: bytes,
+        batches: Minibatches,
+        epochs: int,
+        resume: FitPosition | None = None,
     ) -> None:
         self.client, self.network, self.listeners = context.client, context.network, context.listeners
         self.context, self.master, self.batches, self.epochs = context, master, batches, epochs
+        if resume is not None:
+            _check_resume(resume, master.approach, len(batches.refs), epochs)
+        self.resume = resume
         self.workers = start_workers(self.client)
-        self.seed = master.rng_seed if master.rng_seed is not None else secrets.randbits(63)
+        if resume is not None:
+            self.seed = resume.seed
+        else:
+            self.seed = master.rng_seed if master.rng_seed is not None else secrets.randbits(63)
+        self.checkpointers = checkpointers(self.listeners)
+        for listener in self.checkpointers:
+            listener.fit_started(self.network.iteration)
         self.stats = (
             TrainingStats(master.approach, len(self.workers), batches.seconds)
             if master.collect_training_stats
@@ -136,6 +169,7 @@ class FitRun:
         )
         self._blob = blob
         self._counters = self.network.iteration, self.network.epoch
+        self._first_epoch = resume.first_epoch if resume is not None else self.network.epoch
         self.fit_id: str | None = None
         self._progress: Progress | None = None
 
@@ -165,14 +199,59 @@ class FitRun:
             if error is not None:
                 self.network.iteration, self.network.epoch = self._counters
         if error is None:
-            self.network.epoch = self._counters[1] + self.epochs
+            self.network.epoch = self._first_epoch + self.epochs
             if self.stats is not None:
                 self.context.record_stats(self.stats)
 
     @property
     def first_epoch(self) -> int:
-        """The network's epoch counter when the fit began: epoch ``e`` of the fit is its ``first_epoch + e``."""
-        return self._counters[1]
+        """The network's epoch counter when the fit began (a resumed fit: when the fit it resumes began):
+        epoch ``e`` of the fit is its ``first_epoch + e``."""
+        return self._first_epoch
+
+    def position(self, epoch: int, rounds: int = 0, remaining: tuple[int, ...] | None = None) -> FitPosition:
+        """The fit's position with ``epoch`` (of the fit) the next to train, ``rounds`` of it done."""
+        return FitPosition(
+            self.master.approach,
+            self.seed,
+            self.first_epoch,
+            self.epochs,
+            len(self.batches.refs),
+            epoch,
+            rounds,
+            remaining,
+        )
+
+    def checkpoints_due(self, epochs_done: int | None = None) -> list[CheckpointListener]:
+        """The checkpoint listeners that want a checkpoint now; ``epochs_done``: the fit's epochs done when
+        one has just ended."""
+        done = None if epochs_done is None else self.first_epoch + epochs_done
+        return [c for c in self.checkpointers if c.due(self.network.iteration, done)]
+
+    def write_checkpoint(
+        self, due: list[CheckpointListener], position: FitPosition, state: Callable[[Network], None]
+    ) -> None:
+        """Write a checkpoint at ``position`` for the listeners ``due``: the driver's network changed by
+        ``state`` (which sets the fit's state there on it), on a copy."""
+        if not due:
+            return
+        network = network_with(self.network, state)
+        network.epoch = max(network.epoch, self.first_epoch + position.epoch)
+        for listener in due:
+            listener.save(network, position)
+
+    def checkpoint(self, position: FitPosition, state: Callable[[Network], None]) -> None:
+        """:meth:`write_checkpoint` for the listeners that want one at ``position``, a round's end."""
+        epoch_end = position.rounds == 0
+        self.write_checkpoint(self.checkpoints_due(position.epoch if epoch_end else None), position, state)
+
+    def reship(self) -> None:
+        """Send the driver's network, as it is now, to the workers in place of the one the fit began with
+        (a fit that goes on in a new segment after a checkpoint)."""
+        self.client.run(_worker.drop_replicas, self.replicas, workers=list(cluster_workers(self.client)))
+        self.blob.release()
+        self.blob = shipping.ship_blob(self.client, shipping.serialise(self.network))
+        self.replicas = [self.blob.key]
 
     def probe(self, key: str | None = None) -> None:
         """Load the first minibatch on a worker and compute the loss on it, into the copy of the

@@ -15,7 +15,8 @@ import math
 import time
 import uuid
 import warnings
-from typing import Any, ClassVar
+from functools import partial
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 from distributed import Future
@@ -28,6 +29,9 @@ from dlscale.runtime.tasks import check_count
 from dlscale.training import _sources, _worker
 from dlscale.training._driver import FitRun, workers
 from dlscale.training.master import TrainingMaster
+
+if TYPE_CHECKING:
+    from dlscale.nn.network import Network
 
 REPARTITION = ("always", "never", "num_partitions_workers_differs")
 
@@ -100,10 +104,11 @@ class _Rounds:
         self._keep(states)
         run.show_progress()
         try:
-            for epoch in range(run.epochs):
+            start, skip = (run.resume.epoch, run.resume.rounds) if run.resume is not None else (0, 0)
+            for epoch in range(start, run.epochs):
                 self.workers = workers(self.client)  # a lost worker's share goes to those left
                 self._note_lost(self.workers)
-                states = self._epoch(states, epoch)
+                states = self._epoch(states, epoch, skip if epoch == start else 0)
             _worker.apply_state(run.network, _worker.average(*self.client.gather(states)))
         except Exception as e:
             lost = sorted(set(run.workers) - set(cluster_workers(self.client)))
@@ -124,17 +129,26 @@ class _Rounds:
                 stacklevel=2,
             )
 
+    def _apply_average(self, states: list[Future], network: Network) -> None:
+        """Set ``network`` to the average of ``states`` (a round's last level: the fit's state after it)."""
+        _worker.apply_state(network, _worker.average(*self.client.gather(states)))
+
     def _keep(self, states: list[Future]) -> None:
         """Add ``states`` to the checkpoints, and let go of those older than the newest on two workers."""
         self.checkpoints.append(states)
         del self.checkpoints[: keep_newest_copied(self.client, self.checkpoints, 2)]
 
-    def _epoch(self, states: list[Future], epoch: int) -> list[Future]:
-        """Submit every round of the fit's ``epoch``-th epoch, then follow them; returns the last level of
-        the last round's averaging tree (the states whose average is the network's new state)."""
+    def _epoch(self, states: list[Future], epoch: int, skip: int = 0) -> list[Future]:
+        """Submit every round of the fit's ``epoch``-th epoch after the first ``skip`` (done before the
+        checkpoint a fit resumes from), then follow them; returns the last level of the last round's
+        averaging tree (the states whose average is the network's new state)."""
         rounds = self._plan(np.random.default_rng([self.run.seed, self.run.first_epoch + epoch]))
         summaries, ends = [], []
         for r, shares in enumerate(rounds):
+            if r < skip:
+                summaries.append([])
+                ends.append([])
+                continue
             parts = [self._fit(states, worker, idx, epoch, r, j) for j, (worker, idx) in enumerate(shares)]
             states = self._reduce(parts)
             ends.append(states)
@@ -142,12 +156,19 @@ class _Rounds:
         last = time.perf_counter()
         try:
             for r, futures in enumerate(summaries):
+                if r < skip:
+                    continue
                 info = _worker.combine(self.client.gather(futures))
                 now = time.perf_counter()
                 self._done(epoch, r, info, now - last)
                 self._note_lost(list(cluster_workers(self.client)))
                 last = now
                 self._keep(ends[r])
+                done = r + 1 == len(rounds)
+                self.run.checkpoint(
+                    self.run.position(epoch + 1) if done else self.run.position(epoch, r + 1),
+                    partial(self._apply_average, ends[r]),
+                )
                 summaries[r] = ends[r] = []  # drop the futures: nothing waits on them any more
         except BaseException as e:
             self.client.cancel([f for futures in summaries for f in futures] + states)

@@ -17,6 +17,7 @@ from dlscale.training._driver import FitContext, FitRun
 if TYPE_CHECKING:
     from dlscale.facade.rdd import RDD
     from dlscale.nn.network import Network
+    from dlscale.training.checkpoints import FitPosition
 
 
 @dataclasses.dataclass
@@ -48,26 +49,35 @@ class TrainingMaster(abc.ABC):
         check_count("batch_size_per_worker", self.batch_size_per_worker)
         check_source(self.rdd_training_approach, self.storage_level)
 
-    def fit(self, context: FitContext, rdd: RDD, epochs: int) -> None:
-        """Train ``context.network`` on an RDD of DataSet or MultiDataSet."""
+    def fit(self, context: FitContext, rdd: RDD, epochs: int, resume: FitPosition | None = None) -> None:
+        """Train ``context.network`` on an RDD of DataSet or MultiDataSet (from ``resume``, a checkpoint's
+        position, onwards)."""
         check_epochs(epochs)
         blob = serialise(context.network)
         probe_rdd(context.network, rdd, self.batch_size_per_worker)
         if self.rdd_training_approach == "direct":
             batches = _sources.in_memory(rdd, self.batch_size_per_worker, self.storage_level)
-            with FitRun(context, self, blob, batches, epochs) as run:
+            with FitRun(context, self, blob, batches, epochs, resume) as run:
                 self._train(run, batches, partitions=rdd.getNumPartitions())
         else:
             batches = self._exports.get(rdd, self.batch_size_per_worker, self.export_directory, self.storage_options)
-            with FitRun(context, self, blob, batches, epochs) as run:
+            with FitRun(context, self, blob, batches, epochs, resume) as run:
                 self._train(run, batches)
 
-    def fit_paths(self, context: FitContext, paths: RDD, loader: Callable[[Any], Any] | None, epochs: int) -> None:
-        """Train ``context.network`` on the minibatches that ``loader`` reads from ``paths``."""
+    def fit_paths(
+        self,
+        context: FitContext,
+        paths: RDD,
+        loader: Callable[[Any], Any] | None,
+        epochs: int,
+        resume: FitPosition | None = None,
+    ) -> None:
+        """Train ``context.network`` on the minibatches that ``loader`` reads from ``paths`` (from ``resume``,
+        a checkpoint's position, onwards)."""
         check_epochs(epochs)
         blob = serialise(context.network)
         batches = _sources.from_paths(paths, loader)
-        with FitRun(context, self, blob, batches, epochs) as run:
+        with FitRun(context, self, blob, batches, epochs, resume) as run:
             self._train(run, batches, probe=True)
 
     def delete_temp_files(self) -> None:

@@ -21,6 +21,7 @@ from dlscale.nn.listeners import TrainingListener
 from dlscale.nn.network import Network
 from dlscale.training._driver import FitContext
 from dlscale.training.averaging import ParameterAveragingTrainingMaster
+from dlscale.training.checkpoints import FitPosition, load_checkpoint, restore
 from dlscale.training.master import TrainingMaster
 
 if TYPE_CHECKING:
@@ -48,16 +49,45 @@ class SparkNet:
         self.listeners: list[TrainingListener] = []
         self.training_stats: TrainingStats | None = None
 
-    def fit(self, rdd: RDD, epochs: int = 1) -> Network:
-        """Train on an RDD of DataSet or MultiDataSet for ``epochs`` passes; returns :attr:`network`."""
-        self.training_master.fit(self._fit_context(), rdd, epochs)
+    def fit(
+        self,
+        rdd: RDD,
+        epochs: int = 1,
+        *,
+        resume_from: str | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> Network:
+        """Train on an RDD of DataSet or MultiDataSet for ``epochs`` passes; returns :attr:`network`.
+        ``resume_from``, a checkpoint's URL (:class:`~dlscale.training.checkpoints.CheckpointListener`),
+        continues the fit that wrote it: the network takes the checkpoint's state and trains the minibatches
+        of the planned epochs that the checkpoint had not, in the same order."""
+        resume = self._resume(resume_from, storage_options)
+        self.training_master.fit(self._fit_context(), rdd, epochs, resume)
         return self.network
 
-    def fit_paths(self, paths: RDD, loader: Callable[[Any], Any] | None = None, epochs: int = 1) -> Network:
+    def fit_paths(
+        self,
+        paths: RDD,
+        loader: Callable[[Any], Any] | None = None,
+        epochs: int = 1,
+        *,
+        resume_from: str | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> Network:
         """Train on the minibatch files named by ``paths`` (e.g. from :func:`dlscale.data.list_paths`),
-        read on the workers by ``loader`` (default: ``.dlb`` files); returns :attr:`network`."""
-        self.training_master.fit_paths(self._fit_context(), paths, loader, epochs)
+        read on the workers by ``loader`` (default: ``.dlb`` files); returns :attr:`network`.
+        ``resume_from`` as for :meth:`fit`."""
+        resume = self._resume(resume_from, storage_options)
+        self.training_master.fit_paths(self._fit_context(), paths, loader, epochs, resume)
         return self.network
+
+    def _resume(self, url: str | None, storage_options: dict[str, Any] | None) -> FitPosition | None:
+        """Set :attr:`network` to the checkpoint at ``url``; the position of its fit (``None`` without one)."""
+        if url is None:
+            return None
+        saved, position = load_checkpoint(url, storage_options, like=self.network)
+        restore(self.network, saved)
+        return position
 
     # -- evaluation (DL4J's evaluate, evaluateROC, evaluateRegression, doEvaluation) ------------
     def evaluate(

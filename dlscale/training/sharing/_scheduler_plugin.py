@@ -55,6 +55,8 @@ class Session:
     failed: str | None = None
     failed_by: str | None = None  # the trainer, or "driver", that stopped the session
     version: int = 0
+    fit: str = ""  # the fit's record in the training panel: a fit's sessions (its segments) share it
+    client: str | None = None  # the driver's client: the session ends when it goes
 
     @classmethod
     def open(cls, name: str, worker_of: dict[str, str], order: list[int], workers: Collection[str]) -> Session:
@@ -157,6 +159,13 @@ class Session:
         if self.failed is None:
             self.failed, self.failed_by = f"{who}: {error}", who
 
+    def drain(self) -> list[int]:
+        """Take back the items not yet handed out (in order): the trainers finish those they hold and the
+        session ends, its state whole, for a checkpoint; the driver trains the rest in a new session."""
+        items = list(self.pending)
+        self.pending.clear()
+        return items
+
     # -- the cluster's events ----------------------------------------------------------------
     def remove_worker(self, worker: str) -> list[str]:
         """Drop the trainers of ``worker`` and hand their unacknowledged items back, to the front of
@@ -202,17 +211,27 @@ class SharingSchedulerPlugin(SchedulerPlugin):
                 "dlscale_sharing_status": self.status,
                 "dlscale_sharing_fail": self.fail,
                 "dlscale_sharing_progress": self.progress,
+                "dlscale_sharing_drain": self.drain,
             }
         )
 
     # -- the driver's calls --------------------------------------------------------------
-    def open_session(self, session: str, worker_of: dict[str, str], order: list[int]) -> None:
-        """Start a session: its trainers (by the worker each is placed on) and its work items in order."""
-        self.sessions[session] = Session.open(session, worker_of, order, self.scheduler.workers)
+    def open_session(
+        self,
+        session: str,
+        worker_of: dict[str, str],
+        order: list[int],
+        fit: str | None = None,
+        client: str | None = None,
+    ) -> None:
+        """Start a session: its trainers (by the worker each is placed on), its work items in order, the
+        panel record of its ``fit`` (by default its own) and the driver's ``client``."""
+        self.sessions[session] = s = Session.open(session, worker_of, order, self.scheduler.workers)
+        s.fit, s.client = fit or session, client
         live = panel.in_scheduler(self.scheduler)
         if live is not None:  # every trainer gets its row before its first report
             live.record(
-                session,
+                s.fit,
                 [
                     {"row": t, "worker": w, "minibatches": 0, "examples": 0, "loss": float("nan")}
                     for t, w in sorted(worker_of.items())
@@ -221,6 +240,10 @@ class SharingSchedulerPlugin(SchedulerPlugin):
 
     def close_session(self, session: str) -> None:
         self.sessions.pop(session, None)
+
+    def drain(self, session: str) -> list[int]:
+        """The session's items not yet handed out, taken back (see :meth:`Session.drain`)."""
+        return self.sessions[session].drain()
 
     def progress(self, session: str) -> dict[str, Any]:
         """The acknowledgements since the last call, the trainers lost so far and the session's state."""
@@ -243,7 +266,7 @@ class SharingSchedulerPlugin(SchedulerPlugin):
         def call(s: Session) -> Handout:
             fresh = s.acknowledge(trainer, records)
             if fresh:
-                self._to_panel(session, s.worker_of[trainer], trainer, fresh)
+                self._to_panel(s.fit, s.worker_of[trainer], trainer, fresh)
             return s.hand_out(trainer, want)
 
         return self._reply(session, call)
@@ -263,14 +286,14 @@ class SharingSchedulerPlugin(SchedulerPlugin):
         except SessionStoppedError as e:
             return refusal(e)
 
-    def _to_panel(self, session: str, worker: str, trainer: str, acks: list[Ack]) -> None:
+    def _to_panel(self, fit: str, worker: str, trainer: str, acks: list[Ack]) -> None:
         live = panel.in_scheduler(self.scheduler)
         if live is None:
             return
         examples = sum(a.examples for a in acks)
         loss = sum(a.examples * a.score for a in acks) / examples if examples else float("nan")
         live.record(
-            session,
+            fit,
             [
                 {
                     "row": trainer,
@@ -298,6 +321,13 @@ class SharingSchedulerPlugin(SchedulerPlugin):
                     ", ".join(gone),
                     len(s.alive),
                 )
+
+    def remove_client(self, scheduler: Scheduler, client: str, **kwargs: Any) -> None:
+        """A driver gone (its process died, its connection lost) ends its sessions: their trainers stop at
+        their next call to the scheduler and free their workers, instead of training for nobody."""
+        for name in [name for name, s in self.sessions.items() if s.client == client]:
+            del self.sessions[name]
+            logger.warning("gradient sharing session %s ended: its driver (client %s) disconnected", name, client)
 
     def valid_workers_downscaling(self, scheduler: Scheduler, workers: list[WorkerState]) -> list[WorkerState]:
         """Keep adaptive scaling from retiring a worker whose trainers are still training."""

@@ -39,7 +39,7 @@ from dlscale.encoding import Compressor, Layout
 from dlscale.errors import NonFiniteUpdateError
 from dlscale.training._heap import training_heap
 from dlscale.training._worker import decode, replica, state_of
-from dlscale.training.sharing._exceptions import SessionAbortedError, SessionStoppedError
+from dlscale.training.sharing._exceptions import SessionAbortedError, SessionClosedError, SessionStoppedError
 from dlscale.training.sharing._messages import Ack, Handout, Update, View, unwrap
 from dlscale.training.sharing._worker_plugin import plugin
 
@@ -146,6 +146,9 @@ def run(
     try:
         with training_heap():
             return _Trainer(worker, control, local, key, blob, refs, loader, spec, joined).train()
+    except SessionClosedError as e:  # the session ended under it: its driver is gone
+        plugin(worker).close(session)
+        return _stopped(trainer, e)
     except SessionStoppedError as e:
         return _stopped(trainer, e)
     except BaseException as e:

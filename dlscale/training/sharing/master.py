@@ -11,6 +11,7 @@ added, so nothing a trainer computed is dropped.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -31,7 +32,8 @@ from dlscale.runtime.cluster import cluster_workers
 from dlscale.runtime.extensions import install
 from dlscale.runtime.tasks import check_count
 from dlscale.training import _sources, _worker
-from dlscale.training._driver import FitRun
+from dlscale.training._driver import FitRun, workers
+from dlscale.training.checkpoints import FitPosition
 from dlscale.training.master import TrainingMaster
 from dlscale.training.sharing import _mesh, _trainer
 from dlscale.training.sharing._config import SharingConfig
@@ -122,7 +124,7 @@ class _Session:
         self.master, self.run, self.batches = master, run, batches
         self.client, self.workers = run.client, run.workers
         self.config = SharingConfig.from_dask()
-        self.session = f"dlscale-sharing-{uuid.uuid4().hex[:12]}"
+        self.fit = self.session = f"dlscale-sharing-{uuid.uuid4().hex[:12]}"  # a segment's session: fit-N
         self.trainers = {f"{w}#{i}": (w, i) for w in self.workers for i in range(master.workers_per_node)}
         self.held: dict[str, Future] = {}
         if held:  # minibatches in worker memory: published for the trainers, fetched by name
@@ -133,20 +135,27 @@ class _Session:
     def _call(self, op: str, **kwargs: Any) -> Any:
         return self.client.sync(getattr(self.client.scheduler, f"dlscale_sharing_{op}"), session=self.session, **kwargs)
 
-    def _order(self) -> list[int]:
-        """Work items, epoch after epoch: item ``e * n + i`` is minibatch ``i`` in the fit's epoch ``e``."""
+    def _order(self, start: int = 0) -> list[int]:
+        """Work items, epoch after epoch from the fit's epoch ``start``: item ``e * n + i`` is minibatch ``i``
+        in the fit's epoch ``e``, whose order depends on the seed and the epoch alone."""
         n, seed, first = len(self.batches.refs), self.run.seed, self.run.first_epoch
         return [
             e * n + int(i)
-            for e in range(self.run.epochs)
+            for e in range(start, self.run.epochs)
             for i in np.random.default_rng([seed, first + e]).permutation(n)
         ]
+
+    def _resumed(self, position: FitPosition) -> list[int]:
+        """The work items left at a checkpoint's ``position``, for this fit's epochs (which may be more or
+        fewer than those of the fit that wrote it)."""
+        n = len(self.batches.refs)
+        left = [item for item in position.remaining or () if item // n < self.run.epochs]
+        return left + self._order(start=position.epochs)
 
     def train(self, probe: bool) -> None:
         master, client, run = self.master, self.client, self.run
         install(client, SHARING)
-        blob = run.blob
-        run.replicas = [f"{blob.key}/{i}" for i in range(master.workers_per_node)]
+        run.replicas = [f"{run.blob.key}/{i}" for i in range(master.workers_per_node)]
         if probe:
             run.probe()
         spec = _trainer.TrainerSpec(
@@ -159,14 +168,47 @@ class _Session:
             master.worker_gc_frequency_ms / 1000 if master.worker_periodic_gc else None,
             master.momentum_masking,
         )
-        t0 = time.perf_counter()
         if master.encoding_debug_mode:
             client.subscribe_topic(_trainer.DEBUG_TOPIC, _log_debug)
-        run.show_progress(fit=self.session)
-        self._call("open", worker_of={t: w for t, (w, _) in self.trainers.items()}, order=self._order())
+        run.show_progress(fit=self.fit)
+        remaining = self._order() if run.resume is None else self._resumed(run.resume)
+        self.left = collections.Counter(item // len(self.batches.refs) for item in remaining)  # items, by epoch
         try:
             if self.held:
                 client.publish_dataset(**{self.batches.loader.dataset: self.held})
+            segment = 0
+            while remaining:
+                if segment:  # the fit goes on from its checkpoint: the network and the workers there now
+                    run.reship()
+                    run.replicas = [f"{run.blob.key}/{i}" for i in range(master.workers_per_node)]
+                    self.workers = workers(client)
+                    self.trainers = {f"{w}#{i}": (w, i) for w in self.workers for i in range(master.workers_per_node)}
+                self.session = f"{self.fit}-{segment}" if segment else self.fit
+                remaining, due = self._segment(remaining, spec)
+                n = len(self.batches.refs)
+                epoch = min(remaining) // n if remaining else run.epochs
+                run.write_checkpoint(due, run.position(epoch, remaining=tuple(remaining)), lambda network: None)
+                segment += 1
+        finally:
+            if master.encoding_debug_mode:
+                client.unsubscribe_topic(_trainer.DEBUG_TOPIC)
+            if self.held:
+                client.unpublish_dataset(self.batches.loader.dataset)
+
+    def _segment(self, order: list[int], spec: _trainer.TrainerSpec) -> tuple[list[int], list[Any]]:
+        """Train the work items ``order`` in one session, until they are done or a checkpoint is due; then
+        the trainers' states go to the driver's network. Returns the items left (taken back for a
+        checkpoint) and the checkpoint listeners that want one now."""
+        master, client, run = self.master, self.client, self.run
+        t0 = time.perf_counter()
+        self._call(
+            "open",
+            worker_of={t: w for t, (w, _) in self.trainers.items()},
+            order=order,
+            fit=self.fit,
+            client=client.id,
+        )
+        try:
             client.run(
                 _open_node,
                 self.session,
@@ -181,8 +223,8 @@ class _Session:
                     self.session,
                     t,
                     i,
-                    blob.key,
-                    blob,
+                    run.blob.key,
+                    run.blob,
                     self.batches.refs,
                     self.batches.loader,
                     spec,
@@ -193,30 +235,35 @@ class _Session:
                 )
                 for k, (t, (w, i)) in enumerate(self.trainers.items())
             }
-            results, progress = self._follow(futures)
+            results, progress, left, due = self._follow(futures)
         finally:
-            if master.encoding_debug_mode:
-                client.unsubscribe_topic(_trainer.DEBUG_TOPIC)
             self._call("close")
-            if self.held:
-                client.unpublish_dataset(self.batches.loader.dataset)
             alive = set(cluster_workers(client))  # a lost worker would take a timeout
             client.run(_close_node, self.session, workers=[w for w in self.workers if w in alive], on_error="ignore")
         self._conclude(results, progress, time.perf_counter() - t0)
+        return left, due
 
-    def _follow(self, futures: dict[str, Future]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        """Wait for the trainers, reporting to the run as minibatches are acknowledged; returns the
-        results of the trainers that finished and the session's last progress report."""
+    def _follow(self, futures: dict[str, Future]) -> tuple[list[dict[str, Any]], dict[str, Any], list[int], list[Any]]:
+        """Wait for the trainers, reporting to the run as minibatches are acknowledged, and take back the
+        items not yet handed out once a checkpoint is due; returns the results of the trainers that
+        finished, the session's last progress report, the items taken back and the listeners that want
+        the checkpoint."""
         n = len(self.batches.refs)
         progress: dict[str, Any] = {}
         pending = set(futures.values())
+        left: list[int] = []
+        due: list[Any] = []
         while True:
             with contextlib.suppress(TimeoutError):
                 wait(pending, timeout=self.config.poll_interval * 10, return_when="FIRST_COMPLETED")
             pending = {f for f in pending if not f.done()}
             progress = self._call("progress")
+            epochs_done = self._epochs_done()
             for item, examples, score in progress["reports"]:
                 self.run.step(item // n, 1, examples, score, iterations=1)
+                self.left[item // n] -= 1
+            if not due and pending and (due := self.run.checkpoints_due(self._epochs_done(epochs_done))):
+                left = self._call("drain")
             failed = [f for f in futures.values() if f.status == "error" and not _lost_worker(f)]
             if progress["failed"] and not failed and progress["failed_by"] in futures:
                 # the trainer that failed tells the scheduler just before its task ends with the error itself
@@ -234,7 +281,15 @@ class _Session:
             if not pending:
                 break
         results = [f.result() for f in futures.values() if f.status == "finished"]
-        return results, progress
+        if not due:  # the end of the fit
+            due = self.run.checkpoints_due(self._epochs_done(epochs_done))
+        return results, progress, left, due
+
+    def _epochs_done(self, before: int | None = None) -> int | None:
+        """The fit's epochs whose every minibatch is fitted, counted from its first; with ``before``, the
+        count before, only when it has grown since (``None`` otherwise)."""
+        done = next((e for e in range(self.run.epochs) if self.left[e] > 0), self.run.epochs)
+        return done if before is None or done > before else None
 
     def _abort(self, futures: dict[str, Future]) -> None:
         """Stop every trainer (they stop at their next call to the scheduler) and wait for them."""
@@ -261,9 +316,9 @@ class _Session:
         # as every message was: adding them all applies each unsent update as its sent part was
         state = dict(state, params=state["params"] + torch.stack([s["residual"] for s in states]).sum(0))
         _worker.apply_state(self.run.network, state)
-        if self.run.stats is not None:
-            self.run.stats.trainers = [TrainerStats(**r["stats"]) for r in states]
-        minibatches = self.run.epochs * len(self.batches.refs)
+        if self.run.stats is not None:  # a fit of several segments (checkpoints) has a record per trainer and segment
+            self.run.stats.trainers.extend(TrainerStats(**r["stats"]) for r in states)
+        minibatches = sum(r["batches"] for r in states)
         logger.info("gradient sharing: %d minibatches in %.2f s on %d trainers", minibatches, seconds, len(states))
 
 
