@@ -37,6 +37,7 @@ _EXPORTS = {
     "TrainingMaster": "dlscale.training.master",
     "SharedTrainingMaster": "dlscale.training.sharing",
     "TrainingStats": "dlscale.monitor.stats",
+    "TensorBoardListener": "dlscale.monitor.tensorboard",
     "predict": "dlscale.inference",
     "write_string_to_file": "dlscale.storage",
     "read_string_from_file": "dlscale.storage",

@@ -27,6 +27,7 @@ from dlscale.encoding import Compressor, ResidualPostProcessor, ThresholdAlgorit
 from dlscale.encoding.compressors import DEFAULT as DEFAULT_COMPRESSOR
 from dlscale.errors import TrainerLostWarning
 from dlscale.monitor.stats import TrainerStats
+from dlscale.nn.listeners import SentUpdate
 from dlscale.runtime.cluster import cluster_workers
 from dlscale.runtime.extensions import install
 from dlscale.runtime.tasks import check_count
@@ -215,8 +216,9 @@ class _Session:
                 wait(pending, timeout=self.config.poll_interval * 10, return_when="FIRST_COMPLETED")
             pending = {f for f in pending if not f.done()}
             progress = self._call("progress")
-            for item, examples, score in progress["reports"]:
-                self.run.step(item // n, 1, examples, score, iterations=1)
+            for item, examples, score, threshold, sparsity, sent, at in progress["reports"]:
+                update = SentUpdate(sent, threshold, sparsity)
+                self.run.step(item // n, 1, examples, score, iterations=1, at=at, update=update)
             failed = [f for f in futures.values() if f.status == "error" and not _lost_worker(f)]
             if progress["failed"] and not failed and progress["failed_by"] in futures:
                 # the trainer that failed tells the scheduler just before its task ends with the error itself
@@ -263,6 +265,8 @@ class _Session:
         _worker.apply_state(self.run.network, state)
         if self.run.stats is not None:
             self.run.stats.trainers = [TrainerStats(**r["stats"]) for r in states]
+            params = self.run.network.params()
+            self.run.stats.dense_bytes = params.numel() * params.element_size()
         minibatches = self.run.epochs * len(self.batches.refs)
         logger.info("gradient sharing: %d minibatches in %.2f s on %d trainers", minibatches, seconds, len(states))
 
