@@ -38,6 +38,7 @@ _EXPORTS = {
     "SharedTrainingMaster": "dlscale.training.sharing",
     "TrainingStats": "dlscale.monitor.stats",
     "CheckpointListener": "dlscale.training.checkpoints",
+    "TensorBoardListener": "dlscale.monitor.tensorboard",
     "predict": "dlscale.inference",
     "write_string_to_file": "dlscale.storage",
     "read_string_from_file": "dlscale.storage",

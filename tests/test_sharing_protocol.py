@@ -347,11 +347,14 @@ def test_items_are_handed_out_in_order_and_acknowledged_once() -> None:
     s = session()
     assert s.hand_out("a#0", 3).items == (0, 1, 2)
     assert s.hand_out("b#0", 2).items == (3, 4)
+    before = time.time()
     assert s.acknowledge("a#0", [ack(0, 16, 0.5), ack(2, 8, 0.25), ack(3)]) == [ack(0, 16, 0.5), ack(2, 8, 0.25)]
     assert s.acknowledge("a#0", [ack(0)]) == []  # already acknowledged
     progress = s.progress()
-    assert progress == {
-        "reports": [(0, 16, 0.5), (2, 8, 0.25)],
+    # with what the step sent, and when the scheduler heard of it
+    assert [r[:6] for r in progress["reports"]] == [(0, 16, 0.5, 1e-3, 0.01, 100), (2, 8, 0.25, 1e-3, 0.01, 100)]
+    assert before <= progress["reports"][0][6] == progress["reports"][1][6] <= time.time()
+    assert {k: v for k, v in progress.items() if k != "reports"} == {
         "lost": ["c#0"],
         "failed": None,
         "failed_by": None,
@@ -403,7 +406,7 @@ def test_a_failure_stops_every_trainer_at_its_next_call() -> None:
     progress = s.progress()
     assert progress["state"] == "abort" and progress["failed"] == "b#0: ValueError: bad minibatch"
     assert progress["failed_by"] == "b#0"
-    assert progress["reports"] == [(0, 16, 1.0)] and not s.training()
+    assert [r[:3] for r in progress["reports"]] == [(0, 16, 1.0)] and not s.training()
 
 
 # -- the scheduler plugin over the comm ------------------------------------------------------------
@@ -429,7 +432,7 @@ async def test_the_control_plane_over_the_comm(c: Any, s: Any, a: Any, b: Any) -
     with pytest.raises(MalformedMessageError, match=r"acknowledgement\.item"):
         await a.scheduler.dlscale_sharing_next(session="s", trainer=ta, acks=[malformed], want=1)
     progress = await c.scheduler.dlscale_sharing_progress(session="s")
-    assert [tuple(r) for r in progress["reports"]] == [(0, 16, 0.5)]
+    assert [tuple(r[:6]) for r in progress["reports"]] == [(0, 16, 0.5, 1e-3, 0.01, 100)]
     assert set(progress) == {"reports", "lost", "failed", "failed_by", "state", "version", "nodes", "alive", "finished"}
 
     # adaptive scaling may not retire a worker whose trainers are at work

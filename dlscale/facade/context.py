@@ -18,11 +18,13 @@ import uuid
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
+from html import escape
 from typing import Any, ClassVar, Self
 
 import dask.config
 import distributed
 from dask.bag import Bag
+from dask.utils import format_bytes
 from distributed.comm.core import FatalCommClosedError
 from distributed.diagnostics.plugin import UploadFile
 
@@ -743,6 +745,57 @@ class SparkContext:
 
     def __repr__(self) -> str:
         return f"<SparkContext master={self.master} appName={self.appName}>"
+
+    def _repr_html_(self) -> str:
+        """What a notebook shows: the application, its master, the dashboard (and its training page), every
+        worker with its threads and memory, and the Dask client's own view, in Dask's style."""
+        title = (
+            '<div style="width: 24px; height: 24px; background-color: #FFF7E5; border: 3px solid #E25A1C; '
+            'border-radius: 5px; position: absolute;"></div><div style="margin-left: 48px;">'
+            '<h3 style="margin-bottom: 0px;">SparkContext</h3>'
+            f'<p style="color: #9D9D9D; margin-bottom: 0px;">{escape(self.appName)} ({self.applicationId})</p>'
+        )
+        cells = [f"<strong>Master:</strong> {escape(self.master)}", f"<strong>dlscale:</strong> {__version__}"]
+        if self._stopped:
+            return f"<div>{title}{_html_table(cells + ['<strong>Status:</strong> stopped', ''])}</div></div>"
+        link = self.uiWebUrl
+        if link:
+            cells.append(f'<strong>Dashboard:</strong> <a href="{escape(link)}" target="_blank">{escape(link)}</a>')
+            page = link.rsplit("/", 1)[0] + "/training"  # the training page, when dlscale.panel installs it
+            cells.append(
+                f'<strong>Training:</strong> <a href="{escape(page)}" target="_blank">{escape(page)}</a>'
+                if config.get("panel")
+                else ""
+            )
+        workers = cluster_workers(self.client)
+        memory = sum(w.get("memory_limit") or 0 for w in workers.values())
+        cells += [
+            f"<strong>Workers:</strong> {len(workers)}",
+            f"<strong>Total threads:</strong> {sum(w['nthreads'] for w in workers.values())}, "
+            f"<strong>total memory:</strong> {format_bytes(memory)}",
+        ]
+        rows = "".join(
+            f"<tr><td>{escape(address)}</td><td>{escape(str(w.get('name')))}</td><td>{w['nthreads']}</td>"
+            f"<td>{format_bytes(w['memory_limit']) if w.get('memory_limit') else 'no limit'}</td></tr>"
+            for address, w in sorted(workers.items())
+        )
+        return (
+            f"<div>{title}{_html_table(cells)}"
+            '<details><summary><h4 style="display: inline;">Workers</h4></summary>'
+            '<table style="text-align: left;"><tr><th>address</th><th>name</th><th>threads</th><th>memory</th></tr>'
+            f"{rows}</table></details>"
+            '<details><summary><h4 style="display: inline;">Dask client</h4></summary>'
+            f"{self.client._repr_html_()}</details></div></div>"
+        )
+
+
+def _html_table(cells: list[str]) -> str:
+    """``cells`` two to a row, as Dask's own reprs lay out their figures."""
+    rows = "".join(
+        "<tr>" + "".join(f'<td style="text-align: left;">{c}</td>' for c in cells[i : i + 2]) + "</tr>"
+        for i in range(0, len(cells), 2)
+    )
+    return f'<table style="width: 100%; text-align: left;">{rows}</table>'
 
 
 def _hadoop_input(method: str) -> UnsupportedOperationError:

@@ -7,10 +7,14 @@ The counterpart of DL4J's ``SparkTrainingStats``: collected only when a training
 
 from __future__ import annotations
 
+import html
 import io
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from dask.utils import format_bytes
 
 from dlscale import storage
 
@@ -58,6 +62,7 @@ class TrainerStats:
 
     ``phases`` is its timeline: ``(phase, start, seconds)`` with ``phase`` one of :data:`PHASES` and
     ``start`` a Unix time. ``steps`` is one ``(time, threshold, sparsity, message_bytes)`` per step.
+    ``score`` is the loss of its last minibatch.
     """
 
     trainer: str
@@ -68,6 +73,7 @@ class TrainerStats:
     bytes_sent: int = 0
     messages_received: int = 0
     bytes_received: int = 0
+    score: float = math.nan
     phases: list[tuple[str, float, float]] = field(default_factory=list)
     steps: list[tuple[float, float, float, int]] = field(default_factory=list)
 
@@ -78,19 +84,101 @@ class TrainerStats:
 
 @dataclass
 class TrainingStats:
-    """Statistics of one ``fit`` call (appended to by later calls of the same ``SparkNet``)."""
+    """Statistics of one ``fit`` call (appended to by later calls of the same ``SparkNet``).
+
+    ``dense_bytes`` is the size of one update sent dense (the network's parameters), for gradient
+    sharing; 0 where unknown."""
 
     approach: str
     workers: int
     prepare_seconds: float = 0.0  # exporting or caching minibatches before the first round
     rounds: list[RoundStats] = field(default_factory=list)
     trainers: list[TrainerStats] = field(default_factory=list)
+    dense_bytes: int = 0
 
     def extend(self, later: TrainingStats) -> None:
         """Append the statistics of a later ``fit`` of the same network."""
         self.prepare_seconds += later.prepare_seconds
         self.rounds.extend(later.rounds)
         self.trainers.extend(later.trainers)
+        self.dense_bytes = later.dense_bytes or self.dense_bytes
+
+    def overview(self) -> dict[str, Any]:
+        """The figures of the whole record, ``None`` where unknown: training ``seconds`` (rounds' times for
+        parameter averaging; the time any trainer was at work for gradient sharing), ``examples`` and
+        ``examples_per_second``, ``bytes_sent`` and ``dense_bytes`` (every step's update sent dense),
+        ``phases`` (each phase's share of the workers' or trainers' time: for parameter averaging
+        ``fit`` and ``wait``, waiting for data being part of a task) and the final ``score`` (the last
+        round's, or the mean of the trainers' last minibatches')."""
+        if self.trainers:
+            spans = sorted(
+                (min(s for _, s, _ in t.phases), max(s + d for _, s, d in t.phases)) for t in self.trainers if t.phases
+            )
+            seconds, end = 0.0, -math.inf
+            for start, stop in spans:  # the union of the trainers' spans: no gap between fits counts
+                seconds += max(0.0, stop - max(start, end))
+                end = max(end, stop)
+            examples = sum(t.examples for t in self.trainers)
+            busy = {p: sum(t.seconds(p) for t in self.trainers) for p in PHASES}
+            scores = [t.score for t in self.trainers if t.minibatches and math.isfinite(t.score)]
+            score = sum(scores) / len(scores) if scores else None
+            sent: int | None = sum(t.bytes_sent for t in self.trainers)
+            dense = sum(t.minibatches for t in self.trainers) * self.dense_bytes or None
+        else:
+            seconds = sum(r.seconds for r in self.rounds)
+            examples = sum(r.examples for r in self.rounds)
+            tasks = [w for r in self.rounds for w in r.workers]
+            wait = sum(w.wait_seconds for w in tasks)
+            busy = {"fit": sum(w.fit_seconds for w in tasks) - wait, "wait": wait}
+            score = self.rounds[-1].score if self.rounds else None
+            sent = dense = None
+        total = sum(busy.values())
+        return {
+            "approach": self.approach,
+            "workers": self.workers,
+            "seconds": seconds,
+            "prepare_seconds": self.prepare_seconds,
+            "examples": examples,
+            "examples_per_second": examples / seconds if seconds > 0 else None,
+            "bytes_sent": sent,
+            "dense_bytes": dense,
+            "phases": {p: b / total for p, b in busy.items()} if total > 0 else {},
+            "score": score,
+        }
+
+    def _lines(self) -> list[tuple[str, str]]:
+        """The overview as ``(label, text)`` pairs, for the text and HTML forms."""
+        o = self.overview()
+        units = f"{len(self.trainers)} trainers" if self.trainers else f"{len(self.rounds)} rounds"
+        lines = [
+            ("approach", o["approach"]),
+            ("workers", f"{o['workers']}, {units}"),
+            ("duration", f"{o['seconds']:.2f} s training, {o['prepare_seconds']:.2f} s preparing minibatches"),
+            ("examples", f"{o['examples']:,}"),
+        ]
+        if o["examples_per_second"] is not None:
+            lines.append(("examples/s", f"{o['examples_per_second']:,.1f}"))
+        if o["bytes_sent"] is not None:
+            dense = o["dense_bytes"]
+            vs = f" of {format_bytes(dense)} dense ({o['bytes_sent'] / dense:.2%})" if dense else ""
+            lines.append(("bytes sent", f"{format_bytes(o['bytes_sent'])}{vs}"))
+        if o["phases"]:
+            lines.append(("time by phase", ", ".join(f"{p} {share:.0%}" for p, share in o["phases"].items())))
+        if o["score"] is not None:
+            lines.append(("final loss", f"{o['score']:.6g}"))
+        return lines
+
+    def __repr__(self) -> str:
+        return "<TrainingStats " + "; ".join(f"{label}: {text}" for label, text in self._lines()) + ">"
+
+    def _repr_html_(self) -> str:
+        """A table of :meth:`overview`, as notebooks show it."""
+        rows = "".join(
+            f'<tr><th style="text-align: left;">{html.escape(label)}</th>'
+            f'<td style="text-align: left;">{html.escape(text)}</td></tr>'
+            for label, text in self._lines()
+        )
+        return f'<div><strong>TrainingStats</strong><table style="text-align: left;">{rows}</table></div>'
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,4 +1,5 @@
-"""Training listeners (DL4J's ``ScoreIterationListener`` and ``PerformanceListener``)."""
+"""Training listeners (DL4J's ``ScoreIterationListener`` and ``PerformanceListener``) and what a
+distributed fit reports to them after every step."""
 
 from __future__ import annotations
 
@@ -10,11 +11,47 @@ from typing import Any
 log = logging.getLogger("dlscale")
 
 
+@dataclass(frozen=True)
+class SentUpdate:
+    """A gradient-sharing step's update as its compressor sent it: the message's ``bytes`` (0 when the
+    step sent nothing), the compressor's ``threshold`` and the ``sparsity`` (fraction of the parameters
+    sent)."""
+
+    bytes: int
+    threshold: float
+    sparsity: float
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One step of a distributed fit as the driver learns of it: the network's ``iteration`` after it
+    (the step moved it on by ``iterations``: one minibatch with gradient sharing, a round's minibatches
+    per worker with parameter averaging), the ``epoch``, the mean loss ``score`` over ``examples`` examples,
+    ``time`` (Unix) the step was reported (by the scheduler's receipt of a trainer's acknowledgement,
+    or the driver's of a round), and for gradient sharing the ``update`` it sent."""
+
+    iteration: int
+    iterations: int
+    epoch: int
+    score: float
+    examples: int
+    time: float
+    update: SentUpdate | None = None
+
+
 class TrainingListener:
-    """Called after every minibatch a network fits."""
+    """Called after every minibatch a network fits (every step of a distributed fit)."""
 
     def iteration_done(self, network: Any, iteration: int, epoch: int, score: float, examples: int) -> None:
         """``score`` is the minibatch's loss; ``examples`` its number of examples."""
+
+    def step_done(self, network: Any, step: StepReport) -> None:
+        """A distributed fit's step with all the driver knows of it; calls :meth:`iteration_done` unless
+        overridden, so a listener that needs more than the loss overrides this instead."""
+        self.iteration_done(network, step.iteration, step.epoch, step.score, step.examples)
+
+    def fit_done(self, network: Any) -> None:
+        """A distributed fit has ended, whether it succeeded or failed (a listener flushes here)."""
 
 
 @dataclass

@@ -27,7 +27,7 @@ from dlscale.monitor import panel
 from dlscale.monitor.progress import Progress
 from dlscale.monitor.stats import TrainingStats
 from dlscale.nn import shipping
-from dlscale.nn.listeners import TrainingListener
+from dlscale.nn.listeners import SentUpdate, StepReport, TrainingListener
 from dlscale.nn.network import Network
 from dlscale.runtime.cluster import cluster_workers
 from dlscale.training import _worker
@@ -198,6 +198,8 @@ class FitRun:
         finally:
             if error is not None:
                 self.network.iteration, self.network.epoch = self._counters
+            for listener in self.listeners:
+                listener.fit_done(self.network)
         if error is None:
             self.network.epoch = self._first_epoch + self.epochs
             if self.stats is not None:
@@ -274,9 +276,12 @@ class FitRun:
         score: float,
         iterations: int,
         rows: list[dict[str, Any]] | None = None,
+        at: float | None = None,
+        update: SentUpdate | None = None,
     ) -> None:
         """A step done in epoch ``epoch`` of the fit: ``minibatches`` trained on ``examples`` examples
-        with mean loss ``score``, moving the network on by ``iterations``; ``rows`` go to the panel.
+        with mean loss ``score``, moving the network on by ``iterations``; ``rows`` go to the panel;
+        ``at`` is when it was reported (default now), ``update`` what it sent (gradient sharing).
         Advances the progress, the network's counters and calls every listener."""
         network = self.network
         network.iteration += iterations
@@ -287,5 +292,7 @@ class FitRun:
             panel.record(self.client, self.fit_id, rows)
             if self.stats is not None:
                 panel.record_phases(self.client, self.fit_id, self.stats)
+        at = time.time() if at is None else at
+        report = StepReport(network.iteration, iterations, self.first_epoch + epoch, score, examples, at, update)
         for listener in self.listeners:
-            listener.iteration_done(network, network.iteration, self.first_epoch + epoch, score, examples)
+            listener.step_done(network, report)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -38,6 +39,11 @@ logger = logging.getLogger("dlscale.training.sharing")
 
 NAME = "dlscale-sharing"
 
+Report = tuple[int, int, float, float, float, int, float]
+"""An acknowledged step as the driver hears of it: ``(item, examples, score, threshold, sparsity,
+bytes_sent, time)``, ``time`` when the scheduler received the acknowledgement (one clock for every
+trainer)."""
+
 
 @dataclass
 class Session:
@@ -50,7 +56,7 @@ class Session:
     assigned: dict[str, set[int]] = field(default_factory=dict)
     joined: set[str] = field(default_factory=set)
     finished: dict[str, int] = field(default_factory=dict)  # trainer -> updates it sent
-    reports: list[tuple[int, int, float]] = field(default_factory=list)  # (item, examples, score) for the driver
+    reports: list[Report] = field(default_factory=list)  # for the driver
     lost: list[str] = field(default_factory=list)  # trainers lost, in order
     failed: str | None = None
     failed_by: str | None = None  # the trainer, or "driver", that stopped the session
@@ -94,7 +100,7 @@ class Session:
         )
 
     def progress(self) -> dict[str, Any]:
-        """The driver's report: the acknowledgements since the last one (``(item, examples, score)``),
+        """The driver's report: the acknowledgements since the last one (:data:`Report`),
         the trainers lost so far, the failure if any, and the state of the session."""
         reports, self.reports = self.reports, []
         view = self.view()
@@ -127,9 +133,10 @@ class Session:
         self._check_member(trainer)
         mine = self.assigned[trainer]
         fresh = [ack for ack in acks if ack.item in mine]
+        now = time.time()
         for ack in fresh:
             mine.discard(ack.item)
-            self.reports.append((ack.item, ack.examples, ack.score))
+            self.reports.append((ack.item, ack.examples, ack.score, ack.threshold, ack.sparsity, ack.bytes_sent, now))
         return fresh
 
     def hand_out(self, trainer: str, want: int) -> Handout:

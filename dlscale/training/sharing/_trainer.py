@@ -205,6 +205,7 @@ class _Trainer:
             "bytes_sent": 0,
             "messages_received": 0,
             "bytes_received": 0,
+            "score": float("nan"),
             "phases": [],
             "steps": [],
         }
@@ -334,6 +335,7 @@ class _Trainer:
                     self.acks.append(Ack(item, examples, float(score), float(own.threshold), float(own.density), size))
                 self.stats["minibatches"] += 1
                 self.stats["examples"] += examples
+                self.stats["score"] = float(score)
                 step += 1
                 if spec.gc_seconds is not None and time.monotonic() - last_gc >= spec.gc_seconds:
                     gc.collect()

@@ -28,6 +28,7 @@ from dlscale.encoding import Compressor, ResidualPostProcessor, ThresholdAlgorit
 from dlscale.encoding.compressors import DEFAULT as DEFAULT_COMPRESSOR
 from dlscale.errors import TrainerLostWarning
 from dlscale.monitor.stats import TrainerStats
+from dlscale.nn.listeners import SentUpdate
 from dlscale.runtime.cluster import cluster_workers
 from dlscale.runtime.extensions import install
 from dlscale.runtime.tasks import check_count
@@ -259,8 +260,9 @@ class _Session:
             pending = {f for f in pending if not f.done()}
             progress = self._call("progress")
             epochs_done = self._epochs_done()
-            for item, examples, score in progress["reports"]:
-                self.run.step(item // n, 1, examples, score, iterations=1)
+            for item, examples, score, threshold, sparsity, sent, at in progress["reports"]:
+                update = SentUpdate(sent, threshold, sparsity)
+                self.run.step(item // n, 1, examples, score, iterations=1, at=at, update=update)
                 self.left[item // n] -= 1
             if not due and pending and (due := self.run.checkpoints_due(self._epochs_done(epochs_done))):
                 left = self._call("drain")
@@ -318,6 +320,8 @@ class _Session:
         _worker.apply_state(self.run.network, state)
         if self.run.stats is not None:  # a fit of several segments (checkpoints) has a record per trainer and segment
             self.run.stats.trainers.extend(TrainerStats(**r["stats"]) for r in states)
+            params = self.run.network.params()
+            self.run.stats.dense_bytes = params.numel() * params.element_size()
         minibatches = sum(r["batches"] for r in states)
         logger.info("gradient sharing: %d minibatches in %.2f s on %d trainers", minibatches, seconds, len(states))
 
