@@ -24,10 +24,13 @@ class SharingConfig:
     end_timeout: float  # seconds a trainer waits for its peers' last updates, or for a lost minibatch held in memory
     send_retries: int  # retries of a send that failed with a connection error before its peer is dropped
     send_retry_delay: float  # seconds before the first retry, doubling with each one
+    max_trainers: int | None = None  # trainers a fit places at most (None: workers_per_node on every worker)
 
     def __post_init__(self) -> None:
         for name in ("send_buffer", "coalesce", "mesh_fanout"):
             _check(name, getattr(self, name), 1)
+        if self.max_trainers is not None:
+            _check("max_trainers", self.max_trainers, 1)
         _check("send_retries", self.send_retries, 0)
         for name in ("poll_interval", "end_timeout", "send_retry_delay"):
             value = getattr(self, name)
@@ -45,6 +48,7 @@ class SharingConfig:
             end_timeout=_read("end_timeout", parse_timedelta),
             send_retries=_read("send_retries"),
             send_retry_delay=_read("send_retry_delay", parse_timedelta),
+            max_trainers=_read("max_trainers"),
         )
 
 

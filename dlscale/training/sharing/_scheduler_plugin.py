@@ -63,6 +63,7 @@ class Session:
     version: int = 0
     fit: str = ""  # the fit's record in the training panel: a fit's sessions (its segments) share it
     client: str | None = None  # the driver's client: the session ends when it goes
+    newcomers: list[str] = field(default_factory=list)  # workers that joined the cluster since it opened
 
     @classmethod
     def open(cls, name: str, worker_of: dict[str, str], order: list[int], workers: Collection[str]) -> Session:
@@ -115,6 +116,7 @@ class Session:
             "nodes": list(view.nodes),
             "alive": list(view.alive),
             "finished": view.finished,
+            "newcomers": list(self.newcomers),
         }
 
     # -- the trainers' calls -----------------------------------------------------------------
@@ -328,6 +330,12 @@ class SharingSchedulerPlugin(SchedulerPlugin):
                     ", ".join(gone),
                     len(s.alive),
                 )
+
+    def add_worker(self, scheduler: Scheduler, worker: str) -> None:
+        """Tell the drivers of running sessions about a worker that joined: they take it in at a segment's end."""
+        for s in self.sessions.values():
+            if s.training() and worker not in s.worker_of.values() and worker not in s.newcomers:
+                s.newcomers.append(worker)
 
     def remove_client(self, scheduler: Scheduler, client: str, **kwargs: Any) -> None:
         """A driver gone (its process died, its connection lost) ends its sessions: their trainers stop at

@@ -126,12 +126,23 @@ class _Session:
         self.client, self.workers = run.client, run.workers
         self.config = SharingConfig.from_dask()
         self.fit = self.session = f"dlscale-sharing-{uuid.uuid4().hex[:12]}"  # a segment's session: fit-N
-        self.trainers = {f"{w}#{i}": (w, i) for w in self.workers for i in range(master.workers_per_node)}
+        self.trainers = self._place()
         self.held: dict[str, Future] = {}
         if held:  # minibatches in worker memory: published for the trainers, fetched by name
             self.held = dict(zip(batches.names, batches.refs))
             loader = _trainer.HeldMinibatch(f"{self.session}-minibatches", self.config.end_timeout)
             self.batches = dataclasses.replace(batches, refs=list(batches.names), loader=loader)
+
+    def _place(self) -> dict[str, tuple[str, int]]:
+        """The trainers, ``workers_per_node`` on each worker, on as many workers as
+        ``dlscale.sharing.max-trainers`` allows (at least one)."""
+        per, cap = self.master.workers_per_node, self.config.max_trainers
+        placed = self.workers if cap is None else self.workers[: max(1, cap // per)]
+        return {f"{w}#{i}": (w, i) for w in placed for i in range(per)}
+
+    def _nodes(self) -> list[str]:
+        """The workers with trainers."""
+        return sorted({w for w, _ in self.trainers.values()})
 
     def _call(self, op: str, **kwargs: Any) -> Any:
         return self.client.sync(getattr(self.client.scheduler, f"dlscale_sharing_{op}"), session=self.session, **kwargs)
@@ -183,7 +194,7 @@ class _Session:
                     run.reship()
                     run.replicas = [f"{run.blob.key}/{i}" for i in range(master.workers_per_node)]
                     self.workers = workers(client)
-                    self.trainers = {f"{w}#{i}": (w, i) for w in self.workers for i in range(master.workers_per_node)}
+                    self.trainers = self._place()
                 self.session = f"{self.fit}-{segment}" if segment else self.fit
                 remaining, due = self._segment(remaining, spec)
                 n = len(self.batches.refs)
@@ -216,7 +227,7 @@ class _Session:
                 master.workers_per_node,
                 master.mesh_build_mode,
                 self.config,
-                workers=self.workers,
+                workers=self._nodes(),
             )
             futures = {
                 t: client.submit(
@@ -240,7 +251,7 @@ class _Session:
         finally:
             self._call("close")
             alive = set(cluster_workers(client))  # a lost worker would take a timeout
-            client.run(_close_node, self.session, workers=[w for w in self.workers if w in alive], on_error="ignore")
+            client.run(_close_node, self.session, workers=[w for w in self._nodes() if w in alive], on_error="ignore")
         self._conclude(results, progress, time.perf_counter() - t0)
         return left, due
 
@@ -254,6 +265,7 @@ class _Session:
         pending = set(futures.values())
         left: list[int] = []
         due: list[Any] = []
+        drained = False
         while True:
             with contextlib.suppress(TimeoutError):
                 wait(pending, timeout=self.config.poll_interval * 10, return_when="FIRST_COMPLETED")
@@ -264,8 +276,11 @@ class _Session:
                 update = SentUpdate(sent, threshold, sparsity)
                 self.run.step(item // n, 1, examples, score, iterations=1, at=at, update=update)
                 self.left[item // n] -= 1
-            if not due and pending and (due := self.run.checkpoints_due(self._epochs_done(epochs_done))):
-                left = self._call("drain")
+            if not drained and pending:
+                due = self.run.checkpoints_due(self._epochs_done(epochs_done))
+                room = self.config.max_trainers is None or len(self.trainers) < self.config.max_trainers
+                if due or (progress["newcomers"] and room):
+                    left, drained = self._call("drain"), True  # a checkpoint, or trainers for the newcomers
             failed = [f for f in futures.values() if f.status == "error" and not _lost_worker(f)]
             if progress["failed"] and not failed and progress["failed_by"] in futures:
                 # the trainer that failed tells the scheduler just before its task ends with the error itself
@@ -283,7 +298,7 @@ class _Session:
             if not pending:
                 break
         results = [f.result() for f in futures.values() if f.status == "finished"]
-        if not due:  # the end of the fit
+        if not drained:  # the end of the fit
             due = self.run.checkpoints_due(self._epochs_done(epochs_done))
         return results, progress, left, due
 
