@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from pyspark.statcounter import StatCounter as SparkStatCounter
 
-from dlscale import StatCounter
+from dlscale import SparkContext, StatCounter
 
 pytestmark = pytest.mark.pyspark
 
@@ -106,3 +106,53 @@ def test_count_approx_distinct_within_its_bound(sc: Any, spark: Any) -> None:
         with pytest.raises(ValueError, match="relativeSD should be greater than 0.000017"):
             c.parallelize([1]).countApproxDistinct(0.00001)
     assert sc.emptyRDD().countApproxDistinct() == 0
+
+
+def test_names_spark_programs_and_tests_use(sc: Any, spark: Any) -> None:
+    """``TaskContext()`` in a task, the deprecated ``mapPartitionsWithSplit`` and ``collectWithJobGroup``,
+    a union of RDDs partitioned alike, and a context refused in a task, as PySpark."""
+    from pyspark import TaskContext as SparkTaskContext
+
+    from dlscale import TaskContext
+
+    def program(c: Any, task_context: Any) -> tuple:
+        rdd = c.parallelize(range(8), 4)
+        parted = c.parallelize([(i, i) for i in range(10)], 3).partitionBy(2)
+        both = parted.union(parted)
+        with pytest.warns(FutureWarning):
+            split = rdd.mapPartitionsWithSplit(lambda i, it: [i * 10 + sum(it)]).collect()
+        with pytest.warns(FutureWarning):
+            grouped = rdd.collectWithJobGroup("group", "a job group")
+        return (
+            rdd.map(lambda x: task_context().partitionId()).collect(),
+            split,
+            grouped,
+            both.getNumPartitions(),
+            both.partitioner == parted.partitioner,
+            both.glom().map(sorted).collect(),
+            c.parallelize(range(6), 3).union(c.parallelize(range(2), 1)).getNumPartitions(),
+        )
+
+    assert both(sc, spark, lambda c: program(c, TaskContext if c is sc else SparkTaskContext))[3] == 2
+
+    def refused(c: Any) -> str:
+        context_class = type(c)
+
+        def make(_: Any) -> str:
+            try:
+                context_class("local[1]", "in a task")
+            except Exception as e:
+                return str(e).split(". ")[0]
+            return "created"
+
+        return c.parallelize([1], 1).map(make).collect()[0]
+
+    assert both(sc, spark, refused).startswith("[CONTEXT_ONLY_VALID_ON_DRIVER] It appears that you are attempting")
+    assert type(sc)._active_spark_context is sc
+
+
+def test_spark_local_cluster_master() -> None:
+    with SparkContext("local-cluster[2, 1, 1024]", "local-cluster") as c:
+        workers = c.client.scheduler_info(n_workers=-1)["workers"].values()
+        assert c.master == "local-cluster[2, 1, 1024]"
+        assert sorted((w["nthreads"], w["memory_limit"]) for w in workers) == [(1, 1024 * 2**20)] * 2

@@ -114,6 +114,10 @@ def map_partitions_with_index(f: Callable, i: int, it: Iterable) -> Iterable:
     return f(i, iter(it))
 
 
+def concatenated(_i: int, *parts: Iterable) -> Iterator:
+    return itertools.chain.from_iterable(parts)
+
+
 def elements(_i: int, it: Iterable) -> Iterable:
     return it
 

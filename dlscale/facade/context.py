@@ -45,10 +45,14 @@ from dlscale.facade.embedded import EmbeddedCluster
 from dlscale.facade.files import Files
 from dlscale.facade.jobs import INTERRUPT_ON_CANCEL, JOB_DESCRIPTION, JOB_GROUP, Jobs
 from dlscale.facade.rdd import RDD
+from dlscale.facade.taskcontext import ResourceInformation, TaskContext
 from dlscale.runtime.cluster import cluster_workers
 from dlscale.runtime.extensions import install_dashboard_pages
 
 _LOCAL = re.compile(r"^local(?:\[(\d+|\*)(?:\s*,\s*(\d+))?\])?$")
+_DRIVER_RESOURCE = re.compile(r"^spark\.driver\.resource\.([^.]+)\.amount$")
+# Spark's test cluster: local-cluster[workers, cores per worker, memory per worker in MiB]
+_LOCAL_CLUSTER = re.compile(r"^local-cluster\[\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*\]$")
 _ADDRESS = re.compile(r"^(tcp|tls|ws|wss|inproc)://.+")
 _RESOURCE = re.compile(r"^spark\.executor\.resource\.([^.]+)\.amount$")
 _SPARK_MANAGERS = ("spark://", "yarn", "mesos://", "k8s://")
@@ -130,6 +134,7 @@ class SparkContext:
     """
 
     _running: ClassVar[list[SparkContext]] = []  # oldest first; getOrCreate returns the last
+    _active_spark_context: ClassVar[SparkContext | None] = None  # PySpark's name for the last one, read by libraries
     _lock = threading.RLock()
 
     def __init__(
@@ -145,6 +150,14 @@ class SparkContext:
         if conf is not None and not isinstance(conf, (SparkConf, dict)):
             raise TypeError(f"conf must be a SparkConf or a dict, not {type(conf).__name__}")
         self._conf = conf if isinstance(conf, SparkConf) else SparkConf().setAll((conf or {}).items())
+        allowed = (self._conf.get("spark.executor.allowSparkContext") or "").lower() == "true"
+        if TaskContext.get() is not None and not allowed:
+            raise RuntimeError(  # PySpark's message
+                "[CONTEXT_ONLY_VALID_ON_DRIVER] It appears that you are attempting to reference SparkContext from a "
+                "broadcast variable, action, "
+                "or transformation. SparkContext can only be used on the driver, not in code that runs on workers. "
+                "For more information, see SPARK-5063."
+            )
         if sum(x is not None for x in (master, client, cluster)) > 1:
             raise ValueError("give at most one of master, client and cluster")
         if client is not None and not isinstance(client, distributed.Client):
@@ -187,9 +200,17 @@ class SparkContext:
         self._stopped = False
         with SparkContext._lock:
             SparkContext._running.append(self)
+            SparkContext._active_spark_context = self
 
     # -- cluster ownership ---------------------------------------------------------------
     def _connect(self, master: str, security: distributed.Security | None) -> distributed.Client:
+        if m := _LOCAL_CLUSTER.match(master):  # Spark's local-cluster[N, C, M]: N workers of C threads and M MiB
+            workers, cores, mib = map(int, m.groups())
+            if min(workers, cores, mib) < 1:
+                raise MasterURLError(f"master {master!r} asks for no workers, threads or memory; use at least 1")
+            self._conf.setIfMissing("spark.executor.cores", str(cores))
+            self._conf.setIfMissing("spark.executor.memory", f"{mib}m")
+            master = f"local[{workers}]"
         local = _parse_local(master)
         if local is not None:
             n, self._max_failures = local
@@ -267,6 +288,16 @@ class SparkContext:
         }
 
     @property
+    def resources(self) -> dict[str, ResourceInformation]:
+        """The driver's resources (PySpark's): those ``spark.driver.resource.<name>.amount`` gives it, a
+        resource of quantity n with the addresses ``"0"`` to ``"n-1"``."""
+        return {
+            m.group(1): ResourceInformation(m.group(1), [str(i) for i in range(int(float(v)))])
+            for k, v in self._conf.getAll()
+            if (m := _DRIVER_RESOURCE.match(k))
+        }
+
+    @property
     def client(self) -> distributed.Client:
         """The Dask client this context computes with."""
         if self._stopped:
@@ -297,6 +328,7 @@ class SparkContext:
             self._owned_cluster.close()
         with SparkContext._lock:
             SparkContext._running.remove(self)
+            SparkContext._active_spark_context = SparkContext._running[-1] if SparkContext._running else None
 
     def __enter__(self) -> Self:
         return self
@@ -382,10 +414,16 @@ class SparkContext:
         return RDD(_graph.partitionwise("fromBag", _ops.elements, bag), self)
 
     def union(self, rdds: Sequence[RDD]) -> RDD:
-        """The concatenation of the partitions of ``rdds``."""
+        """The concatenation of the partitions of ``rdds``; of RDDs partitioned alike (the same partitioner),
+        partition i is the union of their partitions i and the partitioner is kept (Spark's
+        ``PartitionerAwareUnionRDD``)."""
         rdds = list(rdds)
         if not rdds:
             raise ValueError("union needs at least one RDD")
+        first = rdds[0].partitioner
+        if first is not None and all(r.partitioner == first for r in rdds[1:]):
+            bag = _graph.partitionwise("union", _ops.concatenated, *[r._bag for r in rdds])
+            return RDD(bag, self, first, parents=tuple(rdds))
         sources = [[(r._bag, i)] for r in rdds for i in range(r.getNumPartitions())]
         return RDD(_graph.select("union", sources, [r._bag for r in rdds]), self, parents=tuple(rdds))
 

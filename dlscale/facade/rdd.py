@@ -14,6 +14,7 @@ import math
 import operator
 import random
 import sys
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial, reduce
@@ -200,6 +201,13 @@ class RDD:
         return self._partitionwise(
             "mapPartitionsWithIndex", partial(_ops.map_partitions_with_index, f), preservesPartitioning
         )
+
+    def mapPartitionsWithSplit(
+        self, f: Callable[[int, Iterator[Any]], Iterable[Any]], preservesPartitioning: bool = False
+    ) -> RDD:
+        """PySpark's deprecated name of :meth:`mapPartitionsWithIndex` (it warns, as PySpark does)."""
+        warnings.warn("mapPartitionsWithSplit is deprecated; use mapPartitionsWithIndex instead", FutureWarning, 2)
+        return self.mapPartitionsWithIndex(f, preservesPartitioning)
 
     def barrier(self) -> barrier.RDDBarrier:
         """This RDD, for an operation whose tasks run all at once as a barrier stage (see
@@ -525,6 +533,21 @@ class RDD:
         """Every element, in partition order, on the driver."""
         # gathered partition by partition: each crosses the network as one unit
         return list(itertools.chain.from_iterable(self._run_partitions(iter, range(self.getNumPartitions()))))
+
+    def collectWithJobGroup(self, groupId: str, description: str, interruptOnCancel: bool = False) -> list:
+        """:meth:`collect` as a job of group ``groupId`` (PySpark's deprecated method; the thread's own
+        group is restored after)."""
+        warnings.warn(
+            "Deprecated in 3.1, Use pyspark.InheritableThread with the pinned thread mode enabled.", FutureWarning, 2
+        )
+        jobs = self.ctx._jobs
+        before = dict(jobs.properties())
+        self.ctx.setJobGroup(groupId, description, interruptOnCancel)
+        try:
+            return self.collect()
+        finally:
+            jobs.properties().clear()
+            jobs.properties().update(before)
 
     def count(self) -> int:
         if self.getNumPartitions() == 0:

@@ -62,9 +62,18 @@ def _job_of(dask_key: Any) -> dict[str, Any]:
 
 
 class TaskContext:
-    """The context of the running task: ``TaskContext.get()`` in a task, ``None`` on the driver."""
+    """The context of the running task: ``TaskContext.get()`` in a task, ``None`` on the driver.
+    ``TaskContext()`` is, as in PySpark, the running task's context too (and an empty one on the driver)."""
 
-    def __init__(self, key: Any, dask_key: Any) -> None:
+    def __new__(cls, *args: Any, **kwargs: Any) -> TaskContext:
+        current = TaskContext.get()
+        if not args and not kwargs and isinstance(current, cls):
+            return current
+        return super().__new__(cls)
+
+    def __init__(self, key: Any = None, dask_key: Any = None) -> None:
+        if key is None and dask_key is None and hasattr(self, "_partition"):
+            return  # TaskContext() in a task: the running task's context, as it is
         self._partition = _partition_of(key)
         self._dask_key = dask_key
         self._attempt_id: int | None = None
