@@ -134,7 +134,7 @@ class SparkContext:
     """
 
     _running: ClassVar[list[SparkContext]] = []  # oldest first; getOrCreate returns the last
-    _active_spark_context: ClassVar[SparkContext | None] = None  # PySpark's name for the last one, read by libraries
+    _active_spark_context: ClassVar[SparkContext | None] = None  # PySpark's: the last started, None once it stops
     _lock = threading.RLock()
 
     def __init__(
@@ -328,7 +328,8 @@ class SparkContext:
             self._owned_cluster.close()
         with SparkContext._lock:
             SparkContext._running.remove(self)
-            SparkContext._active_spark_context = SparkContext._running[-1] if SparkContext._running else None
+            if SparkContext._active_spark_context is self:  # as PySpark: none until a context starts
+                SparkContext._active_spark_context = None
 
     def __enter__(self) -> Self:
         return self

@@ -70,8 +70,15 @@ class TaskCounts(SchedulerPlugin):
     def update_graph(self, scheduler: Any, *, annotations: dict[str, dict[Any, Any]], **kwargs: Any) -> None:
         for key, job in annotations.get(ANNOTATION, {}).items():
             ts = scheduler.tasks[key]
-            # an alias only names another task's result (what Dask leaves of a task fused into another)
-            if job.get("app") != self._application or key in self._tasks or isinstance(ts.run_spec, Alias):
+            # an alias only names another task's result (what Dask leaves of a task fused into another); Spark's
+            # tasks are the partitions' (tuple keys), not the driver-side steps of an action (a reduction's
+            # final combine, a collect's gathering of a partition)
+            if (
+                job.get("app") != self._application
+                or key in self._tasks
+                or isinstance(ts.run_spec, Alias)
+                or not isinstance(key, tuple)
+            ):
                 continue
             counts = self._jobs.get(job["id"])
             if counts is None:
