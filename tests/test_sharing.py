@@ -286,7 +286,9 @@ def test_killed_worker_mid_training_finishes_with_the_survivors(data: tuple[torc
         with pytest.warns(TrainerLostWarning, match=victim):
             spark_net.fit(examples_rdd(ctx, x, y), epochs=EPOCHS)
     assert killer.killed
-    assert len(spark_net.training_stats.trainers) == 2
+    # the survivors' records, and the nanny's replacement's if it joined the fit in time: none of the victim
+    workers = {t.worker for t in spark_net.training_stats.trainers}
+    assert victim not in workers and len(workers) >= 2
     assert accuracy(net, tx, ty) >= reference - 0.02
 
 

@@ -332,6 +332,15 @@ def test_a_drained_session_ends_with_the_items_its_trainers_hold() -> None:
     assert not s.work_left() and s.view().done
 
 
+def test_workers_that_join_are_reported_to_the_driver() -> None:
+    plugin = SharingSchedulerPlugin()
+    plugin.sessions = {"s": session()}
+    plugin.add_worker(None, "tcp://d")  # type: ignore[arg-type]
+    plugin.add_worker(None, "tcp://a")  # type: ignore[arg-type]  # one of the session's: not new
+    plugin.add_worker(None, "tcp://d")  # type: ignore[arg-type]
+    assert plugin.sessions["s"].progress()["newcomers"] == ["tcp://d"]
+
+
 def test_a_driver_that_disconnects_ends_its_sessions() -> None:
     plugin = SharingSchedulerPlugin()
     plugin.sessions = {"mine": session(), "other": session()}
@@ -363,6 +372,7 @@ def test_items_are_handed_out_in_order_and_acknowledged_once() -> None:
         "nodes": ["tcp://a", "tcp://b"],
         "alive": ["a#0", "a#1", "b#0"],
         "finished": {},
+        "newcomers": [],
     }
     assert s.progress()["reports"] == []  # each acknowledgement is reported once
 
@@ -433,7 +443,18 @@ async def test_the_control_plane_over_the_comm(c: Any, s: Any, a: Any, b: Any) -
         await a.scheduler.dlscale_sharing_next(session="s", trainer=ta, acks=[malformed], want=1)
     progress = await c.scheduler.dlscale_sharing_progress(session="s")
     assert [tuple(r[:6]) for r in progress["reports"]] == [(0, 16, 0.5, 1e-3, 0.01, 100)]
-    assert set(progress) == {"reports", "lost", "failed", "failed_by", "state", "version", "nodes", "alive", "finished"}
+    assert set(progress) == {
+        "reports",
+        "lost",
+        "failed",
+        "failed_by",
+        "state",
+        "version",
+        "nodes",
+        "alive",
+        "finished",
+        "newcomers",
+    }
 
     # adaptive scaling may not retire a worker whose trainers are at work
     assert s.plugins[NAME].valid_workers_downscaling(s, list(s.workers.values())) == []

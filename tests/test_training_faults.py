@@ -182,7 +182,9 @@ def test_sharing_direct_finishes_when_a_worker_holding_minibatches_dies(
     with pytest.warns(TrainerLostWarning, match=victim):
         spark_net.fit(examples_rdd(sc3, x, y, 3), epochs=EPOCHS)
     assert killer.killed and net.epoch == EPOCHS
-    assert len(spark_net.training_stats.trainers) == 2
+    # the survivors' records, and the nanny's replacement's if it joined the fit in time: none of the victim
+    workers = {t.worker for t in spark_net.training_stats.trainers}
+    assert victim not in workers and len(workers) >= 2
     assert accuracy(net, tx, ty) >= reference - 0.05  # asynchronous: runs differ by a few points
 
 
