@@ -551,6 +551,31 @@ async def test_a_peer_unreachable_beyond_the_retries_is_dropped(c: Any, s: Any, 
 
 @pytest.mark.gen_cluster
 @gen_cluster(client=True, config=FAST_RETRIES)
+async def test_a_call_hanging_on_a_peer_dropped_from_the_membership_ends_at_once(
+    c: Any, s: Any, a: Any, b: Any
+) -> None:
+    """A lost peer's call may hang (a connection attempt waits for Dask's connect timeout): dropping the peer,
+    as a new membership does, cancels it and frees its bytes at once."""
+    node_a, node_b = await open_nodes(c, a, b)
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def hanging(session: str, sender: str, messages: list[Any]) -> None:
+        entered.set()
+        await release.wait()
+
+    b.handlers["dlscale_update"] = hanging
+    node_a.send(Update("a#0", 0, b"x" * 1000), 0)
+    await asyncio.wait_for(entered.wait(), 5)
+    assert not node_a.limiter.empty
+    node_a.set_nodes(1, [a.address])  # b left the membership
+    await async_wait_until(lambda: dropped(node_a, b.address) and node_a.limiter.empty, timeout=2)
+    assert not node_a.comms.links[b.address].running
+    release.set()
+    assert not node_b.inboxes[0]
+
+
+@pytest.mark.gen_cluster
+@gen_cluster(client=True, config=FAST_RETRIES)
 async def test_a_peers_own_error_is_not_retried(c: Any, s: Any, a: Any, b: Any) -> None:
     node_a, _ = await open_nodes(c, a, b)
     calls = [0]

@@ -31,12 +31,15 @@ logger = logging.getLogger("dlscale.training.sharing")
 
 @dataclass
 class Link:
-    """The updates waiting for one peer; ``running`` while a drain is sending them."""
+    """The updates waiting for one peer; ``running`` while a drain is sending them, ``call`` the call to the
+    peer under way (cancelled when the peer is dropped: a connection attempt to a lost worker would
+    otherwise wait for Dask's connect timeout)."""
 
     peer: str
     queue: collections.deque[Update] = field(default_factory=collections.deque)
     running: bool = False
     dead: bool = False
+    call: asyncio.Future | None = None
 
 
 class PeerLinks:
@@ -71,6 +74,8 @@ class PeerLinks:
         link.dead = True
         self.limiter.release(sum(len(u.payload) for u in link.queue))
         link.queue.clear()
+        if link.call is not None:
+            link.call.cancel()
 
     def close(self) -> None:
         self.closed = True
@@ -86,6 +91,9 @@ class PeerLinks:
                     size += len(batch[-1].payload)
                 try:
                     await self._send(link, batch)
+                except asyncio.CancelledError:
+                    if not link.dead:  # not a dropped peer's call: the loop itself is stopping
+                        raise
                 except Exception as e:  # noqa: BLE001 - a peer that cannot be reached is dropped
                     if not self.closed:
                         logger.warning(
@@ -107,8 +115,13 @@ class PeerLinks:
         peer's own errors are not retried."""
         messages = [u.to_plain() for u in batch]
         for attempt in itertools.count():
+            if link.dead or self.closed:  # dropped while waiting to retry: the batch goes with it
+                return
+            link.call = asyncio.ensure_future(
+                self.rpc(link.peer).dlscale_update(session=self.session, sender=self.address, messages=messages)
+            )
             try:
-                await self.rpc(link.peer).dlscale_update(session=self.session, sender=self.address, messages=messages)
+                await link.call
                 return
             except OSError as e:
                 if attempt >= self.config.send_retries or link.dead or self.closed:
@@ -125,3 +138,5 @@ class PeerLinks:
                     delay,
                 )
                 await asyncio.sleep(delay)
+            finally:
+                link.call = None
