@@ -31,7 +31,8 @@ records a crash the same way.
 
 Recorded per test and run: pass / fail / error / skip (or timeout / crash), the seconds, the
 exception and the first lines of its traceback. Written to ``--out`` (default
-``benchmarks/results/pyspark_tests.json``): per module and test both outcomes, and the totals; a table
+``benchmarks/results/pyspark_tests.json``, with the machine's folders named ``SPARK_TESTS``, ``DLSCALE``,
+``PYTHON_STDLIB`` and ``SITE_PACKAGES``): per module and test both outcomes, and the totals; a table
 of the passes and the tests that pass on PySpark but not on dlscale are printed at the end.
 """
 
@@ -50,6 +51,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 import traceback
@@ -460,6 +462,32 @@ def build_report(modules: dict[str, Record], settings: Record) -> Record:
     }
 
 
+def portable(value: Any, places: dict[str, str]) -> Any:
+    """``value`` with this machine's folders in its strings named by role (``places``: folder -> name), so
+    that a results file says nothing of where it was made."""
+    if isinstance(value, str):
+        for folder, name in places.items():
+            value = value.replace(folder, name)
+        return value
+    if isinstance(value, dict):
+        return {portable(k, places): portable(v, places) for k, v in value.items()}
+    if isinstance(value, list):
+        return [portable(v, places) for v in value]
+    return value
+
+
+def places(spark_tests: Path) -> dict[str, str]:
+    """The folders :func:`portable` names: Spark's tests, this repository, Python's standard library and where
+    packages are installed (the longest first, so that a folder inside another is named by its own role)."""
+    found = {
+        str(spark_tests.resolve()): "SPARK_TESTS",
+        str(Path(__file__).resolve().parent.parent): "DLSCALE",
+        sysconfig.get_path("stdlib"): "PYTHON_STDLIB",
+        **{path: "SITE_PACKAGES" for path in {sysconfig.get_path("purelib"), sysconfig.get_path("platlib")}},
+    }
+    return dict(sorted(found.items(), key=lambda item: -len(item[0])))
+
+
 def print_report(report: Record) -> None:
     """The passes per module, then every test that passes on PySpark but not on dlscale."""
     rows = [["module", "tests", "pyspark pass", "dlscale pass", "both", "pyspark only", "dlscale only"]]
@@ -531,7 +559,7 @@ def main(argv: list[str] | None = None) -> None:
         }
         if args.logs is None:
             shutil.rmtree(logs, ignore_errors=True)
-    report = build_report(reports, settings)
+    report = portable(build_report(reports, settings), places(args.spark_tests))
     print_report(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
