@@ -60,6 +60,12 @@ def workers(client: Client) -> list[str]:
     return found
 
 
+def _listed(names: list[str], shown: int = 8) -> str:
+    """``names`` for a message: the first ``shown`` of them, and how many more."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
 def _check_resume(resume: FitPosition, approach: str, minibatches: int, epochs: int) -> None:
     """Refuse to resume a fit from a checkpoint of another fit, or one that is past the fit's end."""
     for what, theirs, ours in (
@@ -101,8 +107,8 @@ def _pending(client: Client) -> str:
     pending = sorted(str(job) for job in spec if not any(n == str(job) or n.startswith(f"{job}-") for n in names))
     if not pending:
         return ""
-    shown = ", ".join(pending[:8]) + (f" and {len(pending) - 8} more" if len(pending) > 8 else "")
-    return f"; {type(cluster).__name__} has {len(pending)} job(s) not connected yet (pending or starting): {shown}"
+    cluster_name = type(cluster).__name__
+    return f"; {cluster_name} has {len(pending)} job(s) not connected yet (pending or starting): {_listed(pending)}"
 
 
 def start_workers(client: Client) -> list[str]:
@@ -125,8 +131,7 @@ def start_workers(client: Client) -> list[str]:
             logger.info("waiting for workers: %d of %d up%s", len(found), wanted, _pending(client))
             told = now
         time.sleep(0.2)
-    shown = ", ".join(found[:8]) + (f" and {len(found) - 8} more" if len(found) > 8 else "")
-    logger.info("training on %d worker%s: %s", len(found), "s" * (len(found) > 1), shown)
+    logger.info("training on %d worker%s: %s", len(found), "s" * (len(found) > 1), _listed(found))
     return found
 
 

@@ -252,7 +252,7 @@ class _Session:
             self._call("close")
             alive = set(cluster_workers(client))  # a lost worker would take a timeout
             client.run(_close_node, self.session, workers=[w for w in self._nodes() if w in alive], on_error="ignore")
-        self._conclude(results, progress, time.perf_counter() - t0)
+        self._conclude(results, progress, time.perf_counter() - t0, last=not left)
         return left, due
 
     def _follow(self, futures: dict[str, Future]) -> tuple[list[dict[str, Any]], dict[str, Any], list[int], list[Any]]:
@@ -315,7 +315,7 @@ class _Session:
             wait(list(futures.values()), timeout=self.config.end_timeout)
         self.client.cancel([f for f in futures.values() if not f.done()])
 
-    def _conclude(self, results: list[dict[str, Any]], progress: dict[str, Any], seconds: float) -> None:
+    def _conclude(self, results: list[dict[str, Any]], progress: dict[str, Any], seconds: float, last: bool) -> None:
         states = [r for r in results if not r.get("lost") and not r.get("aborted")]
         lost = progress["lost"]
         if not states:
@@ -338,7 +338,13 @@ class _Session:
             params = self.run.network.params()
             self.run.stats.dense_bytes = params.numel() * params.element_size()
         minibatches = sum(r["batches"] for r in states)
-        logger.info("gradient sharing: %d minibatches in %.2f s on %d trainers", minibatches, seconds, len(states))
+        logger.log(  # a segment that ends for a checkpoint or a newcomer is not news; the fit's last is
+            logging.INFO if last else logging.DEBUG,
+            "gradient sharing: %d minibatches in %.2f s on %d trainers",
+            minibatches,
+            seconds,
+            len(states),
+        )
 
 
 def _lost_worker(future: Future) -> bool:
