@@ -40,7 +40,7 @@ def test_each_epoch_line_has_the_epochs_own_loss_rate_and_time(monkeypatch, capl
     """Gradient sharing acknowledges minibatches in bursts, the next epoch's first ones sometimes
     before this epoch's last: an epoch's figures count its own minibatches, from its start to its end."""
     clock = Clock()
-    monkeypatch.setattr(progress.time, "perf_counter", clock)
+    monkeypatch.setattr(progress.time, "time", clock)
     caplog.set_level(logging.INFO, logger="dlscale")
     with dask.config.set({"dlscale.progress": True}):  # standard error is no terminal here
         bar = Progress("training", per_epoch=3, epochs=2, first_epoch=4)
@@ -59,6 +59,22 @@ def test_each_epoch_line_has_the_epochs_own_loss_rate_and_time(monkeypatch, capl
         "training: epoch 5/6, loss 2, 15 examples/s, 4.0 s",  # (40 + 80) / 60 examples, 60 from t=0 to t=4
         "training: epoch 6/6, loss 7, 20 examples/s, 2.0 s",  # (270 + 5 + 5) / 40 examples, 40 from t=3 to t=5
     ]
+
+
+def test_rates_come_from_when_the_work_was_reported_not_when_it_was_read(monkeypatch, caplog) -> None:
+    """A checkpoint or a slow poll delivers a whole epoch's reports at once: the epoch's rate is
+    counted from the reports' own times, not from the moment the driver read them."""
+    clock = Clock()
+    monkeypatch.setattr(progress.time, "time", clock)
+    caplog.set_level(logging.INFO, logger="dlscale")
+    with dask.config.set({"dlscale.progress": True}):
+        bar = Progress("training", per_epoch=4, epochs=1)
+    clock.now += 10.0  # all four read at t=10, done at t=1..4
+    for i in range(4):
+        bar.advance(0, 1, 25, 1.0, at=101.0 + i)
+    bar.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "dlscale"]
+    assert lines == ["training: epoch 1/1, loss 1, 25 examples/s, 4.0 s"]  # 100 examples from t=0 to t=4
 
 
 def test_the_setting_and_the_stream_choose_how_progress_shows(monkeypatch) -> None:

@@ -62,7 +62,7 @@ class Progress:
         self.tally = [[0, 0, 0.0] for _ in range(epochs)]
         self.first_report: list[float | None] = [None] * epochs
         self.finished = 0  # epochs done, in order
-        self.epoch_end = time.perf_counter()  # of the latest finished epoch; the fit's start at first
+        self.epoch_end = time.time()  # of the latest finished epoch; the fit's start at first
         self.loss: float | None = None  # the latest finished epoch's
         self.done = self.examples = 0
         # (time, minibatches, examples) at the reports of the last RATE_WINDOW seconds and the one before
@@ -80,12 +80,18 @@ class Progress:
             else None
         )
 
-    def advance(self, epoch: int, minibatches: int, examples: int, mean_loss: float) -> None:
+    def advance(
+        self, epoch: int, minibatches: int, examples: int, mean_loss: float, at: float | None = None
+    ) -> None:
         """``minibatches`` more of the fit's ``epoch``-th epoch (from 0) were fitted, on ``examples``
-        examples with mean loss ``mean_loss``."""
+        examples with mean loss ``mean_loss``, reported at ``at`` (``time.time()``; default now):
+        rates come from when the work was done, not from when the driver read it (gradient
+        sharing's reports reach the driver in bursts)."""
         if self.mode is None:
             return
-        now = time.perf_counter()
+        now = time.time() if at is None else min(at, time.time())
+        if self.window:
+            now = max(now, self.window[-1][0])  # reports of several trainers may cross
         if self.first_report[epoch] is None:
             self.first_report[epoch] = now
         tally = self.tally[epoch]

@@ -291,13 +291,13 @@ class FitRun:
         network = self.network
         network.iteration += iterations
         network.epoch = max(network.epoch, self.first_epoch + epoch)
+        at = time.time() if at is None else at
         if self._progress is not None:
-            self._progress.advance(epoch, minibatches, examples, score)
+            self._progress.advance(epoch, minibatches, examples, score, at)
         if rows:
             panel.record(self.client, self.fit_id, rows)
             if self.stats is not None:
                 panel.record_phases(self.client, self.fit_id, self.stats)
-        at = time.time() if at is None else at
         report = StepReport(network.iteration, iterations, self.first_epoch + epoch, score, examples, at, update)
         for listener in self.listeners:
             listener.step_done(network, report)
