@@ -69,6 +69,22 @@ def test_keep_last_and_every(tmp_path: Path) -> None:
     assert torch.equal(saved.params(), network.params())
 
 
+def test_a_checkpoint_removes_what_a_writer_killed_before_it_left(tmp_path: Path) -> None:
+    """A driver killed while writing a checkpoint leaves its hidden temporary file: the next checkpoint
+    in that folder removes it (old enough to be nobody's work in progress), and keeps a fresh one."""
+    from dlscale.training.checkpoints import FitPosition
+
+    old = tmp_path / f".checkpoint-000000-epoch0-iteration0.dln.{'a' * 32}.tmp"
+    fresh = tmp_path / f".checkpoint-000001-epoch0-iteration1.dln.{'b' * 32}.tmp"
+    for file in (old, fresh):
+        file.write_bytes(b"half a checkpoint")
+    os.utime(old, (0, 0))
+    CheckpointListener(str(tmp_path), save_every_n_epochs=1).save(
+        _net(), FitPosition("parameter averaging", 7, 0, 1, 10, 0, 0)
+    )
+    assert not old.exists() and fresh.exists()
+
+
 def test_averaging_resumed_from_any_checkpoint_ends_as_the_uninterrupted_fit(sc: SparkContext, tmp_path: Path) -> None:
     rdd = _rdd(sc)
     listener = CheckpointListener(str(tmp_path), save_every_n_iterations=8)

@@ -121,6 +121,42 @@ def test_one_worker_equals_one_process_exactly(sc1, tmp_path, one_thread) -> Non
     assert all(torch.equal(state[i]["momentum_buffer"], ref_state[i]["momentum_buffer"]) for i in ref_state)
 
 
+@pytest.mark.parametrize("mask", ["per example", "per output"])
+def test_labels_masks_reach_the_workers_and_train_as_in_one_process(sc1, tmp_path, one_thread, mask) -> None:
+    """Masked examples (or outputs) carry labels that would wreck the fit: through export, the
+    minibatch files and a worker, the masks leave them out exactly as a single process does."""
+    x, y = data(120, seed=3)
+    g = torch.Generator().manual_seed(4)
+    if mask == "per example":
+        keep = torch.rand(120, generator=g) > 0.3
+        labels = torch.where(keep, y, 2 - y)  # masked examples get wrong classes
+        network = functools.partial(mlp_network, MOMENTUM)
+    else:
+        keep = torch.rand(120, 3, generator=g) > 0.3
+        labels = torch.nn.functional.one_hot(y, 3).float().masked_fill(~keep, 50.0)  # masked: absurd targets
+
+        def network() -> Network:
+            return Network(mlp_network(MOMENTUM).module, "mse", MOMENTUM)
+
+    pieces = [DataSet(x[i : i + 11], labels[i : i + 11], None, keep[i : i + 11].float()) for i in range(0, 120, 11)]
+    master = ParameterAveragingTrainingMaster(
+        16, averaging_frequency=2, collect_training_stats=True, rng_seed=2, export_directory=str(tmp_path / "export")
+    )
+    spark_net = SparkNet(sc1, network(), master)
+    spark_net.fit(sc1.parallelize(pieces, 2), epochs=2)
+
+    reference, unmasked = network(), network()
+    for shares in trained_order(spark_net.training_stats):
+        (share,) = shares
+        for path in share:
+            batch = load(path)
+            assert batch.labels_mask is not None and batch.labels_mask.shape == (len(batch.features), *keep.shape[1:])
+            reference.fit_batch(batch)
+            unmasked.fit_batch(DataSet(batch.features, batch.labels))
+    assert torch.equal(spark_net.network.params(), reference.params())
+    assert not torch.allclose(unmasked.params(), reference.params(), atol=0.05)  # the masks matter
+
+
 def test_without_save_updater_the_optimizer_restarts_every_round(sc1, tmp_path, one_thread) -> None:
     rdd = rdd_of(sc1, 120, 10, 2)
     master = ParameterAveragingTrainingMaster(

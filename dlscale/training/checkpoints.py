@@ -159,7 +159,7 @@ class CheckpointListener(TrainingListener):
     # -- saving and listing ----------------------------------------------------------------
     def save(self, network: Network, position: FitPosition) -> Checkpoint:
         """Write ``network`` (with its optimizer state) and ``position`` as the next checkpoint; then drop
-        the checkpoints the keep policy lets go."""
+        the checkpoints the keep policy lets go and what writers killed in the folder left."""
         existing = self.available_checkpoints()
         number = existing[-1].number + 1 if existing else 0
         name = f"checkpoint-{number:06d}-epoch{network.epoch}-iteration{network.iteration}.dln"
@@ -168,6 +168,7 @@ class CheckpointListener(TrainingListener):
         self._last_iteration, self._last_time = network.iteration, time.monotonic()
         checkpoint = Checkpoint(number, network.epoch, network.iteration, url)
         self._prune([*existing, checkpoint])
+        storage.remove_stale_temporaries(self.directory, self.storage_options)
         return checkpoint
 
     def _prune(self, checkpoints: list[Checkpoint]) -> None:
