@@ -180,9 +180,11 @@ def test_a_bar_in_a_terminal_of_80_columns(tmp_path: Path) -> None:
     bars = [s for s in drawn if s.startswith("gradient sharing: epoch")]
     assert len(bars) >= 3
     assert any(re.search(r"\| \d\d:\d\d<\d\d:\d\d, loss [\d.e-]+, [\d.]+k? ex/s", s) for s in bars)  # an ETA
-    # left on the screen: whole lines of the logger (the panel's address first), and the finished bar
+    # left on the screen: whole lines of the logger (the workers trained on, the panel's address), and the
+    # finished bar
     screen = [line for line in _screen(fit) if line]
-    assert re.match(LOGGED + r"training panel at http://127\.0\.0\.1:\d+/training$", screen[0])
+    assert re.match(LOGGED + r"training on 2 workers: tcp://127\.0\.0\.1:\d+, tcp://127\.0\.0\.1:\d+$", screen[0])
+    assert re.match(LOGGED + r"training panel at http://127\.0\.0\.1:\d+/training$", screen[1])
     assert [line for line in screen if not re.match(LOGGED, line)] == [bars[-1].rstrip()]
     assert re.match(r"gradient sharing: epoch 3/3 100%\|█+\| \d\d:\d\d<00:00, loss", bars[-1])
 
