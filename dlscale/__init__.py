@@ -6,8 +6,7 @@ Public names are imported on first use, so that ``dlscale.runtime.sizeof`` (load
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from dlscale._exports import lazy
 
 __version__ = "0.1.0"
 
@@ -71,15 +70,4 @@ _EXPORTS = {
 
 __all__ = [*sorted(_EXPORTS), "__version__"]
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'dlscale' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy(__name__, _EXPORTS)

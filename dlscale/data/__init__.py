@@ -1,50 +1,38 @@
 """Minibatch data on fsspec storage: ``DataSet``, ``MultiDataSet``, the ``.dlb`` file format, export,
-paths, loaders with prefetching, file batches of raw files, and zarr groups."""
+paths, loaders with prefetching, file batches of raw files, and zarr groups.
+
+Names are imported on first use, so importing the package imports none of its modules."""
 
 from __future__ import annotations
 
-from dlscale.data.dataset import DataSet, DataShapeError, MultiDataSet
-from dlscale.data.datasets import load_digits
-from dlscale.data.export import Sink, export_minibatches, list_paths
-from dlscale.data.filebatch import FileBatch, create_file_batches
-from dlscale.data.format import load, save
-from dlscale.data.images import (
-    ImageFileBatchLoader,
-    ImagePreProcessingScaler,
-    parent_path_labels,
-)
-from dlscale.data.loaders import (
-    DataSetLoader,
-    Loader,
-    MinibatchLoader,
-    MultiDataSetLoader,
-    prefetch,
-    resolve_loader,
-)
-from dlscale.data.zarr_batches import ZarrLoader, export_zarr, list_zarr_batches
+from dlscale._exports import lazy
 
-__all__ = [
-    "DataSet",
-    "DataSetLoader",
-    "DataShapeError",
-    "FileBatch",
-    "ImageFileBatchLoader",
-    "ImagePreProcessingScaler",
-    "Loader",
-    "MinibatchLoader",
-    "MultiDataSet",
-    "MultiDataSetLoader",
-    "Sink",
-    "ZarrLoader",
-    "create_file_batches",
-    "export_minibatches",
-    "export_zarr",
-    "list_paths",
-    "list_zarr_batches",
-    "load",
-    "load_digits",
-    "parent_path_labels",
-    "prefetch",
-    "resolve_loader",
-    "save",
-]
+_EXPORTS = {
+    "DataSet": "dlscale.data.dataset",
+    "DataShapeError": "dlscale.data.dataset",
+    "MultiDataSet": "dlscale.data.dataset",
+    "load_digits": "dlscale.data.datasets",
+    "Sink": "dlscale.data.export",
+    "export_minibatches": "dlscale.data.export",
+    "list_paths": "dlscale.data.export",
+    "FileBatch": "dlscale.data.filebatch",
+    "create_file_batches": "dlscale.data.filebatch",
+    "load": "dlscale.data.format",
+    "save": "dlscale.data.format",
+    "ImageFileBatchLoader": "dlscale.data.images",
+    "ImagePreProcessingScaler": "dlscale.data.images",
+    "parent_path_labels": "dlscale.data.images",
+    "DataSetLoader": "dlscale.data.loaders",
+    "Loader": "dlscale.data.loaders",
+    "MinibatchLoader": "dlscale.data.loaders",
+    "MultiDataSetLoader": "dlscale.data.loaders",
+    "prefetch": "dlscale.data.loaders",
+    "resolve_loader": "dlscale.data.loaders",
+    "ZarrLoader": "dlscale.data.zarr_batches",
+    "export_zarr": "dlscale.data.zarr_batches",
+    "list_zarr_batches": "dlscale.data.zarr_batches",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = lazy(__name__, _EXPORTS)

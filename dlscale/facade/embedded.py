@@ -130,6 +130,7 @@ class EmbeddedCluster(SpecCluster):
             "dashboard": False,
             "silence_logs": logging.WARN,
             "preload_nanny": ["dlscale.runtime.lifeline"],
+            "preload": ["dlscale.runtime.warmup"],
             **({"resources": resources} if resources else {}),
         }
         worker = {"cls": NannyProcess, "options": {"worker_kwargs": nanny, "env": _environment(config or {})}}

@@ -80,9 +80,7 @@ class Progress:
             else None
         )
 
-    def advance(
-        self, epoch: int, minibatches: int, examples: int, mean_loss: float, at: float | None = None
-    ) -> None:
+    def advance(self, epoch: int, minibatches: int, examples: int, mean_loss: float, at: float | None = None) -> None:
         """``minibatches`` more of the fit's ``epoch``-th epoch (from 0) were fitted, on ``examples``
         examples with mean loss ``mean_loss``, reported at ``at`` (``time.time()``; default now):
         rates come from when the work was done, not from when the driver read it (gradient

@@ -1,8 +1,16 @@
 """Gradient sharing: ``SharedTrainingMaster`` and the plugins that carry its updates (see
-``docs/gradient-sharing.md``)."""
+``docs/gradient-sharing.md``).
+
+Names are imported on first use, so importing the package imports none of its modules."""
 
 from __future__ import annotations
 
-from dlscale.training.sharing.master import SharedTrainingMaster
+from dlscale._exports import lazy
 
-__all__ = ["SharedTrainingMaster"]
+_EXPORTS = {
+    "SharedTrainingMaster": "dlscale.training.sharing.master",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = lazy(__name__, _EXPORTS)
