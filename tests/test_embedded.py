@@ -3,12 +3,14 @@ their nannies, and no process outlives the script, whether it ends, crashes or i
 
 from __future__ import annotations
 
+import http.client
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 import uuid
 from pathlib import Path
 from typing import Any
@@ -155,3 +157,18 @@ def test_data_goes_straight_between_driver_and_workers_unless_dask_says_otherwis
         assert sc.client.direct_to_workers is True
     with dask.config.set({"distributed.client.direct-to-workers": False}), SparkContext("local[1]", "via") as sc:
         assert sc.client.direct_to_workers is False
+
+
+def test_stopping_closes_the_dashboards_open_connections() -> None:
+    """A browser keeps its connections to the dashboard open between requests; once the context stops,
+    they are closed, so that a request to the next context's dashboard on the same port opens a new
+    one instead of waiting on a connection that nothing answers any more."""
+    with SparkContext("local[1]") as ctx:
+        address = urllib.parse.urlsplit(ctx.uiWebUrl)
+        connection = http.client.HTTPConnection(address.hostname, address.port, timeout=10)
+        connection.request("GET", address.path)
+        response = connection.getresponse()
+        assert response.status == 200 and not response.will_close
+        response.read()
+    assert connection.sock.recv(1) == b""  # closed by the server, not a timeout
+    connection.close()

@@ -7,8 +7,9 @@ is a ``python -m dask spec`` process (distributed's ``SubprocessWorker``), whose
 Dask's own, so its worker imports nothing of the script; functions defined in the script reach the
 workers by value, as cloudpickle sends everything of ``__main__``. The rest is ``LocalCluster``'s:
 the scheduler and dashboard in the driver, nannies that restart their worker and enforce its memory
-limit, everything bound to 127.0.0.1, a graceful close. A nanny process also ends when the driver
-ends without closing it (a crash, ``SIGKILL``): see :mod:`dlscale.runtime.lifeline`.
+limit, everything bound to 127.0.0.1, a graceful close (which here also closes the connections that
+browsers keep open to the dashboard). A nanny process also ends when the driver ends without closing
+it (a crash, ``SIGKILL``): see :mod:`dlscale.runtime.lifeline`.
 """
 
 from __future__ import annotations
@@ -156,3 +157,13 @@ class EmbeddedCluster(SpecCluster):
                 if (code := self.workers[name].exited()) is not None:
                     raise RuntimeError(f"the process of worker {name} exited with code {code} before it joined")
             await asyncio.sleep(0.05)
+
+    async def _close(self) -> None:
+        dashboard = getattr(self.scheduler, "http_server", None)
+        await super()._close()
+        if dashboard is not None:
+            # The scheduler stops listening but leaves the browsers' keep-alive connections open, and
+            # nothing answers on them: a browser's next request to this port, to the dashboard of the
+            # next cluster started there, would go down one and wait for ever.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(dashboard.close_all_connections(), _CLOSE_TIMEOUT)

@@ -6,7 +6,9 @@ dashboard's menu with its navigation bar, and ``/individual-dlscale-training``, 
 listed among the individual plots (``individual-plots.json``, the "More..." menu, JupyterLab's dask
 extension). Each open page is a Bokeh document on the scheduler's event loop that reads the panel's
 state every second and sends only what is new: points appended to its ``ColumnDataSource``\\ s, or the
-whole series of a row whose history has just been merged.
+whole series of a row whose history has just been merged. The fit menu, the status line and the table
+are the models named ``dlscale-fit``, ``dlscale-status`` and ``dlscale-table``, for scripts that read the
+page in a browser (``tests/test_browser.py``).
 """
 
 from __future__ import annotations
@@ -92,9 +94,10 @@ class TrainingDocument:
 
     def __init__(self, panel: TrainingPanel, doc: Document) -> None:
         self.panel = panel
-        self.select = Select(title="Fit", options=[], width=520)
+        self.select = Select(title="Fit", options=[], width=520, name="dlscale-fit")
         self.select.on_change("value", lambda attr, old, new: self._show(new))
-        self.status = Div(sizing_mode="stretch_width")
+        self.status = Div(sizing_mode="stretch_width", name="dlscale-status")
+        self.table = Div(sizing_mode="stretch_width", stylesheets=[_TABLE_CSS], name="dlscale-table")
         self.body = column(sizing_mode="stretch_width")
         self.fit: str | None = None
         self.follow = True  # show each new fit until another is chosen
@@ -138,7 +141,6 @@ class TrainingDocument:
         names = sorted(f.rows)
         colours = {name: Category10_10[i % 10] for i, name in enumerate(names)}
         self.sources = {name: ColumnDataSource({"t": [], "row": [], **{s: [] for s in _SERIES}}) for name in names}
-        self.table = Div(sizing_mode="stretch_width", stylesheets=[_TABLE_CSS])
         self.phase_source = ColumnDataSource(_phases(f))
         self.round_source = ColumnDataSource(_rounds(f))
         sharing = any(r.threshold is not None for r in f.rows.values()) or f.approach == "gradient sharing"
