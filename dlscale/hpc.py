@@ -19,7 +19,9 @@ def slurm_cluster(
     """A ``dask_jobqueue.SLURMCluster`` of jobs with ``cores`` cores, ``memory`` and ``gpus`` GPUs
     each, running ``processes`` workers of ``cores // processes`` threads and ``gpus // processes``
     GPUs; other keyword arguments (``queue``, ``account``, ``job_extra_directives``, ...) go to
-    ``SLURMCluster``. No job is submitted until the cluster is scaled."""
+    ``SLURMCluster``. Its workers import torch and dlscale's training modules as they start
+    (``--preload dlscale.runtime.warmup``), not during the first fit. No job is submitted until the
+    cluster is scaled."""
     try:
         from dask_jobqueue import SLURMCluster
     except ImportError as e:
@@ -35,7 +37,7 @@ def slurm_cluster(
             "the same number of GPUs (usually one worker per GPU)"
         )
     directives = list(kwargs.pop("job_extra_directives", []))
-    worker_args = list(kwargs.pop("worker_extra_args", []))
+    worker_args = [*kwargs.pop("worker_extra_args", []), "--preload", "dlscale.runtime.warmup"]
     if gpus:
         directives.append(f"--gres=gpu:{gpus}")
         worker_args += ["--resources", f"GPU={gpus // processes}"]

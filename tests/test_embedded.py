@@ -137,7 +137,21 @@ def test_a_killed_worker_is_restarted_by_its_nanny() -> None:
         while (pids := _worker_pids(ctx)) in ([], [before]) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert len(pids) == 1 and pids != [before]
+        assert list(ctx.client.run(_imported).values()) == [True]  # its successor too, before any task
         assert ctx.parallelize(range(10), 2).sum() == 45
+
+
+def _imported() -> bool:
+    return {"torch._dynamo", "dlscale.training._worker"} <= set(sys.modules)
+
+
+def test_workers_import_what_training_needs_as_they_start_unless_told_not_to() -> None:
+    """The first fit of a context does not wait for torch (and torch._dynamo, which its optimizers import
+    on first use): the workers imported them before joining; ``dlscale.worker.imports: []`` leaves them out."""
+    with SparkContext("local[1]") as ctx:
+        assert list(ctx.client.run(_imported).values()) == [True]
+    with dask.config.set({"dlscale.worker.imports": []}), SparkContext("local[1]") as ctx:
+        assert list(ctx.client.run(lambda: "torch" in sys.modules).values()) == [False]
 
 
 def test_a_module_on_the_driver_path_imports_on_the_workers(tmp_path: Path, monkeypatch) -> None:

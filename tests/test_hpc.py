@@ -54,6 +54,7 @@ def test_job_script_and_its_workers(tmp_path: Path) -> None:
             "--nworkers 2",
             "--nthreads 1",
             "--resources GPU=1",
+            "--preload dlscale.runtime.warmup",
             cluster.scheduler_address,
         ):
             assert expected in script, expected
@@ -65,6 +66,10 @@ def test_job_script_and_its_workers(tmp_path: Path) -> None:
                 sc.client.wait_for_workers(2, timeout=60)
                 workers = sc.client.scheduler_info(n_workers=-1)["workers"].values()
                 assert [w["resources"] for w in workers] == [{"GPU": 1.0}] * 2
+                imported = sc.client.run(
+                    lambda: sorted({"torch._dynamo", "dlscale.training._worker"} & set(sys.modules))
+                )
+                assert list(imported.values()) == [["dlscale.training._worker", "torch._dynamo"]] * 2  # the preload
                 x, y = load_digits()
                 network = small_network()
                 spark_net = SparkNet(
