@@ -159,11 +159,18 @@ def test_averaging_finishes_when_a_worker_holding_the_last_state_dies(
 
 @pytest.mark.slow
 def test_averaging_survives_kills_at_random_points(sc3: SparkContext, data: tuple[torch.Tensor, ...]) -> None:
+    """Ten fits, each killing a worker at a random round: every one finishes with each minibatch fitted
+    once, and the kills cost no accuracy on average (mean within 1 point of the same fits unfaulted;
+    measured 0.2 above). A kill changes the rounds that follow (two workers share what three did), which
+    moves one fit's accuracy as another shuffle would: measured up to 2.7 points either way against the
+    same seed unfaulted, so a single fit is held to 3."""
+    unfaulted, faulted = [], []
     for seed in range(10):
         approach = "export" if seed % 2 else "direct"
-        unfaulted = _fit_averaging(sc3, data, approach, seed=100 + seed)
-        net = _fit_averaging_killed(sc3, data, approach, seed=100 + seed)
-        assert accuracy(net, data[2], data[3]) >= unfaulted - 0.02, seed
+        unfaulted.append(_fit_averaging(sc3, data, approach, seed=100 + seed))
+        faulted.append(accuracy(_fit_averaging_killed(sc3, data, approach, seed=100 + seed), data[2], data[3]))
+    assert sum(faulted) / 10 >= sum(unfaulted) / 10 - 0.01, (faulted, unfaulted)
+    assert all(f >= u - 0.03 for f, u in zip(faulted, unfaulted, strict=True)), (faulted, unfaulted)
 
 
 @pytest.mark.timeout(300)
