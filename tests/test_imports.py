@@ -60,7 +60,7 @@ def test_modules_imported_by_many_threads_at_once_load_whole(seed: int, tmp_path
         text=True,
         timeout=120,
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok", done.stdout

@@ -441,3 +441,19 @@ def test_a_labels_mask_per_example_covers_every_step_of_a_sequence() -> None:
     net = Network(fresh(mlp), "mse", functools.partial(torch.optim.SGD, lr=0.1))
     net.fit_batch(DataSet(x, y, None, keep.float()))
     torch.testing.assert_close(net.params(), _reference_step(reference, ref_loss, 0.1))
+
+
+@pytest.mark.parametrize("loss", ["cross_entropy", "nll"])
+def test_class_indices_out_of_range_are_refused_where_the_labels_are(loss: str) -> None:
+    """A class index outside the outputs is refused from the labels as they came (on the CPU), naming the
+    class: on a GPU, torch's kernel would meet it with a device-side assert that ruins the process's CUDA
+    context. torch's ignore_index (-100) stays allowed; sequences count classes in their last dimension."""
+    net = Network(fresh(mlp), loss, functools.partial(torch.optim.SGD, lr=0.1))
+    x = torch.randn(4, 8)
+    for bad, named in ((torch.tensor([0, 1, 3, 2]), "class 3 is outside 0..2"), (torch.tensor([0, -2, 1, 1]), "-2")):
+        with pytest.raises(DataShapeError, match=f"do not fit loss '{loss}'.*{named}"):
+            net.fit_batch(DataSet(x, bad))
+    net.fit_batch(DataSet(x, torch.tensor([0, -100, 2, 1])))
+    sequences = Network(torch.nn.Linear(8, 3), loss, functools.partial(torch.optim.SGD, lr=0.1))
+    with pytest.raises(DataShapeError, match="class 3 is outside 0..2"):
+        sequences.score(DataSet(torch.randn(2, 5, 8), torch.tensor([[0, 1, 2, 1, 0], [2, 2, 3, 0, 0]])))

@@ -46,6 +46,28 @@ LOSSES = REGISTRY.view
 one with :func:`dlscale.registry.register`)."""
 
 
+CLASS_LOSSES = frozenset({"cross_entropy", "nll"})
+"""The named losses whose integer labels are class indices."""
+
+
+def check_classes(name: str, outputs: list[torch.Tensor], labels: list[torch.Tensor]) -> None:
+    """Refuse class indices outside ``[0, classes)`` (torch's ``ignore_index`` -100 aside) for loss ``name``,
+    checking the labels where they are on the CPU: on a GPU, torch's kernel meets such a label with a
+    device-side assert that leaves the process's CUDA context unusable for anything after it."""
+    if name not in CLASS_LOSSES:
+        return
+    for out, y in zip(outputs, labels):
+        if y.is_floating_point() or y.device.type != "cpu" or y.numel() == 0 or out.dim() < 2:
+            continue  # class probabilities, or labels already on the device (checking there would wait for it)
+        classes = out.shape[-1] if out.dim() <= 3 else out.shape[1]  # [N, C], [N, T, C]; torch's [N, C, ...]
+        wrong = ((y < 0) & (y != -100)) | (y >= classes)
+        if bool(wrong.any()):
+            raise DataShapeError(
+                f"labels of shape {tuple(y.shape)} ({y.dtype}) do not fit loss {name!r} for outputs of shape "
+                f"{tuple(out.shape)} ({out.dtype}): class {int(y[wrong][0])} is outside 0..{classes - 1}"
+            )
+
+
 def _unreduced(name: str, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Loss ``name`` per example, step and output; labels that do not fit it are reported as such."""
     fn = REGISTRY.lookup(name)

@@ -144,15 +144,26 @@ class Network:
         return _as_list(self.module(*features, mask=masks[0] if len(masks) == 1 else list(masks)))
 
     def _forward(self, batch: Minibatch) -> tuple[list[torch.Tensor], list[torch.Tensor], list, bool]:
-        if isinstance(batch, (DataSet, MultiDataSet)):
-            batch = batch.to(self._flat.device)
         if isinstance(batch, DataSet):
             if batch.labels is None:
                 raise ValueError("a DataSet without labels cannot be scored or evaluated")
-            return self._call([batch.features], [batch.features_mask]), [batch.labels], [batch.labels_mask], True
-        if isinstance(batch, MultiDataSet):
-            return self._call(batch.features, batch.features_masks), batch.labels, batch.labels_masks, False
-        raise TypeError(f"a network fits DataSet or MultiDataSet minibatches, not {type(batch).__name__}")
+            host, single = [batch.labels], True
+        elif isinstance(batch, MultiDataSet):
+            host, single = list(batch.labels), False
+        else:
+            raise TypeError(f"a network fits DataSet or MultiDataSet minibatches, not {type(batch).__name__}")
+        batch = batch.to(self._flat.device)
+        if single:
+            outputs, labels, masks = (
+                self._call([batch.features], [batch.features_mask]),
+                [batch.labels],
+                [batch.labels_mask],
+            )
+        else:
+            outputs, labels, masks = self._call(batch.features, batch.features_masks), batch.labels, batch.labels_masks
+        if isinstance(self.loss, str):
+            losses.check_classes(self.loss, outputs, host)  # the labels as they came, before any kernel sees them
+        return outputs, labels, masks, single
 
     def fit_batch(self, batch: Minibatch) -> float:
         """One optimizer step on ``batch``; returns its loss."""
