@@ -455,10 +455,11 @@ class SparkContext:
         path = f"{root.rstrip('/')}/{uuid.uuid4()}"
         with storage.as_storage_error("create", dirName):
             fs.makedirs(path, exist_ok=True)
-        self._checkpoint_dir = (fs.unstrip_protocol(path), storage_options)
+        self._checkpoint_dir = (storage.hadoop_url(fs, path), storage_options)
 
     def getCheckpointDir(self) -> str | None:
-        """The directory RDDs are checkpointed in, or ``None`` before ``setCheckpointDir``."""
+        """The directory RDDs are checkpointed in, or ``None`` before ``setCheckpointDir``: its URL as Spark
+        writes it (``file:/tmp/x/<uuid>`` for a local directory, the fsspec URL otherwise)."""
         return None if self._checkpoint_dir is None else self._checkpoint_dir[0]
 
     # -- job control -----------------------------------------------------------------------

@@ -913,7 +913,8 @@ class RDD:
         return self._checkpoint_mark == "local"
 
     def getCheckpointFile(self) -> str | None:
-        """The directory this RDD was checkpointed to, once it was."""
+        """The directory this RDD was checkpointed to, once it was: ``<checkpoint dir>/rdd-<id>``, a local one
+        as Spark writes it (``file:/tmp/x/<uuid>/rdd-3``), which ``pickleFile`` reads."""
         return self._checkpoint_file
 
     def _checkpoint_lineage(self, bag: Bag) -> None:
