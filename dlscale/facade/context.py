@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
 from html import escape
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, NoReturn, Self
 
 import dask.config
 import distributed
@@ -56,6 +56,12 @@ _LOCAL_CLUSTER = re.compile(r"^local-cluster\[\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s
 _ADDRESS = re.compile(r"^(tcp|tls|ws|wss|inproc)://.+")
 _RESOURCE = re.compile(r"^spark\.executor\.resource\.([^.]+)\.amount$")
 _SPARK_MANAGERS = ("spark://", "yarn", "mesos://", "k8s://")
+# PySpark's message for a context made in a task, or pickled (referred to by a task's function or a broadcast value)
+_CONTEXT_ONLY_ON_DRIVER = (
+    "[CONTEXT_ONLY_VALID_ON_DRIVER] It appears that you are attempting to reference SparkContext from a broadcast "
+    "variable, action, or transformation. SparkContext can only be used on the driver, not in code that runs on "
+    "workers. For more information, see SPARK-5063."
+)
 _SCHEDULER_PORT = 8786  # Dask's default, for an address without a port
 # Spark's log levels (in the order its message lists them) as the driver's logging levels
 _LOG_LEVELS = {
@@ -152,12 +158,7 @@ class SparkContext:
         self._conf = conf if isinstance(conf, SparkConf) else SparkConf().setAll((conf or {}).items())
         allowed = (self._conf.get("spark.executor.allowSparkContext") or "").lower() == "true"
         if TaskContext.get() is not None and not allowed:
-            raise RuntimeError(  # PySpark's message
-                "[CONTEXT_ONLY_VALID_ON_DRIVER] It appears that you are attempting to reference SparkContext from a "
-                "broadcast variable, action, "
-                "or transformation. SparkContext can only be used on the driver, not in code that runs on workers. "
-                "For more information, see SPARK-5063."
-            )
+            raise RuntimeError(_CONTEXT_ONLY_ON_DRIVER)
         if sum(x is not None for x in (master, client, cluster)) > 1:
             raise ValueError("give at most one of master, client and cluster")
         if client is not None and not isinstance(client, distributed.Client):
@@ -330,6 +331,11 @@ class SparkContext:
             SparkContext._running.remove(self)
             if SparkContext._active_spark_context is self:  # as PySpark: none until a context starts
                 SparkContext._active_spark_context = None
+
+    def __reduce__(self) -> NoReturn:
+        """A context cannot be pickled: it belongs to the driver. A function given to an RDD operation, or a
+        broadcast value, that refers to it fails with PySpark's error (``CONTEXT_ONLY_VALID_ON_DRIVER``)."""
+        raise RuntimeError(_CONTEXT_ONLY_ON_DRIVER)
 
     def __enter__(self) -> Self:
         return self
