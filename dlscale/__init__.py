@@ -43,6 +43,7 @@ _EXPORTS = {
     "read_string_from_file": "dlscale.storage",
     "DlscaleError": "dlscale.errors",
     "BroadcastDestroyedError": "dlscale.errors",
+    "BroadcastOperationError": "dlscale.errors",
     "AccumulatorAccessError": "dlscale.errors",
     "JobCancelledError": "dlscale.errors",
     "CheckpointError": "dlscale.errors",

@@ -41,6 +41,10 @@ class BroadcastDestroyedError(DlscaleError, RuntimeError):
     """A broadcast variable used after ``destroy()``."""
 
 
+class BroadcastOperationError(DlscaleError, RuntimeError):
+    """``unpersist()`` or ``destroy()`` called on a broadcast variable in a task (only the driver may)."""
+
+
 class AccumulatorAccessError(DlscaleError, RuntimeError):
     """An accumulator's value read or set in a task (only the driver may), or added to outside an RDD operation."""
 

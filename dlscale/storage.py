@@ -39,9 +39,14 @@ def root() -> str:
     return os.path.expanduser(os.path.join("~", ".dlscale", "storage"))
 
 
+_HADOOP_LOCAL = re.compile(r"^file:/(?!/)")
+"""Hadoop's form of a local file's URL, ``file:/tmp/x`` (fsspec's is ``file:///tmp/x``)."""
+
+
 def has_protocol(url: str) -> bool:
-    """Whether ``url`` names its file system (``s3://...``, ``file://...``, ``simplecache::...``)."""
-    return "://" in url or "::" in url
+    """Whether ``url`` names its file system (``s3://...``, ``file://...``, Hadoop's ``file:/...``,
+    ``simplecache::...``)."""
+    return "://" in url or "::" in url or _HADOOP_LOCAL.match(url) is not None
 
 
 def is_relative(url: str) -> bool:
@@ -50,7 +55,10 @@ def is_relative(url: str) -> bool:
 
 
 def resolve(url: str, storage_options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any] | None]:
-    """``url`` made absolute against the storage root, with the root's options when none are given."""
+    """``url`` made absolute against the storage root, with the root's options when none are given.
+    Hadoop's form of a local URL (``file:/tmp/x``, as Spark writes one) becomes fsspec's (``file:///tmp/x``)."""
+    if _HADOOP_LOCAL.match(url):
+        return "file://" + url[len("file:") :], storage_options
     if not is_relative(url):
         return os.path.expanduser(url) if url.startswith("~") else url, storage_options
     base = root()
@@ -71,6 +79,12 @@ def open_fs(url: str, storage_options: dict[str, Any] | None) -> tuple[fsspec.Ab
 
 
 Chunk = bytes | bytearray | memoryview
+
+
+def hadoop_url(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    """``path`` on ``fs`` as Spark (Hadoop's ``Path``) writes its URL: ``file:/tmp/x`` for a local file,
+    the fsspec URL otherwise. :func:`open_fs` reads both forms."""
+    return f"file:{path}" if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(path)
 
 
 def _display(fs: fsspec.AbstractFileSystem, path: str) -> str:

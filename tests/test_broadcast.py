@@ -7,6 +7,7 @@ import hashlib
 import os
 import pickle
 import random
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ import pytest
 import torch
 from distributed.protocol import serialize
 
-from dlscale import BroadcastDestroyedError, SparkContext
+from dlscale import BroadcastDestroyedError, BroadcastOperationError, SparkContext
 from dlscale.facade import broadcast
 
 
@@ -145,6 +146,42 @@ def test_dump_and_load_as_pyspark(sc: SparkContext, spark: Any, tmp_path: Any) -
             b.dump(Unpicklable(), open(tmp_path / "unpicklable.pkl", "wb"))  # noqa: SIM115
     ours.destroy()
     theirs.destroy()
+
+
+def refused_broadcasts(c: Any) -> tuple:
+    """Spark's ``test_broadcast_for_error_condition``: a value that cannot be pickled fails ``broadcast()``
+    with a ``PicklingError`` saying why (the message less the cause's class, which is PySpark's own for a
+    context), and a task may neither unpersist nor destroy a broadcast."""
+    refused = []
+    for value in (c, threading.Lock(), Unpicklable()):
+        with pytest.raises(pickle.PicklingError) as caught:
+            c.broadcast(value)
+        prefix, cause, text = str(caught.value).split(": ", 2)
+        refused.append((prefix, text.split(" (the value is a ")[0].split(". ")[0]))
+    b = c.broadcast([1])
+    in_tasks = []
+    for operation, call in (("unpersisted", lambda _: b.unpersist()), ("destroyed", lambda _: b.destroy())):
+        with pytest.raises(Exception) as caught:  # noqa: PT011 - PySpark's Py4JJavaError, dlscale's own
+            c.parallelize([1], 1).map(call).collect()
+        in_tasks.append(
+            f"[INVALID_BROADCAST_OPERATION] Broadcast can only be {operation} in driver." in str(caught.value)
+        )
+    value = c.parallelize([0], 1).map(lambda i: b.value[i]).collect()  # still there
+    b.destroy()
+    return refused, in_tasks, value
+
+
+@pytest.mark.pyspark
+def test_refused_broadcasts_as_pyspark(sc: SparkContext, spark: Any) -> None:
+    expected = refused_broadcasts(spark)
+    assert refused_broadcasts(sc) == expected
+    assert expected[0][1] == ("Could not serialize broadcast", "cannot pickle '_thread.lock' object")
+    with pytest.raises(pickle.PicklingError, match=r"\(the value is a _thread.lock\)"):  # dlscale names the type
+        sc.broadcast(threading.Lock())
+    b = sc.broadcast(1)
+    with pytest.raises(BroadcastOperationError):  # a RuntimeError, as PySpark's
+        sc.parallelize([1], 1).map(lambda _: b.destroy()).collect()
+    b.destroy()
 
 
 # PySpark's own broadcast tests (test_rdd.py), run on both contexts

@@ -50,10 +50,37 @@ def test_checkpoint_files_are_in_the_directory(sc: SparkContext, tmp_path: Path)
     rdd.count()
     path = rdd.getCheckpointFile()
     assert path is not None and path.startswith(sc.getCheckpointDir())
-    assert sc.getCheckpointDir().startswith(f"file://{tmp_path}/")
-    written = sorted(p.name for p in Path(path.removeprefix("file://")).iterdir())
+    assert sc.getCheckpointDir().startswith(f"file:{tmp_path}/")  # Spark's (Hadoop's) form of a local URL
+    written = sorted(p.name for p in Path(path.removeprefix("file:")).iterdir())
     assert written == ["_SUCCESS", "part-00000", "part-00001", "part-00002"]
     assert rdd.glom().collect() == [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]
+    assert sc.pickleFile(path).glom().collect() == [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]  # the URL reads back
+
+
+def checkpoint_urls(c: Any, directory: Path) -> tuple:
+    """Spark's ``test_basic_checkpointing``: where the checkpoint directory and an RDD's checkpoint are."""
+    c.setCheckpointDir(str(directory))
+    rdd = c.parallelize([1, 2, 3, 4]).flatMap(lambda x: range(1, x + 1))
+    before = (rdd.getCheckpointFile(), c.getCheckpointDir() is None)
+    rdd.checkpoint()
+    result = rdd.collect()
+    file = rdd.getCheckpointFile()
+    return (
+        before,
+        os.path.dirname(os.path.dirname(file)),
+        os.path.dirname(file) == c.getCheckpointDir(),
+        os.path.basename(file) == f"rdd-{rdd.id()}",
+        rdd.isCheckpointed(),
+        rdd.collect() == result,
+    )
+
+
+def test_checkpoint_urls_as_pyspark(sc: SparkContext, spark: Any, tmp_path: Path) -> None:
+    expected = checkpoint_urls(spark, tmp_path / "pyspark")
+    got = checkpoint_urls(sc, tmp_path / "dlscale")
+    assert expected[1] == f"file:{tmp_path / 'pyspark'}"
+    assert got[1] == f"file:{tmp_path / 'dlscale'}"
+    assert got[:1] + got[2:] == expected[:1] + expected[2:] == ((None, False), True, True, True, True)
 
 
 def locally_checkpointed(c: Any) -> tuple:

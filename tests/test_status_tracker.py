@@ -3,6 +3,7 @@ after, a running stage's task counts, failed jobs, the bound on finished jobs, a
 
 from __future__ import annotations
 
+import operator
 import threading
 import time
 import uuid
@@ -62,16 +63,17 @@ def test_jobs_of_a_group_and_a_tag_while_running_and_after(sc: SparkContext, tmp
     try:
         (job_id,) = wait_for(lambda: tracker.getJobIdsForGroup(group))
         assert tracker.getJobIdsForTag(tag) == [job_id]
-        assert job_id in tracker.getActiveJobsIds() and job_id in tracker.getActiveStageIds()
+        (stage,) = tracker.getJobInfo(job_id).stageIds  # no shuffle: one stage
+        assert job_id in tracker.getActiveJobsIds() and stage in tracker.getActiveStageIds()
         assert job_id not in tracker.getJobIdsForGroup()  # the jobs of no group
-        assert tracker.getJobInfo(job_id) == SparkJobInfo(job_id, [job_id], "RUNNING")
+        assert tracker.getJobInfo(job_id) == SparkJobInfo(job_id, [stage], "RUNNING")
     finally:
         gate.touch()
         thread.join()
     assert out == [[0, 1, 2, 3]]
     assert tracker.getJobIdsForGroup(group) == [job_id] and tracker.getJobIdsForTag(tag) == [job_id]
-    assert job_id not in tracker.getActiveJobsIds() and job_id not in tracker.getActiveStageIds()
-    assert tracker.getJobInfo(job_id) == SparkJobInfo(job_id, [job_id], "SUCCEEDED")
+    assert job_id not in tracker.getActiveJobsIds() and stage not in tracker.getActiveStageIds()
+    assert tracker.getJobInfo(job_id) == SparkJobInfo(job_id, [stage], "SUCCEEDED")
     later = sc.parallelize([1]).count()  # this thread's job: no group, no tag
     assert later == 1 and max(tracker.getJobIdsForGroup()) > job_id and tracker.getJobIdsForTag(tag) == [job_id]
     assert tracker.getJobInfo(10**9) is None and tracker.getStageInfo(10**9) is None
@@ -91,15 +93,16 @@ def test_a_running_stage_counts_its_tasks(sc: SparkContext, tmp_path: Path) -> N
     thread, _ = in_a_thread(job)
     try:
         job_id = wait_for(lambda: tracker.getActiveJobsIds())[-1]
-        running = wait_for(lambda: (s := tracker.getStageInfo(job_id)) and s.numActiveTasks >= 2 and s)
-        assert running.stageId == job_id and running.currentAttemptId == 0
+        (stage,) = tracker.getJobInfo(job_id).stageIds
+        running = wait_for(lambda: (s := tracker.getStageInfo(stage)) and s.numActiveTasks >= 2 and s)
+        assert running.stageId == stage and running.currentAttemptId == 0
         assert running.name == f"collect at {__file__}:{line}"
         assert running.numTasks >= 4 and running.numActiveTasks <= running.numTasks
         assert (running.numCompletedTasks, running.numFailedTasks) == (0, 0)
     finally:
         gate.touch()
         thread.join()
-    done = tracker.getStageInfo(job_id)
+    done = tracker.getStageInfo(stage)
     assert done == running._replace(numActiveTasks=0, numCompletedTasks=running.numTasks)
 
 
@@ -120,17 +123,96 @@ def test_a_failed_job(sc: SparkContext) -> None:
         clear_group(sc)
     (job_id,) = tracker.getJobIdsForGroup(group)
     assert tracker.getJobInfo(job_id).status == "FAILED"
-    stage = wait_for(lambda: (s := tracker.getStageInfo(job_id)) and s.numActiveTasks == 0 and s)
+    (stage_id,) = tracker.getJobInfo(job_id).stageIds
+    stage = wait_for(lambda: (s := tracker.getStageInfo(stage_id)) and s.numActiveTasks == 0 and s)
     assert stage.numFailedTasks == 1 and stage.numCompletedTasks < stage.numTasks
 
 
 def test_a_shuffle_keeps_its_finished_tasks_counted(sc: SparkContext) -> None:
-    """The map side of a shuffle is forgotten by Dask while the job runs on: its tasks stay counted."""
+    """The map side of a shuffle is forgotten by Dask while the job runs on: its tasks stay counted, in the
+    shuffle map stage, named after the call that made the shuffle; the result stage counts the rest."""
     tracker = sc.statusTracker()
+    line = test_a_shuffle_keeps_its_finished_tasks_counted.__code__.co_firstlineno + 5
     assert sc.parallelize(range(40), 4).map(lambda x: (x % 3, 1)).reduceByKey(lambda a, b: a + b, 2).count() == 3
     job_id = max(tracker.getJobIdsForGroup())
-    stage = tracker.getStageInfo(job_id)
-    assert stage.numTasks >= 4 + 2 and stage.numCompletedTasks == stage.numTasks and stage.numActiveTasks == 0
+    map_stage, result_stage = (tracker.getStageInfo(s) for s in tracker.getJobInfo(job_id).stageIds)
+    assert map_stage.stageId < result_stage.stageId
+    assert map_stage.name == f"reduceByKey at {__file__}:{line}"
+    assert result_stage.name == f"count at {__file__}:{line}"
+    assert map_stage.numTasks >= 4 and result_stage.numTasks >= 2
+    for stage in (map_stage, result_stage):
+        assert stage.numCompletedTasks == stage.numTasks and stage.numActiveTasks == 0
+
+
+def stages(c: Any, context: Any) -> tuple:
+    """The stages of each job of programs with and without shuffles, as the tracker lists them, and the stages
+    that tasks before and after a shuffle say they belong to."""
+    tracker = c.statusTracker()
+    prefix = f"stages-{uuid.uuid4()}-"
+    rdd = c.parallelize(range(10), 3).map(lambda x: (x % 4, x))
+    parted = rdd.partitionBy(2)
+    cached = rdd.reduceByKey(operator.add).cache()
+    checkpointed = rdd.reduceByKey(operator.add)
+    checkpointed.checkpoint()
+    programs: dict[str, Callable[[], Any]] = {
+        "map": lambda: rdd.map(lambda kv: kv).collect(),
+        "count": lambda: rdd.count(),
+        "reduceByKey": lambda: rdd.reduceByKey(operator.add).collect(),
+        "two shuffles": lambda: rdd.reduceByKey(operator.add).map(lambda kv: (kv[1], kv[0])).groupByKey().collect(),
+        "partitionBy": lambda: parted.collect(),
+        "co-partitioned join": lambda: parted.join(parted).collect(),
+        "join": lambda: parted.join(rdd).collect(),
+        "co-partitioned cogroup": lambda: parted.cogroup(parted).collect(),
+        "cogroup": lambda: parted.cogroup(rdd).collect(),
+        "co-partitioned reduceByKey": lambda: parted.reduceByKey(operator.add, 2).collect(),
+        "union": lambda: parted.union(rdd).collect(),
+        "repartition": lambda: rdd.repartition(4).collect(),
+        "coalesce": lambda: rdd.coalesce(1).collect(),
+        "distinct": lambda: rdd.keys().distinct().collect(),
+        "cartesian": lambda: rdd.cartesian(rdd).count(),
+        "persisted": lambda: (cached.count(), cached.map(lambda kv: kv).collect()),
+        "checkpointed": lambda: (checkpointed.count(), checkpointed.map(lambda kv: kv).collect()),
+    }
+    counts = {}
+    try:
+        for name, program in programs.items():
+            c.setJobGroup(prefix + name, name)
+            program()
+            jobs = sorted(tracker.getJobIdsForGroup(prefix + name))
+            counts[name] = [len(tracker.getJobInfo(j).stageIds) for j in jobs]
+        c.setJobGroup(prefix + "seen", "seen")
+        seen = (
+            rdd.map(lambda kv: (kv[0], context.get().stageId()))
+            .partitionBy(2)
+            .map(lambda kv: (kv[1], context.get().stageId()))
+            .collect()
+        )
+        (job,) = tracker.getJobIdsForGroup(prefix + "seen")
+    finally:
+        clear_group(c)
+        cached.unpersist()
+    ids = list(tracker.getJobInfo(job).stageIds)
+    before, after = {b for b, _ in seen}, {a for _, a in seen}
+    infos = [tracker.getStageInfo(s) for s in ids]
+    done = [i.numTasks > 0 and i.numCompletedTasks == i.numTasks and i.numActiveTasks == 0 for i in infos]
+    return counts, (len(before), len(after), before | after == set(ids), before == after), done
+
+
+@pytest.mark.pyspark
+def test_stages_as_pyspark(sc: SparkContext, spark: Any, tmp_path: Path) -> None:
+    """Spark's DAG scheduler cuts a job at each shuffle (a join of RDDs partitioned alike has none of its
+    own: Spark's test_narrow_dependency_in_join); dlscale's jobs list the same stages."""
+    from pyspark import TaskContext as SparkTaskContext
+
+    from dlscale import TaskContext
+
+    spark.setCheckpointDir(str(tmp_path / "pyspark"))
+    sc.setCheckpointDir(str(tmp_path / "dlscale"))
+    expected = stages(spark, SparkTaskContext)
+    assert stages(sc, TaskContext) == expected
+    counts = expected[0]
+    assert counts["co-partitioned join"] == [2] and counts["join"] == [3]
+    assert counts["map"] == [1] and counts["reduceByKey"] == [2] and counts["two shuffles"] == [3]
 
 
 def test_finished_jobs_beyond_the_bound_are_forgotten(sc: SparkContext) -> None:

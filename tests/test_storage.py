@@ -33,6 +33,19 @@ def test_relative_paths_resolve_under_the_root(tmp_path: Path) -> None:
         assert storage.resolve("runs/1", {"anon": False}) == ("s3://bucket/prefix/runs/1", {"anon": False})
 
 
+def test_hadoops_local_urls_are_read_and_written(tmp_path: Path) -> None:
+    """``file:/tmp/x`` (Spark's form of a local URL, as ``getCheckpointFile`` gives it) is fsspec's
+    ``file:///tmp/x``, never a relative path; a local path is written back in Hadoop's form."""
+    assert storage.has_protocol(f"file:{tmp_path}") and not storage.is_relative(f"file:{tmp_path}")
+    assert storage.resolve(f"file:{tmp_path}/a", {"k": 1}) == (f"file://{tmp_path}/a", {"k": 1})
+    fs, path = storage.open_fs(f"file:{tmp_path}/a", None)
+    assert path == f"{tmp_path}/a" and storage.hadoop_url(fs, path) == f"file:{tmp_path}/a"
+    memory, key = storage.open_fs("memory://bucket/a", None)
+    assert storage.hadoop_url(memory, key) == memory.unstrip_protocol(key)  # not a local file: fsspec's URL
+    write_string_to_file(f"file:{tmp_path}/b.txt", "written")
+    assert (tmp_path / "b.txt").read_text() == "written"
+
+
 def test_the_default_root_is_the_checkout_storage_directory() -> None:
     root = Path(storage.root())
     assert root.name == "data" and (root.parent / "README.md").exists() and (root.parent / "s3_server.py").exists()

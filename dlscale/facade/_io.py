@@ -181,7 +181,7 @@ def save_as_text_file(rdd: RDD, path: str, codec: str | None, storage_options: d
 
 def _finish_output(rdd: RDD, fs: fsspec.AbstractFileSystem, root: str, write: Callable) -> None:
     if rdd.getNumPartitions():
-        rdd.ctx._compute(_graph.partitionwise("save", write, rdd._bag))
+        rdd.ctx._compute(_graph.partitionwise("save", write, rdd._bag), rdd=rdd)
     atomic_write(fs, f"{root}/_SUCCESS", [])
 
 

@@ -159,16 +159,19 @@ def has_stages(collection: Any) -> bool:
     return any(_stage_layers(c) for c in _collections(collection))
 
 
-def run_stages(client: Client, collection: Any, track: Callable[[list[Future]], None] | None = None) -> Any:
+def run_stages(
+    client: Client, collection: Any, track: Callable[[list[Future]], None] | None = None, *, cpus: int = 1
+) -> Any:
     """``collection`` (a Dask collection or a list of them) with every barrier stage in its graph run and
     replaced by the stage's results. ``track`` is handed the futures of each computation it starts (so that
-    the job they belong to can cancel them). A stage shared by several collections runs once."""
+    the job they belong to can cancel them). A stage shared by several collections runs once. A task takes
+    ``cpus`` of its worker's threads (``spark.task.cpus`` where the context limits tasks by CPUs)."""
     done: dict[str, list[Future]] = {}
-    out = [_without_stages(client, c, done, track) for c in _collections(collection)]
+    out = [_without_stages(client, c, done, track, cpus) for c in _collections(collection)]
     return out if isinstance(collection, list) else out[0]
 
 
-def _without_stages(client: Client, c: Any, done: dict, track: Callable | None) -> Any:
+def _without_stages(client: Client, c: Any, done: dict, track: Callable | None, cpus: int) -> Any:
     if not _stage_layers(c):
         return c
     graph = c.__dask_graph__()
@@ -178,7 +181,7 @@ def _without_stages(client: Client, c: Any, done: dict, track: Callable | None) 
         layer = layers[name]
         if name not in done:
             inputs = HighLevelGraph(layers, deps).cull_layers([layer.parent])
-            done[name] = _run_stage(client, name, layer, Bag(inputs, layer.parent, layer.npartitions), track)
+            done[name] = _run_stage(client, name, layer, Bag(inputs, layer.parent, layer.npartitions), track, cpus)
         layers[name] = MaterializedLayer({(name, i): f for i, f in enumerate(done[name])})
         deps[name] = set()
     rebuild, args = c.__dask_postpersist__()
@@ -197,28 +200,34 @@ def _stage_below(name: str, layers: dict, deps: dict) -> bool:
     return False
 
 
-def _check_slots(workers: dict[str, dict], n: int) -> None:
-    slots = sum(w["nthreads"] for w in workers.values())
+def _slots(workers: dict[str, dict], cpus: int) -> dict[str, int]:
+    """The tasks each worker runs at once: its threads, ``cpus`` for each task."""
+    return {address: w["nthreads"] // cpus for address, w in workers.items()}
+
+
+def _check_slots(workers: dict[str, dict], n: int, cpus: int) -> None:
+    slots = sum(_slots(workers, cpus).values())
     if n > slots:
+        per_task = f", {cpus} per task (spark.task.cpus)" if cpus > 1 else ""
         raise BarrierError(
             f"a barrier stage of {n} tasks needs {n} task slots at once, and the cluster has {slots} "
-            f"(worker threads on {len(workers)} workers): barrier mode runs all of a stage's tasks together. "
-            "Add workers or threads, or repartition the RDD to fewer partitions"
+            f"(worker threads on {len(workers)} workers{per_task}): barrier mode runs all of a stage's tasks "
+            "together. Add workers or threads, or repartition the RDD to fewer partitions"
         )
 
 
-def _place(client: Client, inputs: list[Future], rerun: bool) -> list[str]:
-    """A worker for each task, one task per worker thread, on the worker that holds its input where it can. A
-    stage run again after a lost worker first waits up to ``dlscale.barrier.slots-wait`` for enough threads
-    (the nanny restarting the worker, or another joining)."""
+def _place(client: Client, inputs: list[Future], rerun: bool, cpus: int) -> list[str]:
+    """A worker for each task, one task per ``cpus`` worker threads, on the worker that holds its input where
+    it can. A stage run again after a lost worker first waits up to ``dlscale.barrier.slots-wait`` for enough
+    threads (the nanny restarting the worker, or another joining)."""
     deadline = time.monotonic() + (parse_timedelta(config.get("barrier.slots-wait")) if rerun else 0)
     while True:
         workers = cluster_workers(client)
-        if sum(w["nthreads"] for w in workers.values()) >= len(inputs) or time.monotonic() >= deadline:
+        if sum(_slots(workers, cpus).values()) >= len(inputs) or time.monotonic() >= deadline:
             break
         time.sleep(0.1)
-    _check_slots(workers, len(inputs))
-    free = {address: w["nthreads"] for address, w in workers.items()}
+    _check_slots(workers, len(inputs), cpus)
+    free = _slots(workers, cpus)
     holders = client.who_has(inputs)
     placement: list[str | None] = [None] * len(inputs)
     for i, f in enumerate(inputs):
@@ -238,9 +247,11 @@ def _host_port(address: str) -> str:
     return f"{host}:{port}"
 
 
-def _run_stage(client: Client, name: str, layer: BarrierLayer, inputs_bag: Bag, track: Callable | None) -> list[Future]:
+def _run_stage(
+    client: Client, name: str, layer: BarrierLayer, inputs_bag: Bag, track: Callable | None, cpus: int
+) -> list[Future]:
     n = layer.npartitions
-    _check_slots(cluster_workers(client), n)  # at once, before the inputs are computed (as Spark)
+    _check_slots(cluster_workers(client), n, cpus)  # at once, before the inputs are computed (as Spark)
     install(client, BARRIER)
     inputs = client.compute(inputs_bag.to_delayed())
     if track is not None:
@@ -254,7 +265,7 @@ def _run_stage(client: Client, name: str, layer: BarrierLayer, inputs_bag: Bag, 
     attempt = 0
     while True:
         attempt += 1
-        placement = _place(client, inputs, rerun=attempt > 1)
+        placement = _place(client, inputs, rerun=attempt > 1, cpus=cpus)
         stage = BarrierStage(f"{name}-{attempt}-{uuid.uuid4().hex[:8]}", tuple(map(_host_port, placement)))
         client.run_on_scheduler(_begin, stage.id, placement, timeout)
         futures: list[Future] = []

@@ -25,7 +25,7 @@ from distributed import Future, get_client, get_worker
 from distributed.protocol import dask_deserialize, dask_serialize, deserialize, serialize
 
 from dlscale import config
-from dlscale.errors import BroadcastDestroyedError
+from dlscale.errors import BroadcastDestroyedError, BroadcastOperationError
 from dlscale.runtime.replicas import EVERY_WORKER, KEEP, set_replication
 
 if TYPE_CHECKING:
@@ -33,26 +33,37 @@ if TYPE_CHECKING:
 
 
 class _Payload:
-    """A broadcast value as the one unit Dask stores and sends. On the driver it keeps its serialized
-    frames from the first send for the sends to the other workers; ``nbytes`` is the value's size in
-    memory (``dask.sizeof`` of the value, measured once on the driver)."""
+    """A broadcast value as the one unit Dask stores and sends. On the driver it holds its serialized
+    frames, made once before the first send, for the sends to every worker; ``nbytes`` is the value's
+    size in memory (``dask.sizeof`` of the value, measured once on the driver)."""
 
     def __init__(self, value: Any, nbytes: int) -> None:
         self.value = value
         self.nbytes = nbytes
         self.serialized: tuple[dict, list] | None = None
-        self.keep_serialized = False
+
+
+def _serialize_value(value: Any) -> tuple[dict, list]:
+    return serialize(value, serializers=("dask", "pickle"), on_error="raise", iterate_collection=False)
 
 
 @dask_serialize.register(_Payload)
 def _serialize_payload(p: _Payload) -> tuple[dict, list]:
     if p.serialized is not None:
         return p.serialized
-    header, frames = serialize(p.value, serializers=("dask", "pickle"), on_error="raise", iterate_collection=False)
-    out = {"value": header, "nbytes": p.nbytes}, frames
-    if p.keep_serialized:
-        p.serialized = out
-    return out
+    header, frames = _serialize_value(p.value)
+    return {"value": header, "nbytes": p.nbytes}, frames
+
+
+def _not_serializable(value: Any, error: Exception) -> pickle.PicklingError:
+    """PySpark's error for a broadcast value that cannot be pickled, naming the value's type and why (the
+    pickler's own error, which Dask's ``TypeError`` wraps)."""
+    cause = error.__cause__ if isinstance(error, TypeError) and error.__cause__ is not None else error
+    kind = type(value)
+    return pickle.PicklingError(
+        f"Could not serialize broadcast: {type(cause).__name__}: {cause} "
+        f"(the value is a {kind.__module__}.{kind.__qualname__})"
+    )
 
 
 @dask_deserialize.register(_Payload)
@@ -120,8 +131,12 @@ class Broadcast:
         self._read = True
         self._key = f"broadcast-{uuid.uuid4().hex}"
         client = sc.client
+        try:  # once, for every worker it is sent to; a value that cannot be pickled fails here, as in PySpark
+            header, frames = _serialize_value(value)
+        except Exception as e:
+            raise _not_serializable(value, e) from e
         payload = _Payload(value, sizeof(value))
-        payload.keep_serialized = True  # one serialization for every worker it is sent to
+        payload.serialized = {"value": header, "nbytes": payload.nbytes}, frames
         # straight from the driver to each worker, unless the client was told it cannot reach them
         direct = client.direct_to_workers is not False
         first, *others = list(client.scheduler_info(n_workers=-1)["workers"]) or [None]
@@ -148,10 +163,17 @@ class Broadcast:
             self._value, self._read = _worker_value(self._key), True
         return self._value
 
+    def _on_driver(self, operation: str) -> None:
+        """Raise PySpark's error for ``operation`` on a task's copy of the broadcast."""
+        if self._sc is None:
+            raise BroadcastOperationError(f"[INVALID_BROADCAST_OPERATION] Broadcast can only be {operation} in driver.")
+
     def unpersist(self, blocking: bool = False) -> None:
         """Drop the workers' copies but one; a worker whose task uses the value again fetches it once more
         and keeps it. With ``blocking``, wait until the copies are gone (at most
-        ``dlscale.persist.unpersist-timeout``)."""
+        ``dlscale.persist.unpersist-timeout``). In a task it raises ``BroadcastOperationError``, as PySpark's
+        error."""
+        self._on_driver("unpersisted")
         if self._future is None:
             return
         client = self._sc.client
@@ -164,7 +186,9 @@ class Broadcast:
 
     def destroy(self, blocking: bool = False) -> None:
         """Drop every copy, on the driver too; the value cannot be used afterwards, and a task that uses
-        it fails with :class:`~dlscale.errors.BroadcastDestroyedError`."""
+        it fails with :class:`~dlscale.errors.BroadcastDestroyedError`. In a task it raises
+        ``BroadcastOperationError``, as PySpark's error."""
+        self._on_driver("destroyed")
         if self._future is not None:
             client = self._sc._client
             set_replication(client, [self._future], 1)

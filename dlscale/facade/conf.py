@@ -28,7 +28,8 @@ class SparkConf:
     """Settings for a context. Recognised keys:
 
     ``spark.master``, ``spark.app.name``, ``spark.default.parallelism`` (default partition count
-    of shuffles), and for an embedded cluster ``spark.executor.instances`` (worker processes),
+    of shuffles), ``spark.task.cpus`` (``TaskContext.cpus()``, and on an embedded cluster the worker
+    threads each task takes), and for an embedded cluster ``spark.executor.instances`` (worker processes),
     ``spark.executor.cores`` (threads per worker) and ``spark.executor.memory`` (memory limit
     per worker), ``spark.executor.resource.<NAME>.amount`` (an abstract resource each worker offers,
     such as ``GPU``). Other keys are kept and returned by :meth:`get`.

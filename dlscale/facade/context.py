@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
 from html import escape
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, NoReturn, Self
 
 import dask.config
 import distributed
@@ -45,7 +45,7 @@ from dlscale.facade.embedded import EmbeddedCluster
 from dlscale.facade.files import Files
 from dlscale.facade.jobs import INTERRUPT_ON_CANCEL, JOB_DESCRIPTION, JOB_GROUP, Jobs
 from dlscale.facade.rdd import RDD
-from dlscale.facade.taskcontext import ResourceInformation, TaskContext
+from dlscale.facade.taskcontext import TASK_CPUS, ResourceInformation, TaskContext
 from dlscale.runtime.cluster import cluster_workers
 from dlscale.runtime.extensions import install_dashboard_pages
 
@@ -56,6 +56,12 @@ _LOCAL_CLUSTER = re.compile(r"^local-cluster\[\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s
 _ADDRESS = re.compile(r"^(tcp|tls|ws|wss|inproc)://.+")
 _RESOURCE = re.compile(r"^spark\.executor\.resource\.([^.]+)\.amount$")
 _SPARK_MANAGERS = ("spark://", "yarn", "mesos://", "k8s://")
+# PySpark's message for a context made in a task, or pickled (referred to by a task's function or a broadcast value)
+_CONTEXT_ONLY_ON_DRIVER = (
+    "[CONTEXT_ONLY_VALID_ON_DRIVER] It appears that you are attempting to reference SparkContext from a broadcast "
+    "variable, action, or transformation. SparkContext can only be used on the driver, not in code that runs on "
+    "workers. For more information, see SPARK-5063."
+)
 _SCHEDULER_PORT = 8786  # Dask's default, for an address without a port
 # Spark's log levels (in the order its message lists them) as the driver's logging levels
 _LOG_LEVELS = {
@@ -109,6 +115,20 @@ def _dashboard_address(setting: Any) -> str | None:
     return f"127.0.0.1:{port}" if port.isdigit() else address
 
 
+def _task_cpus(conf: SparkConf) -> int:
+    """``spark.task.cpus``: the CPUs of each task, 1 unless set."""
+    value = conf.get("spark.task.cpus")
+    if value is None:
+        return 1
+    try:
+        cpus = int(value)
+    except ValueError:
+        cpus = 0
+    if cpus < 1:
+        raise ValueError(f"spark.task.cpus must be a positive integer, got {value!r}")
+    return cpus
+
+
 def _parse_local(master: str) -> tuple[int, int] | None:
     """The workers and the attempts per task (Spark's ``maxFailures``) of ``local``, ``local[N]``,
     ``local[*]`` or ``local[N, F]``; ``None`` for any other master."""
@@ -152,18 +172,14 @@ class SparkContext:
         self._conf = conf if isinstance(conf, SparkConf) else SparkConf().setAll((conf or {}).items())
         allowed = (self._conf.get("spark.executor.allowSparkContext") or "").lower() == "true"
         if TaskContext.get() is not None and not allowed:
-            raise RuntimeError(  # PySpark's message
-                "[CONTEXT_ONLY_VALID_ON_DRIVER] It appears that you are attempting to reference SparkContext from a "
-                "broadcast variable, action, "
-                "or transformation. SparkContext can only be used on the driver, not in code that runs on workers. "
-                "For more information, see SPARK-5063."
-            )
+            raise RuntimeError(_CONTEXT_ONLY_ON_DRIVER)
         if sum(x is not None for x in (master, client, cluster)) > 1:
             raise ValueError("give at most one of master, client and cluster")
         if client is not None and not isinstance(client, distributed.Client):
             raise TypeError(f"client must be a distributed.Client, not {type(client).__name__}")
 
         self.appName = appName or self._conf.get("spark.app.name") or "dlscale"
+        self._task_cpus = _task_cpus(self._conf)
         self._owned_cluster: Any = None
         self._max_failures = 1  # attempts per task: F of local[N, F]; a failed task is otherwise not retried
         self._owns_client = client is None
@@ -189,7 +205,16 @@ class SparkContext:
         self._broadcasts: weakref.WeakSet[Broadcast] = weakref.WeakSet()
         self._accumulators = Accumulators()
         retained = int(self._conf.get("spark.ui.retainedJobs") or 1000)
-        self._jobs = Jobs(self.applicationId, retries=self._max_failures - 1, retained=retained)
+        # on the cluster it started, the context has each worker offer its threads as TASK_CPUS, of which a
+        # task takes spark.task.cpus: a worker runs threads // spark.task.cpus tasks at once, as a Spark executor
+        self._limit_task_cpus = self._owned_cluster is not None and self._task_cpus > 1
+        self._jobs = Jobs(
+            self.applicationId,
+            retries=self._max_failures - 1,
+            retained=retained,
+            cpus=self._task_cpus,
+            limit_cpus=self._limit_task_cpus,
+        )
         self._task_counts = status.install(self._client, self.applicationId, retained)
         self._checkpoint_dir: tuple[str, dict[str, Any] | None] | None = None  # URL, storage options
         self._to_checkpoint: weakref.WeakSet[RDD] = weakref.WeakSet()  # marked, not yet checkpointed
@@ -273,6 +298,25 @@ class SparkContext:
             memory = spark_size_to_bytes(conf.get("spark.executor.memory"), "spark.executor.memory")
         workers = int(conf.get("spark.executor.instances") or n)
         resources = {m.group(1): float(v) for k, v in conf.getAll() if (m := _RESOURCE.match(k))}
+        cpus = self._task_cpus
+        if cpus > 1:
+            sized = conf.contains("spark.executor.cores") or conf.contains("spark.executor.instances")
+            if threads < cpus and not sized:
+                # local[N]: Spark's one executor of N cores runs N // cpus tasks at once; so many worker
+                # processes of cpus threads run as many
+                cores = workers * threads
+                if cores < cpus:
+                    raise ValueError(
+                        f"The number of cores per executor (={cores}) has to be >= the number of cpus per task = "
+                        f"{cpus}: give local[N] at least spark.task.cpus threads"
+                    )
+                workers, threads = cores // cpus, cpus
+            elif threads < cpus:  # Spark's check, a worker process standing for an executor
+                raise ValueError(
+                    f"The number of cores per executor (={threads}) has to be >= the number of cpus per task = "
+                    f"{cpus}: set spark.executor.cores (threads per worker process) to at least spark.task.cpus"
+                )
+            resources[TASK_CPUS] = float(threads)
         memory_settings = {
             name: value
             for name in ("target", "spill", "pause")
@@ -331,6 +375,11 @@ class SparkContext:
             if SparkContext._active_spark_context is self:  # as PySpark: none until a context starts
                 SparkContext._active_spark_context = None
 
+    def __reduce__(self) -> NoReturn:
+        """A context cannot be pickled: it belongs to the driver. A function given to an RDD operation, or a
+        broadcast value, that refers to it fails with PySpark's error (``CONTEXT_ONLY_VALID_ON_DRIVER``)."""
+        raise RuntimeError(_CONTEXT_ONLY_ON_DRIVER)
+
     def __enter__(self) -> Self:
         return self
 
@@ -369,6 +418,12 @@ class SparkContext:
 
     def _new_rdd_id(self) -> int:
         return next(self._rdd_ids)
+
+    @property
+    def _barrier_cpus(self) -> int:
+        """The worker threads a barrier task takes: ``spark.task.cpus`` where the context limits tasks by
+        CPUs, else 1."""
+        return self._task_cpus if self._limit_task_cpus else 1
 
     def _default_reduce_partitions(self, rdd: RDD) -> int:
         if self._conf.contains("spark.default.parallelism"):
@@ -455,10 +510,11 @@ class SparkContext:
         path = f"{root.rstrip('/')}/{uuid.uuid4()}"
         with storage.as_storage_error("create", dirName):
             fs.makedirs(path, exist_ok=True)
-        self._checkpoint_dir = (fs.unstrip_protocol(path), storage_options)
+        self._checkpoint_dir = (storage.hadoop_url(fs, path), storage_options)
 
     def getCheckpointDir(self) -> str | None:
-        """The directory RDDs are checkpointed in, or ``None`` before ``setCheckpointDir``."""
+        """The directory RDDs are checkpointed in, or ``None`` before ``setCheckpointDir``: its URL as Spark
+        writes it (``file:/tmp/x/<uuid>`` for a local directory, the fsspec URL otherwise)."""
         return None if self._checkpoint_dir is None else self._checkpoint_dir[0]
 
     # -- job control -----------------------------------------------------------------------
@@ -754,23 +810,25 @@ class SparkContext:
         """Not supported: Hadoop input formats need the JVM."""
         raise _hadoop_input("newAPIHadoopRDD")
 
-    def _compute_within(self, tasks: list, timeout: float) -> dict[int, Any]:
+    def _compute_within(self, tasks: list, timeout: float, rdd: RDD | None = None) -> dict[int, Any]:
         """The results of ``tasks`` finished within ``timeout`` seconds, by index (``Jobs.run_within``), after
         adding the accumulator records they brought back."""
-        done = self._jobs.run_within(self.client, tasks, timeout)
+        done = self._jobs.run_within(self.client, tasks, timeout, rdd)
         self._accumulators.deliver(_graph.carried(done.values()), None)
         return done
 
-    def _compute(self, collection: Any, action: set | None = None) -> Any:
+    def _compute(self, collection: Any, action: set | None = None, rdd: RDD | None = None) -> Any:
         """The result of an action's graph, after adding the accumulator records it brought back (``action``:
         the partitions whose records an earlier part of the same action added, see ``Accumulators.deliver``).
+        ``rdd`` is the RDD the action computes, whose lineage gives the job's stages.
         A reduction's result is unwrapped; a bag is computed partition by partition, so that each keeps its
         records, and comes back as Dask returns it (its elements in one list)."""
         if isinstance(collection, Bag):
             bag_tasks = collection.to_delayed(optimize_graph=not barrier.has_stages(collection))
-            return list(itertools.chain.from_iterable(self._compute(bag_tasks, action)))
+            return list(itertools.chain.from_iterable(self._compute(bag_tasks, action, rdd)))
         try:
-            result = self._jobs.run(self.client, collection, partial(barrier.run_stages, self.client))
+            run_stages = partial(barrier.run_stages, self.client, cpus=self._barrier_cpus)
+            result = self._jobs.run(self.client, collection, run_stages, rdd)
         except TypeError as e:
             # a dlscale error raised while Dask serialized the graph is the real cause: raise that
             cause = e.__cause__ or e.__context__

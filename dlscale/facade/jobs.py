@@ -10,7 +10,14 @@ each worker raises an exception in the threads running the job's tasks, which st
 Python instruction (a call that blocks in native code, such as a sleep or a read, returns first).
 
 The jobs keep a record for :class:`~dlscale.facade.status.StatusTracker`: every running job and the last
-``retained`` finished ones (Spark's ``spark.ui.retainedJobs``), with their group, tags and final status.
+``retained`` finished ones (Spark's ``spark.ui.retainedJobs``), with their group, tags, stages (as Spark's
+DAG scheduler cuts the lineage of the RDD an action computes, see :mod:`dlscale.facade._stages`) and
+final status. Stage ids are numbered across the application, as Spark numbers them.
+
+A job's tasks carry, as Dask annotations, the job's id, its thread's local properties, its result stage's
+id and ``spark.task.cpus``, and, in a job with stages before its result stage, the stage of each task;
+where the context limits how many tasks a worker runs at once by their CPUs (an embedded cluster), each
+task also asks for that many of the worker's ``TASK_CPUS`` resource.
 """
 
 from __future__ import annotations
@@ -29,11 +36,13 @@ from typing import Any
 
 import dask
 import distributed
+from dask._task_spec import Alias
 
 from dlscale.errors import JobCancelledError
-from dlscale.facade.taskcontext import ANNOTATION
+from dlscale.facade import _stages
+from dlscale.facade.taskcontext import ANNOTATION, STAGE, TASK_CPUS
 
-__all__ = ["JobRecord", "Jobs", "interruptible"]
+__all__ = ["JobRecord", "Jobs", "call_site", "interruptible"]
 
 JOB_GROUP = "spark.jobGroup.id"
 JOB_DESCRIPTION = "spark.job.description"
@@ -85,6 +94,8 @@ class _Job:
     properties: dict[str, str]
     futures: list[distributed.Future]
     keys: list[Any]
+    stage_ids: list[int]
+    stage_of: dict[Any, int]  # the stage of each task not in the result stage
     cancelled: str | None = None  # why, once cancelled
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -96,20 +107,23 @@ class _Job:
 @dataclass
 class JobRecord:
     """What the status tracker knows of a job: its group, tags and name (its action and where the program
-    called it, as Spark names a stage), and ``RUNNING``, ``SUCCEEDED`` or ``FAILED``."""
+    called it, as Spark names a stage), its stages' ids and names (the result stage last, named as the job),
+    and ``RUNNING``, ``SUCCEEDED`` or ``FAILED``."""
 
     id: int
     group: str | None
     tags: set[str]
     name: str
+    stage_ids: list[int]
+    stage_names: list[str]
     status: str = "RUNNING"
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
-def _call_site() -> str:
-    """Spark's name for a job's stage: the action the program called and where (``collect at job.py:12``),
+def call_site() -> str:
+    """Spark's name for a stage: the operation the program called and where (``collect at job.py:12``),
     the outermost dlscale function on the stack and the first frame outside dlscale."""
     frame = sys._getframe(1)
     action = "run"
@@ -117,6 +131,25 @@ def _call_site() -> str:
         action = frame.f_code.co_name
         frame = frame.f_back
     return action if frame is None else f"{action} at {frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+def _tasks_stages(graphs: list, layers: dict[str, int]) -> dict[Any, int]:
+    """The stage of each task of ``graphs`` that computes one of the graph ``layers`` (layer name -> stage id):
+    a task of the layer's own, or one that Dask fused from several layers, found through the alias that the
+    last layer's key leaves behind."""
+    if not layers:
+        return {}
+    stage_of: dict[Any, int] = {}
+    fused: list[tuple[Any, int]] = []
+    for graph in graphs:
+        for key, node in graph.items():
+            if isinstance(key, tuple) and key and (stage := layers.get(key[0])) is not None:
+                stage_of[key] = stage
+                if isinstance(node, Alias):
+                    fused.append((node.target, stage))
+    for key, stage in fused:
+        stage_of.setdefault(key, stage)
+    return stage_of
 
 
 def _tags(properties: dict[str, str]) -> set[str]:
@@ -137,16 +170,25 @@ def _check_tag(tag: str) -> None:
 
 class Jobs:
     """The jobs of application ``application``: the threads' local properties, the jobs now running and the
-    records of the last ``retained`` finished ones. A task that raises runs again, up to ``retries`` times."""
+    records of the last ``retained`` finished ones. A task that raises runs again, up to ``retries`` times.
+    Tasks are told they have ``cpus`` CPUs (``spark.task.cpus``); with ``limit_cpus``, each asks for that many
+    of its worker's ``TASK_CPUS`` resource, so that a worker offering its threads runs ``threads // cpus``
+    tasks at once."""
 
-    def __init__(self, application: str, *, retries: int = 0, retained: int = 1000) -> None:
+    def __init__(
+        self, application: str, *, retries: int = 0, retained: int = 1000, cpus: int = 1, limit_cpus: bool = False
+    ) -> None:
         self._application = application
         self._retries = retries
         self._retained = retained
+        self._cpus = cpus
+        self._limit_cpus = limit_cpus
         self._local = threading.local()
         self._ids = itertools.count()
+        self._stage_ids = itertools.count()
         self._running: dict[int, _Job] = {}
         self._records: dict[int, JobRecord] = {}  # running and retained finished jobs, by id
+        self._stage_jobs: dict[int, int] = {}  # the stages of those jobs: stage id -> job id
         self._finished: deque[int] = deque()  # the retained finished jobs, oldest first
         self._lock = threading.Lock()
 
@@ -182,16 +224,24 @@ class Jobs:
 
     # -- running and cancelling -----------------------------------------------------------
     @contextlib.contextmanager
-    def _job(self, collection: Any, call_site: str) -> Iterator[_Job]:
-        """A job for ``collection`` (a Dask collection or a list of them) started at ``call_site``, registered
-        while the block runs so that it may be cancelled; a cancelled job's ``CancelledError`` is raised as
-        ``JobCancelledError``."""
+    def _job(self, collection: Any, site: str, rdd: Any = None) -> Iterator[_Job]:
+        """A job for ``collection`` (a Dask collection or a list of them) started at ``site``, computing ``rdd``
+        (whose lineage gives the job's stages; one stage without it), registered while the block runs so that
+        it may be cancelled; a cancelled job's ``CancelledError`` is raised as ``JobCancelledError``."""
         parts = collection if isinstance(collection, list) else [collection]
-        keys = list({k for c in parts for k in c.__dask_graph__()})
-        job = _Job(next(self._ids), dict(self.properties()), [], keys)
+        # the partitions of a bag share one graph: each graph once
+        graphs = list({id(g): g for g in (c.__dask_graph__() for c in parts)}.values())
+        keys = list({k for g in graphs for k in g})
+        plan = _stages.plan(rdd, site)
         with self._lock:
+            job_id = next(self._ids)
+            stage_ids = [next(self._stage_ids) for _ in plan.names]
+            stage_of = _tasks_stages(graphs, {layer: stage_ids[s] for layer, s in plan.layers.items()})
+            job = _Job(job_id, dict(self.properties()), [], keys, stage_ids, stage_of)
             self._running[job.id] = job
-            self._records[job.id] = JobRecord(job.id, job.properties.get(JOB_GROUP), job.tags, call_site)
+            group = job.properties.get(JOB_GROUP)
+            self._records[job.id] = JobRecord(job.id, group, job.tags, site, stage_ids, plan.names)
+            self._stage_jobs.update(dict.fromkeys(stage_ids, job.id))
         succeeded = False
         try:
             yield job
@@ -211,7 +261,8 @@ class Jobs:
             self._records[job_id].status = "SUCCEEDED" if succeeded else "FAILED"
             self._finished.append(job_id)
             while len(self._finished) > self._retained:
-                del self._records[self._finished.popleft()]
+                for stage_id in self._records.pop(self._finished.popleft()).stage_ids:
+                    del self._stage_jobs[stage_id]
 
     def records(self) -> list[JobRecord]:
         """The records of the running jobs and the retained finished ones, oldest first."""
@@ -222,6 +273,12 @@ class Jobs:
         """Job ``job_id``'s record, ``None`` if it is unknown or forgotten."""
         with self._lock:
             return self._records.get(job_id)
+
+    def stage_record(self, stage_id: int) -> JobRecord | None:
+        """The record of the job that stage ``stage_id`` belongs to, ``None`` if it is unknown or forgotten."""
+        with self._lock:
+            job_id = self._stage_jobs.get(stage_id)
+            return None if job_id is None else self._records[job_id]
 
     @staticmethod
     def _track(client: distributed.Client, job: _Job, futures: list[distributed.Future]) -> None:
@@ -234,7 +291,26 @@ class Jobs:
             client.cancel(futures, force=True)
 
     def _annotation(self, job: _Job) -> Any:
-        return dask.annotate(**{ANNOTATION: {"id": job.id, "app": self._application, "properties": job.properties}})
+        info = {
+            "id": job.id,
+            "app": self._application,
+            "properties": job.properties,
+            "cpus": self._cpus,
+            "stage": job.stage_ids[-1],  # the result stage's
+        }
+        annotations = {ANNOTATION: info, **self._resources()}
+        if job.stage_of:  # each task's stage, an int (Dask calls this for every task of what the job computes)
+            stage_of, result = job.stage_of, job.stage_ids[-1]
+            annotations[STAGE] = lambda key: stage_of.get(key, result)
+        return dask.annotate(**annotations)
+
+    def _resources(self) -> dict[str, Any]:
+        return {"resources": {TASK_CPUS: self._cpus}} if self._limit_cpus else {}
+
+    def task_resources(self) -> Any:
+        """Around work that the context computes outside a job (persisting an RDD, ``toLocalIterator``): its
+        tasks ask for ``spark.task.cpus`` of their worker's CPUs, as a job's do."""
+        return dask.annotate(**self._resources()) if self._limit_cpus else contextlib.nullcontext()
 
     def _submit(self, client: distributed.Client, job: _Job, collection: Any) -> Any:
         """Start computing ``collection`` as ``job``; its future (or list of futures)."""
@@ -248,22 +324,26 @@ class Jobs:
         client: distributed.Client,
         collection: Any,
         prepare: Callable[[Any, Callable[[list[distributed.Future]], None]], Any] | None = None,
+        rdd: Any = None,
     ) -> Any:
-        """Compute ``collection`` (a Dask collection or a list of them) as a job that may be cancelled.
+        """Compute ``collection`` (a Dask collection or a list of them) as a job that may be cancelled, the job
+        of an action on ``rdd`` when given (its stages are those of the RDD's lineage).
         ``prepare(collection, track)``, within the job, returns what to compute, handing ``track`` the futures
         of what it computes first (a barrier stage), so that cancelling the job cancels them too."""
-        with self._job(collection, _call_site()) as job:
+        with self._job(collection, call_site(), rdd) as job:
             if prepare is not None:
                 with self._annotation(job):
                     collection = prepare(collection, lambda futures: self._track(client, job, futures))
             return client.gather(self._submit(client, job, collection))
 
-    def run_within(self, client: distributed.Client, collections: list, timeout: float) -> dict[int, Any]:
-        """Compute ``collections`` as one job for at most ``timeout`` seconds (approximate actions): the
-        results of those finished by then, by index. The others are cancelled and their running tasks
-        interrupted, so nothing of the job runs on; a task's error is raised at once, as Spark fails the
-        job."""
-        with self._job(collections, _call_site()) as job:
+    def run_within(
+        self, client: distributed.Client, collections: list, timeout: float, rdd: Any = None
+    ) -> dict[int, Any]:
+        """Compute ``collections`` as one job (of an action on ``rdd``) for at most ``timeout`` seconds
+        (approximate actions): the results of those finished by then, by index. The others are cancelled and
+        their running tasks interrupted, so nothing of the job runs on; a task's error is raised at once, as
+        Spark fails the job."""
+        with self._job(collections, call_site(), rdd) as job:
             futures = self._submit(client, job, collections)
             try:
                 with contextlib.suppress(TimeoutError):

@@ -516,7 +516,8 @@ def persist(rdd: RDD, level: StorageLevel | None) -> RDD:
         to_hold, read = _graph.partitionwise("serialized", _serialize, lineage), _deserialize
     else:
         to_hold, read = lineage, None
-    held = client.persist(barrier.run_stages(client, to_hold))
+    with ctx._jobs.task_resources():
+        held = client.persist(barrier.run_stages(client, to_hold, cpus=ctx._barrier_cpus))
     futures = futures_of(held)
     if level.replication > 1 and level.useMemory:
         set_replication(client, futures, level.replication)

@@ -29,6 +29,7 @@ from dlscale.facade import _graph, _hll, _io, _lineage, _ops, barrier, persist
 from dlscale.facade._approx import BoundedFloat, check_confidence, mean_bound, sum_bound
 from dlscale.facade._hash import portable_hash
 from dlscale.facade._sampling import RangeSampler, Sampler, StratifiedSampler, fraction_for_sample_size
+from dlscale.facade.jobs import call_site
 from dlscale.facade.persist import StorageLevel
 from dlscale.facade.statcounter import StatCounter
 
@@ -81,6 +82,9 @@ class RDD:
         self._checkpointed = False  # written (reliable) or persisted (local) by an action since marked
         self._checkpoint_file: str | None = None
         self._barrier = False  # computed in a barrier stage: rdd.barrier().mapPartitions(f) and narrow children
+        # made by a shuffle: the operation and line that called it (``partitionBy at job.py:12``), which names
+        # the shuffle map stage that computes its input (see _stages)
+        self._shuffle_site: str | None = None
 
     @property
     def _bag(self) -> Bag:
@@ -146,7 +150,7 @@ class RDD:
 
     def _reduce(self, per_partition: Callable, combine: Callable, split_every: int = 8) -> Any:
         bag = self._bag
-        result = self.ctx._compute(_graph.reduction("reduce", bag, per_partition, combine, split_every))
+        result = self.ctx._compute(_graph.reduction("reduce", bag, per_partition, combine, split_every), rdd=self)
         self._checkpoint_lineage(bag)
         return result
 
@@ -156,7 +160,7 @@ class RDD:
         bag = self._bag
         parts = bag.to_delayed(optimize_graph=not barrier.has_stages(bag))  # fused, a stage's layer would go
         tasks = [dask.delayed(_graph.partition_of)(func, parts[i]) for i in partitions]
-        result = list(self.ctx._compute(tasks, action)) if tasks else []
+        result = list(self.ctx._compute(tasks, action, rdd=self)) if tasks else []
         self._checkpoint_lineage(bag)
         return result
 
@@ -167,7 +171,7 @@ class RDD:
         if not self.getNumPartitions():
             return {}
         bag = _graph.partitionwise("approx", partial(_ops.map_partitions, func), self._bag)
-        return self.ctx._compute_within(bag.to_delayed(), timeout / 1000)
+        return self.ctx._compute_within(bag.to_delayed(), timeout / 1000, rdd=self)
 
     def _sum_within(self, per_partition: Callable, timeout: float, confidence: float) -> BoundedFloat:
         check_confidence(confidence)
@@ -289,7 +293,7 @@ class RDD:
         n = self._check_num_partitions(numPartitions, "numPartitions")
         if shuffle:
             bag = _graph.shuffle("repartition", self._bag, n, partial(_ops.split_round_robin, n), _ops.merge_buckets)
-            return self._derive(bag)
+            return self._shuffled(bag, None)
         m = self.getNumPartitions()
         if n >= m:
             return self._derive(_graph.select("coalesce", [[(self._bag, i)] for i in range(m)], [self._bag]))
@@ -356,7 +360,13 @@ class RDD:
         if self.partitioner == partitioner:
             return self
         bag = _graph.shuffle("partitionBy", self._bag, n, partial(_ops.split_by_key, partitioner), _ops.merge_buckets)
-        return self._derive(bag, partitioner)
+        return self._shuffled(bag, partitioner)
+
+    def _shuffled(self, bag: Bag, partitioner: Partitioner | None) -> RDD:
+        """The RDD of a shuffle of this one (``bag``): a stage boundary, named after the call that made it."""
+        out = self._derive(bag, partitioner)
+        out._shuffle_site = call_site()
+        return out
 
     def combineByKey(
         self,
@@ -833,12 +843,15 @@ class RDD:
         (with ``prefetchPartitions``, the next one too), so the driver holds at most two. What several
         partitions share (a shuffle's map side) is computed once and kept on the workers until the
         iteration ends or the iterator is dropped."""
-        jobs = _graph.PartitionJobs(self.ctx.client, barrier.run_stages(self.ctx.client, self._bag))
+        ctx = self.ctx
+        with ctx._jobs.task_resources():
+            jobs = _graph.PartitionJobs(ctx.client, barrier.run_stages(ctx.client, self._bag, cpus=ctx._barrier_cpus))
         action: set = set()  # the iteration is one action for accumulators
         pending = None
         for i in range(len(jobs)):
-            future = pending if pending is not None else jobs.submit(i)
-            pending = jobs.submit(i + 1) if prefetchPartitions and i + 1 < len(jobs) else None
+            with ctx._jobs.task_resources():
+                future = pending if pending is not None else jobs.submit(i)
+                pending = jobs.submit(i + 1) if prefetchPartitions and i + 1 < len(jobs) else None
             part = future.result()
             self.ctx._accumulators.deliver(_graph.carried([part]), action)
             yield from part
@@ -913,7 +926,8 @@ class RDD:
         return self._checkpoint_mark == "local"
 
     def getCheckpointFile(self) -> str | None:
-        """The directory this RDD was checkpointed to, once it was."""
+        """The directory this RDD was checkpointed to, once it was: ``<checkpoint dir>/rdd-<id>``, a local one
+        as Spark writes it (``file:/tmp/x/<uuid>/rdd-3``), which ``pickleFile`` reads."""
         return self._checkpoint_file
 
     def _checkpoint_lineage(self, bag: Bag) -> None:

@@ -1,11 +1,13 @@
 """``StatusTracker`` (PySpark's ``SparkContext.statusTracker()``): the jobs of a context and their progress.
 
-dlscale runs every action as one job of one stage whose id is the job's (``TaskContext.stageId``). The
+dlscale runs every action as one job, and Dask runs the job's whole graph at once; the job's stages are
+those Spark's DAG scheduler would cut from the lineage of the RDD the action computes, one per shuffle
+and the result stage last (see :mod:`dlscale.facade._stages`), numbered across the application. The
 driver keeps the records of the running jobs and of the last finished ones (see
 :class:`~dlscale.facade.jobs.Jobs`). The task counts of a stage come from :class:`TaskCounts`, a plugin
 on the scheduler that follows the state of every task of the context's jobs from the moment the graph
-arrives: a task that has finished counts as completed even once Dask has forgotten it, as a shuffle's
-map tasks are forgotten while the job runs on.
+arrives, each counted in the stage it belongs to: a task that has finished counts as completed even once
+Dask has forgotten it, as a shuffle's map tasks are forgotten while the job runs on.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dask._task_spec import Alias
 from distributed import Client
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from dlscale.facade.taskcontext import ANNOTATION
+from dlscale.facade.taskcontext import ANNOTATION, STAGE
 
 if TYPE_CHECKING:
     from dlscale.facade.context import SparkContext
@@ -29,7 +31,7 @@ logger = logging.getLogger("dlscale")
 
 
 class SparkJobInfo(NamedTuple):
-    """A job: its id, its stages' ids (one, the job's own) and ``RUNNING``, ``SUCCEEDED`` or ``FAILED``."""
+    """A job: its id, its stages' ids (the result stage last) and ``RUNNING``, ``SUCCEEDED`` or ``FAILED``."""
 
     jobId: int
     stageIds: list[int]
@@ -52,22 +54,25 @@ _PENDING, _ACTIVE, _COMPLETED = "pending", "active", "completed"
 
 
 class TaskCounts(SchedulerPlugin):
-    """On the scheduler: per job of application ``application``, its tasks and how many are running, have
-    finished, or failed an attempt. A task counts as failed when it errs, or when it leaves ``processing``
-    having used up one of its retries. The counts of all but the last ``retained`` jobs are dropped."""
+    """On the scheduler: per stage of the jobs of application ``application``, its tasks and how many are
+    running, have finished, or failed an attempt. A task counts as failed when it errs, or when it leaves
+    ``processing`` having used up one of its retries. The counts of the stages of all but the last
+    ``retained`` jobs are dropped."""
 
     def __init__(self, application: str, retained: int) -> None:
         self.name = plugin_name(application)
         self._application = application
         self._retained = retained
         self._scheduler: Any = None
-        self._jobs: dict[int, Counter[str]] = {}  # job id -> tasks by state, and "failed" attempts
-        self._tasks: dict[Any, list[Any]] = {}  # key -> [job id, state, retries left], until forgotten
+        self._jobs: dict[int, list[int]] = {}  # job id -> the ids of its stages that have tasks
+        self._stages: dict[int, Counter[str]] = {}  # stage id -> tasks by state, and "failed" attempts
+        self._tasks: dict[Any, list[Any]] = {}  # key -> [stage id, state, retries left], until forgotten
 
     async def start(self, scheduler: Any) -> None:
         self._scheduler = scheduler
 
     def update_graph(self, scheduler: Any, *, annotations: dict[str, dict[Any, Any]], **kwargs: Any) -> None:
+        stages = annotations.get(STAGE, {})
         for key, job in annotations.get(ANNOTATION, {}).items():
             ts = scheduler.tasks[key]
             # an alias only names another task's result (what Dask leaves of a task fused into another); Spark's
@@ -80,21 +85,24 @@ class TaskCounts(SchedulerPlugin):
                 or not isinstance(key, tuple)
             ):
                 continue
-            counts = self._jobs.get(job["id"])
+            stage = stages.get(key, job.get("stage", job["id"]))
+            counts = self._stages.get(stage)
             if counts is None:
-                counts = self._jobs[job["id"]] = Counter()
+                counts = self._stages[stage] = Counter()
+                self._jobs.setdefault(job["id"], []).append(stage)
                 while len(self._jobs) > self._retained:
-                    del self._jobs[next(iter(self._jobs))]
+                    for old in self._jobs.pop(next(iter(self._jobs))):
+                        self._stages.pop(old, None)
             counts["tasks"] += 1
             counts[_PENDING] += 1
-            self._tasks[key] = [job["id"], _PENDING, ts.retries]
+            self._tasks[key] = [stage, _PENDING, ts.retries]
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         task = self._tasks.get(key)
         if task is None:
             return
-        job, state, retries = task
-        counts = self._jobs.get(job)
+        stage, state, retries = task
+        counts = self._stages.get(stage)
         if counts is None or finish == "forgotten":
             del self._tasks[key]
         if counts is None:
@@ -116,10 +124,10 @@ class TaskCounts(SchedulerPlugin):
         counts[new] += 1
         task[1] = new
 
-    def counts(self, jobs: list[int]) -> dict[int, tuple[int, int, int, int]]:
-        """``(tasks, active, completed, failed)`` of each of ``jobs`` that this plugin knows."""
-        known = {j: c for j in jobs if (c := self._jobs.get(j)) is not None}
-        return {j: (c["tasks"], c[_ACTIVE], c[_COMPLETED], c["failed"]) for j, c in known.items()}
+    def counts(self, stages: list[int]) -> dict[int, tuple[int, int, int, int]]:
+        """``(tasks, active, completed, failed)`` of each of ``stages`` that this plugin knows."""
+        known = {s: c for s in stages if (c := self._stages.get(s)) is not None}
+        return {s: (c["tasks"], c[_ACTIVE], c[_COMPLETED], c["failed"]) for s, c in known.items()}
 
 
 def plugin_name(application: str) -> str:
@@ -148,9 +156,9 @@ def uninstall(client: Client, application: str) -> None:
         logger.warning("could not remove the status tracker's plugin: %s: %s", type(e).__name__, e)
 
 
-def _counts(name: str, jobs: list[int], dask_scheduler: Any = None) -> dict[int, tuple[int, int, int, int]]:
+def _counts(name: str, stages: list[int], dask_scheduler: Any = None) -> dict[int, tuple[int, int, int, int]]:
     plugin = dask_scheduler.plugins.get(name)
-    return {} if plugin is None else plugin.counts(jobs)
+    return {} if plugin is None else plugin.counts(stages)
 
 
 class StatusTracker:
@@ -169,24 +177,37 @@ class StatusTracker:
         return [r.id for r in self._sc._jobs.records() if jobTag in r.tags]
 
     def getActiveStageIds(self) -> list[int]:
-        """The ids of the running stages: one per running job, with the job's id."""
-        return self.getActiveJobsIds()
+        """The ids of the running stages: the stages of running jobs that have tasks left to finish (Dask
+        runs a job's stages together, so a stage can be active while one it reads from runs), and the last
+        stage of a running job whose tasks the scheduler has not received yet."""
+        running = [r for r in self._sc._jobs.records() if r.status == "RUNNING"]
+        if not running:
+            return []
+        if not self._sc._task_counts:
+            return sorted(r.stage_ids[-1] for r in running)
+        stages = [s for r in running for s in r.stage_ids]
+        counts = self._sc.client.run_on_scheduler(_counts, plugin_name(self._sc.applicationId), stages)
+        active = {s for s, (tasks, _, completed, _) in counts.items() if completed < tasks}
+        active.update(r.stage_ids[-1] for r in running if not any(s in counts for s in r.stage_ids))
+        return sorted(active)
 
     def getActiveJobsIds(self) -> list[int]:
         """The ids of the running jobs, in order."""
         return sorted(r.id for r in self._sc._jobs.records() if r.status == "RUNNING")
 
     def getJobInfo(self, jobId: int) -> SparkJobInfo | None:
-        """Job ``jobId``, or ``None`` if it is unknown or was forgotten."""
+        """Job ``jobId`` with its stages' ids, or ``None`` if it is unknown or was forgotten."""
         record = self._sc._jobs.record(jobId)
-        return None if record is None else SparkJobInfo(jobId, [jobId], record.status)
+        return None if record is None else SparkJobInfo(jobId, list(record.stage_ids), record.status)
 
     def getStageInfo(self, stageId: int) -> SparkStageInfo | None:
         """Stage ``stageId`` with its task counts, asked of the scheduler; ``None`` if its job is unknown or
-        was forgotten, or the scheduler keeps no counts."""
-        record = self._sc._jobs.record(stageId)
+        was forgotten, or the scheduler keeps no counts. A stage none of whose tasks ran (its RDDs were
+        persisted) has no tasks."""
+        record = self._sc._jobs.stage_record(stageId)
         if record is None or not self._sc._task_counts:
             return None
         counts = self._sc.client.run_on_scheduler(_counts, plugin_name(self._sc.applicationId), [stageId])
         tasks, active, completed, failed = counts.get(stageId, (0, 0, 0, 0))
-        return SparkStageInfo(stageId, 0, record.name, tasks, active, completed, failed)
+        name = record.stage_names[record.stage_ids.index(stageId)]
+        return SparkStageInfo(stageId, 0, name, tasks, active, completed, failed)

@@ -23,8 +23,14 @@ from dlscale.errors import BarrierError
 
 __all__ = ["BarrierTaskContext", "BarrierTaskInfo", "ResourceInformation", "TaskContext"]
 
-# {"id": job id, "app": the context's applicationId, "properties": the local properties of the job's thread}
+# {"id": job id, "app": the context's applicationId, "properties": the local properties of the job's thread,
+#  "cpus": spark.task.cpus, "stage": the result stage's id}, see dlscale.facade.jobs
 ANNOTATION = "dlscale_job"
+# the id of the stage a task belongs to, where the job has stages before its result stage (see jobs)
+STAGE = "dlscale_stage"
+# The worker resource that stands for its CPUs where the context limits tasks by spark.task.cpus: a worker of
+# an embedded cluster offers its threads, and each task asks for spark.task.cpus of them
+TASK_CPUS = "dlscale-task-cpus"
 
 _local = threading.local()  # .context: the TaskContext of the partition this thread computes
 
@@ -53,12 +59,12 @@ def _partition_of(key: Any) -> int:
     return key[-1] if isinstance(key, tuple) and key and isinstance(key[-1], int) else 0
 
 
-def _job_of(dask_key: Any) -> dict[str, Any]:
+def _annotations_of(dask_key: Any) -> dict[str, Any]:
     try:
         ts = get_worker().state.tasks[dask_key]
     except (ValueError, KeyError):
         return {}
-    return (ts.annotations or {}).get(ANNOTATION, {})
+    return ts.annotations or {}
 
 
 class TaskContext:
@@ -81,7 +87,7 @@ class TaskContext:
 
     @property
     def _job(self) -> dict[str, Any]:
-        return _job_of(self._dask_key)
+        return _annotations_of(self._dask_key).get(ANNOTATION, {})
 
     @classmethod
     def get(cls) -> TaskContext | None:
@@ -93,8 +99,11 @@ class TaskContext:
         return self._partition
 
     def stageId(self) -> int:
-        """The stage's id: Dask runs an action's graph as one stage, so it is the job's id."""
-        return self._job.get("id", 0)
+        """The id of the stage this task belongs to, as Spark cuts the job's lineage at its shuffles: the
+        shuffle map stage of the shuffle it computes the input of, else the job's result stage."""
+        annotations = _annotations_of(self._dask_key)
+        stage = annotations.get(STAGE)
+        return stage if stage is not None else annotations.get(ANNOTATION, {}).get("stage", 0)
 
     def attemptNumber(self) -> int:
         """0 for the task's first attempt, then 1, 2, ... for each time it ran again: because its worker died,
@@ -114,13 +123,25 @@ class TaskContext:
         return self._job.get("properties", {}).get(key)
 
     def cpus(self) -> int:
-        """The CPUs given to this task: one thread of its worker."""
-        return 1
+        """The CPUs given to this task: ``spark.task.cpus`` of the context that started the job (1 unless
+        set)."""
+        cpus = self._job.get("cpus")
+        if cpus is None:  # outside a job (an RDD being persisted): what the task asked of its worker, if anything
+            try:
+                ts = get_worker().state.tasks[self._dask_key]
+            except (ValueError, KeyError):
+                return 1
+            cpus = (ts.resource_restrictions or {}).get(TASK_CPUS, 1)
+        return int(cpus)
 
     def resources(self) -> dict[str, ResourceInformation]:
         """The resources of this task's worker (Dask worker resources), by name."""
         total = get_worker().state.total_resources
-        return {name: ResourceInformation(name, [str(i) for i in range(int(n))]) for name, n in total.items()}
+        return {
+            name: ResourceInformation(name, [str(i) for i in range(int(n))])
+            for name, n in total.items()
+            if name != TASK_CPUS
+        }
 
 
 def _attempts_before(key: Any, dask_scheduler: Any = None) -> int:
