@@ -328,7 +328,7 @@ def predict(network: Network, data: Any, batch_size: int | None = None, columns:
             size,
             dtype=meta.dtype,
             chunks=(data.chunks[0], *((n,) for n in meta.shape[1:])),
-            drop_axis=list(range(1, data.ndim)) if meta.ndim == 1 else None,
+            drop_axis=list(range(meta.ndim, data.ndim)) if meta.ndim < data.ndim else None,
             new_axis=list(range(data.ndim, meta.ndim)) if meta.ndim > data.ndim else None,
         )
     try:

@@ -137,6 +137,13 @@ def test_predict_on_dask_arrays_and_dataframes(sc) -> None:
     out = dlscale.predict(net, arr, batch_size=64)
     assert isinstance(out, da.Array) and out.shape == (2_000, 4)
     np.testing.assert_allclose(sc.client.compute(out).result(), expected, atol=1e-6)
+    images = np.random.default_rng(8).standard_normal((500, 1, 2, 5)).astype(np.float32)  # more axes than outputs
+    flat = Network(torch.nn.Sequential(torch.nn.Flatten(), mlp().module), "cross_entropy")
+    out = predict(flat, da.from_array(images, chunks=(128, 1, 2, 5)))
+    assert out.shape == (500, 4) and out.chunks[0] == (128, 128, 128, 116)
+    np.testing.assert_allclose(
+        sc.client.compute(out).result(), flat.output(torch.from_numpy(images)).numpy(), atol=1e-6
+    )
     dd = pytest.importorskip("dask.dataframe")
     import pandas as pd
 

@@ -410,7 +410,11 @@ def _mask_momentum(network: Any, sent: torch.Tensor) -> None:
     it the same way while its update is still on its way to the peers, whose own momentum pushes it
     too. Applies to optimizers that keep a ``momentum_buffer`` (SGD, RMSprop), not to Adam's moments,
     whose updates are normalised per element."""
-    buffers = [(p.numel(), network.optimizer.state[p].get("momentum_buffer")) for p in network.module.parameters()]
+    state = network.optimizer.state  # a defaultdict: looking a parameter up would add an empty state for it,
+    # and trainers whose states differ in their keys cannot be averaged
+    buffers = [
+        (p.numel(), state[p].get("momentum_buffer") if p in state else None) for p in network.module.parameters()
+    ]
     if all(b is None for _, b in buffers):
         return
     sent = sent.to(next(b for _, b in buffers if b is not None).device)
