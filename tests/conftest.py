@@ -12,9 +12,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
+import dask.config
 import pytest
 
-from dlscale import SparkContext
+from dlscale import SparkContext, config
+
+WORKER_IMPORTS = config.get("worker.imports")
+"""The modules an embedded cluster's workers import as they start, by default. The suite starts some
+ninety contexts, most of which train nothing or a few minibatches: its own contexts' workers start
+without them (they import on first use, as any cluster's workers without the preload do), and the
+tests of the warm-up set them back."""
+dask.config.set({"dlscale.worker.imports": []})
 
 
 def free_port() -> int:

@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from dlscale import SparkContext
+from tests.conftest import WORKER_IMPORTS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -124,7 +125,7 @@ def _nanny_status(dask_worker: Any) -> str:
 
 
 def test_a_killed_worker_is_restarted_by_its_nanny() -> None:
-    with SparkContext("local[1]") as ctx:
+    with dask.config.set({"dlscale.worker.imports": WORKER_IMPORTS}), SparkContext("local[1]") as ctx:
         # a worker registers before its nanny has finished starting, and a worker that dies before
         # then fails its nanny's start (Dask's behaviour): kill it once the nanny runs
         deadline = time.monotonic() + 30
@@ -148,7 +149,7 @@ def _imported() -> bool:
 def test_workers_import_what_training_needs_as_they_start_unless_told_not_to() -> None:
     """The first fit of a context does not wait for torch (and torch._dynamo, which its optimizers import
     on first use): the workers imported them before joining; ``dlscale.worker.imports: []`` leaves them out."""
-    with SparkContext("local[1]") as ctx:
+    with dask.config.set({"dlscale.worker.imports": WORKER_IMPORTS}), SparkContext("local[1]") as ctx:
         assert list(ctx.client.run(_imported).values()) == [True]
     with dask.config.set({"dlscale.worker.imports": []}), SparkContext("local[1]") as ctx:
         assert list(ctx.client.run(lambda: "torch" in sys.modules).values()) == [False]
