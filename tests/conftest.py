@@ -15,14 +15,18 @@ from types import ModuleType
 import dask.config
 import pytest
 
-from dlscale import SparkContext, config
+from dlscale import SparkContext
 
-WORKER_IMPORTS = config.get("worker.imports")
-"""The modules an embedded cluster's workers import as they start, by default. The suite starts some
-ninety contexts, most of which train nothing or a few minibatches: its own contexts' workers start
-without them (they import on first use, as any cluster's workers without the preload do), and the
-tests of the warm-up set them back."""
-dask.config.set({"dlscale.worker.imports": []})
+WORKER_IMPORTS = dask.config.merge(*dask.config.defaults)["dlscale"]["worker"]["imports"]
+"""The modules an embedded cluster's workers import as they start, by default."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The suite starts some ninety contexts, most of which train nothing or a few minibatches: its own
+    contexts' workers start without the warm-up imports (they import on first use, as any cluster's
+    workers without the preload do); the tests of the warm-up set them back. A hook, not module code:
+    a worker that unpickles a test's function imports this module too."""
+    dask.config.set({"dlscale.worker.imports": []})
 
 
 def free_port() -> int:
