@@ -139,16 +139,14 @@ class Broadcast:
         payload.serialized = {"value": header, "nbytes": payload.nbytes}, frames
         # straight from the driver to each worker, unless the client was told it cannot reach them
         direct = client.direct_to_workers is not False
-        first, *others = list(client.scheduler_info(n_workers=-1)["workers"]) or [None]
+        workers = list(client.scheduler_info(n_workers=-1)["workers"]) or [None]
 
         def send(worker: str | None) -> Future:
             return client.scatter({self._key: payload}, workers=worker, direct=direct, hash=False)[self._key]
 
-        self._future: Future | None = send(first)
-        set_replication(client, [self._future], KEEP)  # the memory manager leaves the copies to these sends
-        if others:
-            with ThreadPoolExecutor(len(others)) as pool:
-                list(pool.map(send, others))
+        set_replication(client, [self._key], KEEP)  # the memory manager leaves the copies to these sends
+        with ThreadPoolExecutor(len(workers)) as pool:  # to every worker at once
+            self._future: Future | None = list(pool.map(send, workers))[0]
         set_replication(client, [self._future], EVERY_WORKER)  # and on workers that join later
         payload.serialized = None  # the driver keeps the value, not a second, serialized copy
         client.publish_dataset(self._future, name=_dataset_name(self._key))

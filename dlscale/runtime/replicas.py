@@ -101,9 +101,10 @@ def _set_desired(keys: Iterable[Any], n: int, dask_scheduler: Any = None) -> Non
 def set_replication(client: Client, futures: list, n: int) -> None:
     """Hold ``n`` replicas of each of ``futures`` (1 returns them to Dask's default; :data:`KEEP` holds the
     copies there are while the caller places more itself, so that the memory manager neither drops them
-    nor sends its own copies to workers that are receiving the caller's)."""
+    nor sends its own copies to workers that are receiving the caller's: with :data:`KEEP`, ``futures``
+    may be the keys the caller is about to place)."""
     install(client, REPLICAS)
-    client.run_on_scheduler(_set_desired, [f.key for f in futures], n)
+    client.run_on_scheduler(_set_desired, [getattr(f, "key", f) for f in futures], n)
     if n > 1:
         client.replicate(futures, n=None if n == EVERY_WORKER else n)
 
