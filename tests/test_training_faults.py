@@ -161,7 +161,7 @@ def test_averaging_finishes_when_a_worker_holding_the_last_state_dies(
 def test_averaging_survives_kills_at_random_points(sc3: SparkContext, data: tuple[torch.Tensor, ...]) -> None:
     """Ten fits, each killing a worker at a random round: every one finishes with each minibatch fitted
     once, and the kills cost no accuracy on average (mean within 1 point of the same fits unfaulted;
-    measured 0.2 above). A kill changes the rounds that follow (two workers share what three did), which
+    measured 0.2 below). A kill changes the rounds that follow (two workers share what three did), which
     moves one fit's accuracy as another shuffle would: measured up to 2.7 points either way against the
     same seed unfaulted, so a single fit is held to 3."""
     unfaulted, faulted = [], []
