@@ -74,8 +74,11 @@ class Registry(Generic[T]):
     ``noun`` names the kind in messages (default: ``kind`` with spaces for underscores).
     """
 
-    def __init__(self, kind: str, base: type, noun: str | None = None) -> None:
+    def __init__(self, kind: str, base: type, noun: str | None = None, builtins: tuple[str, ...] = ()) -> None:
         self.kind = kind
+        self.builtins = builtins
+        """Modules that register built-ins of the kind as they are imported: imported before a name is
+        looked up or listed (packages import their modules lazily)."""
         self.base = base
         self.noun = noun or kind.replace("_", " ")
         self.group = ENTRY_POINT_PREFIX + kind
@@ -107,6 +110,7 @@ class Registry(Generic[T]):
         found = self._entries.get(name)
         if found is not None:
             return found
+        self.import_builtins()  # outside the lock: a module being imported registers under it
         with self._lock:
             if name not in self._entries:
                 self._load_plugin(name)
@@ -130,7 +134,13 @@ class Registry(Generic[T]):
 
     def names(self) -> list[str]:
         """Every name that resolves: the registered ones and those installed plug-ins offer."""
+        self.import_builtins()
         return sorted(set(self._entries) | {ep.name for ep in self._entry_points()})
+
+    def import_builtins(self) -> None:
+        """Import :attr:`builtins` (nothing once they are imported)."""
+        for module in self.builtins:
+            importlib.import_module(module)
 
     def _load_plugin(self, name: str) -> None:
         found = {ep.value: ep for ep in self._entry_points() if ep.name == name}
@@ -177,7 +187,9 @@ def get(kind: str) -> Registry:
     home = _HOMES.get(kind)
     if home is None:
         raise UnknownNameError(f"unknown kind of plug-in {kind!r}; known: {', '.join(KINDS)}")
-    return importlib.import_module(home).REGISTRY
+    found = importlib.import_module(home).REGISTRY
+    found.import_builtins()
+    return found
 
 
 def register(kind: str, name: str, obj: Any, clobber: bool = False) -> None:

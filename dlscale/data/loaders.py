@@ -112,7 +112,7 @@ class MultiDataSetLoader(DataSetLoader):
     kind = MultiDataSet
 
 
-REGISTRY: Registry[Loader] = Registry("loader", Loader)
+REGISTRY: Registry[Loader] = Registry("loader", Loader, builtins=("dlscale.data.images", "dlscale.data.zarr_batches"))
 """Loaders by name; an installed plug-in offers one in the entry-point group ``dlscale.loader``."""
 REGISTRY.register("dlb", MinibatchLoader)
 REGISTRY.register("dlb-dataset", DataSetLoader)

@@ -308,6 +308,11 @@ class BaseEvaluation(abc.ABC):
         return f"{type(self).__name__}({settings})"
 
 
-REGISTRY: Registry[BaseEvaluation] = Registry("evaluation", BaseEvaluation, "evaluation type")
+REGISTRY: Registry[BaseEvaluation] = Registry(
+    "evaluation",
+    BaseEvaluation,
+    "evaluation type",
+    builtins=tuple(f"dlscale.evaluation.{m}" for m in ("calibration", "classification", "regression", "roc")),
+)
 """Evaluation types by :attr:`~BaseEvaluation.type_name`; an installed plug-in offers one under its
 type name in the entry-point group ``dlscale.evaluation``."""
