@@ -64,3 +64,16 @@ def test_modules_imported_by_many_threads_at_once_load_whole(seed: int, tmp_path
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok", done.stdout
+
+
+def test_a_registry_finds_its_built_ins_in_a_process_that_imported_only_its_home() -> None:
+    """Evaluation types and loaders register themselves as their modules are imported; packages import
+    their modules lazily, so a registry imports them before a lookup (a worker reading an evaluation's
+    JSON imports only ``dlscale.evaluation._base``)."""
+    code = (
+        "import dlscale.evaluation._base as e, dlscale.data.loaders as l; "
+        "print(e.REGISTRY.lookup('ROC').__name__, l.REGISTRY.lookup('image').__name__)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["ROC", "ImageFileBatchLoader"]
