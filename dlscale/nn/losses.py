@@ -21,6 +21,7 @@ def _class_loss(fn: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor, torc
             labels = labels.transpose(1, 2) if labels.dim() == 3 else labels
         return fn(output, labels, reduction="none")
 
+    per_step.class_indices = True  # integer labels are class indices (see check_classes)
     return per_step
 
 
@@ -46,15 +47,11 @@ LOSSES = REGISTRY.view
 one with :func:`dlscale.registry.register`)."""
 
 
-CLASS_LOSSES = frozenset({"cross_entropy", "nll"})
-"""The named losses whose integer labels are class indices."""
-
-
 def check_classes(name: str, outputs: list[torch.Tensor], labels: list[torch.Tensor]) -> None:
     """Refuse class indices outside ``[0, classes)`` (torch's ``ignore_index`` -100 aside) for loss ``name``,
     checking the labels where they are on the CPU: on a GPU, torch's kernel meets such a label with a
     device-side assert that leaves the process's CUDA context unusable for anything after it."""
-    if name not in CLASS_LOSSES:
+    if not getattr(REGISTRY.lookup(name), "class_indices", False):
         return
     for out, y in zip(outputs, labels):
         if y.is_floating_point() or y.device.type != "cpu" or y.numel() == 0 or out.dim() < 2:
