@@ -1,17 +1,27 @@
-"""A worker that joins a gradient-sharing fit while it runs takes part in it: the fit ends its current segment
-(nothing dropped: the minibatches not handed out yet are taken back, the trainers' states averaged) and goes
-on with trainers on every worker, the newcomer's included."""
+"""Workers that come and go while a fit runs.
+
+A worker that joins a gradient-sharing fit takes part in it: the fit ends its current segment (nothing
+dropped: the minibatches not handed out yet are taken back, the trainers' states averaged) and goes on
+with trainers on every worker, the newcomer's included. A worker retired while a fit runs (its process
+closed by ``cluster.scale``, or Dask's ``retire_workers``) ends its part in order: its trainer hands back
+what it holds and sends its residual to its peers, a parameter-averaging task running there finishes;
+no ``TrainerLostWarning``, every minibatch fitted once."""
 
 from __future__ import annotations
 
 import functools
+import threading
 import time
+import warnings
+from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 
-from dlscale import SharedTrainingMaster, SparkContext, SparkNet
+from dlscale import ParameterAveragingTrainingMaster, SharedTrainingMaster, SparkContext, SparkNet
 from dlscale.data import DataSet, load_digits
+from dlscale.errors import TrainerLostWarning
 from dlscale.nn import Network
 from dlscale.nn.listeners import TrainingListener
 
@@ -53,11 +63,36 @@ class _ScaleAt(TrainingListener):
             self.scaled_at = iteration
 
 
-def _fit(sc: SparkContext, listener: TrainingListener | None = None) -> tuple[Network, SparkNet, float]:
+class _RetireAt(TrainingListener):
+    """Retires a worker (``retire``, run in a thread of its own, as a cluster manager would) once the fit
+    has trained ``at`` minibatches."""
+
+    def __init__(self, retire: Callable[[], Any], at: int) -> None:
+        self.retire, self.at = retire, at
+        self.retired_at: int | None = None
+        self.thread = threading.Thread(target=retire)
+
+    def iteration_done(self, network: Any, iteration: int, epoch: int, score: float, examples: int) -> None:
+        if self.retired_at is None and iteration >= self.at:
+            self.retired_at = iteration
+            self.thread.start()
+
+
+def _sharing() -> SharedTrainingMaster:
+    return SharedTrainingMaster(BATCH, rng_seed=0, collect_training_stats=True)
+
+
+def _averaging() -> ParameterAveragingTrainingMaster:
+    return ParameterAveragingTrainingMaster(BATCH, averaging_frequency=5, rng_seed=0, collect_training_stats=True)
+
+
+def _fit(
+    sc: SparkContext, listener: TrainingListener | None = None, master: Callable[[], Any] = _sharing
+) -> tuple[Network, SparkNet, float]:
     x, y = load_digits()
     train, test = DataSet(x[:1500], y[:1500]), DataSet(x[1500:], y[1500:])
     network = _network()
-    spark_net = SparkNet(sc, network, SharedTrainingMaster(BATCH, rng_seed=0, collect_training_stats=True))
+    spark_net = SparkNet(sc, network, master())
     if listener is not None:
         spark_net.set_listeners(listener)
     spark_net.fit(sc.parallelize(train.batch_by(BATCH), 2), epochs=EPOCHS)
@@ -80,3 +115,72 @@ def test_a_worker_that_joins_a_sharing_fit_trains_a_share_of_the_rest() -> None:
     joined = sum(t.minibatches for t in trainers if t.worker != first)
     assert joined >= 0.3 * (planned - scaler.scaled_at), (joined, planned - scaler.scaled_at)
     assert accuracy >= reference - 0.02, (accuracy, reference)
+
+
+@pytest.fixture(scope="module")
+def two_workers() -> dict[str, float]:
+    """The accuracy of a gradient-sharing fit on two workers from the start to the end."""
+    with SparkContext("local[2]", "elastic-reference") as sc:
+        return {"_sharing": _fit(sc)[2]}
+
+
+def _close(dask_worker: Any) -> None:
+    """Close this worker as a batch system ending its job would have it close (its nanny told not to restart it)."""
+    dask_worker.loop.add_callback(dask_worker.close, reason="its job ended")
+
+
+@pytest.mark.parametrize(
+    "master, how",
+    [
+        (_sharing, "scale"),
+        pytest.param(_sharing, "retire_workers", marks=pytest.mark.slow),
+        pytest.param(_sharing, "close", marks=pytest.mark.slow),
+        pytest.param(_averaging, "scale", marks=pytest.mark.slow),
+        (_averaging, "retire_workers"),
+        pytest.param(_averaging, "close", marks=pytest.mark.slow),
+    ],
+    ids=lambda v: v if isinstance(v, str) else v.__name__.strip("_"),
+)
+def test_a_worker_retired_mid_fit_ends_its_part_in_order(
+    how: str, master: Callable[[], Any], two_workers: dict[str, float]
+) -> None:
+    planned = EPOCHS * -(-1500 // BATCH)
+    with SparkContext("local[2]", "elastic-retire") as sc:
+        client, cluster = sc.client, sc.client.cluster
+        first, second = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        if how == "scale":
+            retire = functools.partial(cluster.scale, 1)  # closes the newest worker's process
+            second = next(w for w, i in client.scheduler_info(n_workers=-1)["workers"].items() if i["name"] == 1)
+        elif how == "retire_workers":
+            retire = functools.partial(client.retire_workers, [second], close_workers=True)
+        else:
+            retire = functools.partial(client.run, _close, workers=[second])
+        retirer = _RetireAt(retire, planned // 4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", TrainerLostWarning)
+            network, spark_net, accuracy = _fit(sc, retirer, master)
+        retirer.thread.join()
+        assert second not in client.scheduler_info(n_workers=-1)["workers"]
+    assert retirer.retired_at is not None
+    stats = spark_net.training_stats
+    if master is _sharing:
+        assert network.iteration == planned
+        trainers = stats.trainers
+        assert sum(t.minibatches for t in trainers) == planned  # every minibatch once, none lost with the worker
+        assert 0 < sum(t.minibatches for t in trainers if t.worker == second) < planned / 2
+        assert accuracy >= two_workers["_sharing"] - 0.02, (accuracy, two_workers)
+    else:
+        fitted = [(r.epoch, name) for r in stats.rounds for w in r.workers for name in w.batches]
+        assert len(fitted) == len(set(fitted)) == planned  # every minibatch of every epoch once
+        assert any(w.worker == second for r in stats.rounds for w in r.workers)
+        # an epoch is planned over the workers there when it starts: the fit is the one that trains its
+        # first epochs on two workers and the rest on one, exactly (the same arithmetic in the same order)
+        two = len({r.epoch for r in stats.rounds if r.round == 0 and len(r.workers) == 2})
+        reference = _network()
+        for workers, epochs in ((2, two), (1, EPOCHS - two)):
+            with SparkContext(f"local[{workers}]", "elastic-plan") as sc:
+                x, y = load_digits()
+                train = sc.parallelize(DataSet(x[:1500], y[:1500]).batch_by(BATCH), 2)
+                SparkNet(sc, reference, _averaging()).fit(train, epochs=epochs)
+        assert 0 < two < EPOCHS
+        torch.testing.assert_close(network.params(), reference.params(), rtol=0, atol=1e-6)

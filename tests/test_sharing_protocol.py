@@ -198,11 +198,19 @@ def test_a_plain_ack_with_an_integer_score_reads_as_a_float() -> None:
     "cls, plain, match",
     [
         (Update, ["tcp://a#0", 1, b"x"], r"update: expected a mapping of fields, got list"),
-        (Update, {"origin": "o", "seq": 1}, r"update: missing fields \['payload'\], unexpected fields \[\]"),
-        (Update, {"origin": "o", "seq": 1, "payload": b"", "x": 0}, r"unexpected fields \['x'\]"),
-        (Update, {"origin": "o", "seq": "1", "payload": b""}, r"update\.seq: expected an integer, got str"),
-        (Update, {"origin": "o", "seq": True, "payload": b""}, r"update\.seq: expected an integer"),
-        (Update, {"origin": "o", "seq": 1, "payload": "text"}, r"update\.payload: expected bytes, got str"),
+        (Update, {"origin": "o", "seq": 1, "residual": False}, r"update: missing fields \['payload'\], unexpected"),
+        (Update, {"origin": "o", "seq": 1, "payload": b"", "residual": False, "x": 0}, r"unexpected fields \['x'\]"),
+        (
+            Update,
+            {"origin": "o", "seq": "1", "payload": b"", "residual": False},
+            r"update\.seq: expected an integer, got str",
+        ),
+        (Update, {"origin": "o", "seq": True, "payload": b"", "residual": False}, r"update\.seq: expected an integer"),
+        (
+            Update,
+            {"origin": "o", "seq": 1, "payload": "text", "residual": False},
+            r"update\.payload: expected bytes, got str",
+        ),
         (
             Ack,
             {"item": 1, "examples": 2, "score": "low", "threshold": 0.1, "sparsity": 0.1, "bytes_sent": 3},
@@ -373,6 +381,7 @@ def test_items_are_handed_out_in_order_and_acknowledged_once() -> None:
         "alive": ["a#0", "a#1", "b#0"],
         "finished": {},
         "newcomers": [],
+        "retired": [],
     }
     assert s.progress()["reports"] == []  # each acknowledgement is reported once
 
@@ -390,6 +399,26 @@ def test_a_lost_workers_unacknowledged_items_go_back_to_the_front() -> None:
     with pytest.raises(TrainerLostError):
         s.hand_out("a#0", 1)
     assert s.hand_out("b#0", 2) == Handout((1, 2), View(False, 1, ("tcp://b",), ("b#0",), {}))
+
+
+def test_a_retiring_trainer_hands_its_items_back_and_its_peers_wait_for_its_updates() -> None:
+    s = session()
+    s.hand_out("a#0", 2)  # 0, 1
+    s.hand_out("b#0", 1)  # 2
+    fresh, view = s.leave("a#0", [ack(0)], sent=7, stats={"minibatches": 1}, running={"tcp://b"})
+    assert [a.item for a in fresh] == [0] and view.version == 1
+    assert "a#0" not in view.alive and view.finished == {"a#0": 7}  # its peers wait for its 7 updates
+    assert list(s.pending)[:2] == [1, 3] and s.lost == ["c#0"]  # handed back, not lost
+    progress = s.progress()
+    assert progress["retired"] == [{"minibatches": 1}] and progress["lost"] == ["c#0"]
+    assert s.progress()["retired"] == []  # reported once
+    with pytest.raises(TrainerLostError):
+        s.hand_out("a#0", 1)
+    assert s.remove_worker("tcp://a") == ["a#1"]  # the worker's other trainer had not left: it is lost
+    # the last live trainer on a running worker stays to train the rest, its items back in the queue
+    fresh, view = s.leave("b#0", [], sent=3, stats={}, running=set())
+    assert "b#0" in view.alive and view.version == 2 and s.pending[0] == 2 and s.assigned["b#0"] == set()
+    assert s.hand_out("b#0", 1).items == (2,)
 
 
 def test_the_session_is_done_when_every_item_is_acknowledged() -> None:
@@ -454,6 +483,7 @@ async def test_the_control_plane_over_the_comm(c: Any, s: Any, a: Any, b: Any) -
         "alive",
         "finished",
         "newcomers",
+        "retired",
     }
 
     # adaptive scaling may not retire a worker whose trainers are at work
@@ -594,7 +624,7 @@ async def test_a_peers_own_error_is_not_retried(c: Any, s: Any, a: Any, b: Any) 
 @gen_cluster(client=True)
 async def test_a_malformed_update_is_refused(c: Any, s: Any, a: Any, b: Any) -> None:
     _, node_b = await open_nodes(c, a, b)
-    with pytest.raises(MalformedMessageError, match=r"update: missing fields \['payload', 'seq'\]"):
+    with pytest.raises(MalformedMessageError, match=r"update: missing fields \['payload', 'residual', 'seq'\]"):
         await a.rpc(b.address).dlscale_update(session="s", sender=a.address, messages=[{"origin": "a#0"}])
     assert not node_b.inboxes[0]
 

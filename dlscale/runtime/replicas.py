@@ -17,6 +17,7 @@ from distributed.active_memory_manager import (
     Suggestion,
     SuggestionGenerator,
 )
+from distributed.core import Status
 
 from dlscale.runtime.extensions import Extension, install
 
@@ -109,15 +110,20 @@ def set_replication(client: Client, futures: list, n: int) -> None:
         client.replicate(futures, n=None if n == EVERY_WORKER else n)
 
 
+_STAYING = frozenset({Status.running, Status.paused})
+
+
 def _keep_newest(generations: list[list[Any]], n: int, dask_scheduler: Any = None) -> int:
     policy = _policy(dask_scheduler)
     if policy is None:  # nothing drops replicas: only the newest generation is worth holding
         return len(generations) - 1
-    enough = min(n, len(dask_scheduler.running))
+    # a copy on a worker on its way out (closing, being retired) does not count: it will go with its worker
+    staying = sum(ws.status in _STAYING for ws in dask_scheduler.workers.values())
+    enough = min(n, staying)
     newest = 0
     for i, keys in enumerate(generations):
         found = [dask_scheduler.tasks.get(_key(k)) for k in keys]
-        if all(ts is not None and len(ts.who_has or ()) >= enough for ts in found):
+        if all(ts is not None and sum(ws.status in _STAYING for ws in ts.who_has or ()) >= enough for ts in found):
             newest = i
     for i, keys in enumerate(generations):
         for k in keys:

@@ -30,6 +30,8 @@ from dlscale.nn import shipping
 from dlscale.nn.listeners import SentUpdate, StepReport, TrainingListener
 from dlscale.nn.network import Network
 from dlscale.runtime.cluster import cluster_workers
+from dlscale.runtime.extensions import install
+from dlscale.runtime.retirement import RETIREMENT
 from dlscale.training import _worker
 from dlscale.training.checkpoints import CheckpointListener, FitPosition, checkpointers, network_with
 
@@ -179,6 +181,7 @@ class FitRun:
         self._progress: Progress | None = None
 
     def __enter__(self) -> FitRun:
+        install(self.client, RETIREMENT)  # a worker retired during the fit ends its part in order
         self.blob = shipping.ship_blob(self.client, self._blob)  # on every worker: one copy would die with its worker
         self.replicas = [self.blob.key]
         return self

@@ -25,6 +25,7 @@ from dlscale.errors import TrainerLostWarning
 from dlscale.monitor.stats import RoundStats, WorkerRound
 from dlscale.runtime.cluster import cluster_workers
 from dlscale.runtime.replicas import keep_newest_copied
+from dlscale.runtime.retirement import retired
 from dlscale.runtime.tasks import check_count
 from dlscale.training import _sources, _worker
 from dlscale.training._driver import FitRun, workers
@@ -117,11 +118,12 @@ class _Rounds:
             raise
 
     def _note_lost(self, alive: list[str]) -> None:
-        """Warn once about each worker of the fit that has left the cluster: its tasks run on the others."""
-        gone = sorted(self.seen - set(alive) - self.lost)
+        """Warn once about each worker of the fit that was lost (not retired): its tasks run on the others."""
+        gone = set(self.seen) - set(alive) - self.lost
         self.seen.update(alive)
+        self.lost.update(gone)
+        gone = sorted(gone - retired(self.client, gone))
         if gone:
-            self.lost.update(gone)
             warnings.warn(
                 f"parameter averaging lost worker(s) {', '.join(gone)}; their minibatches are trained by the "
                 f"{len(alive)} worker(s) left",

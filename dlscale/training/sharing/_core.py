@@ -12,6 +12,7 @@ origin's sequence number. Encoded bytes waiting to be sent are bounded by the se
 from __future__ import annotations
 
 import collections
+import time
 from typing import TYPE_CHECKING, Any
 
 from dlscale.training.sharing import _mesh
@@ -49,6 +50,7 @@ class Node:
         self.nodes: list[str] = [address]
         self.version = -1
         self.closed = False
+        self.busy: set[int] = set()  # local trainers at work: a worker that closes waits for them to leave
         self._seen: dict[str, _mesh.Seen] = collections.defaultdict(_mesh.Seen)  # event loop only
 
     # -- called from trainer threads ----------------------------------------------------------
@@ -67,6 +69,16 @@ class Node:
         waited = self.limiter.acquire(len(update.payload))  # held until the loop has queued it
         self.loop.add_callback(self._route, update, None)
         return waited
+
+    def drained(self, timeout: float) -> bool:
+        """Wait until every update queued here has been sent (or dropped with its peer), at most
+        ``timeout`` seconds; whether it was."""
+        deadline = time.monotonic() + timeout
+        while not self.limiter.empty and not self.closed:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
 
     # -- on the event loop --------------------------------------------------------------------
     def receive(self, sender: str, updates: list[Update]) -> None:

@@ -44,12 +44,14 @@ class Record:
 
 @dataclass(frozen=True)
 class Update(Record):
-    """One encoded update of trainer ``origin``, its ``seq``-th (the data plane's message)."""
+    """One encoded update of trainer ``origin``, its ``seq``-th (the data plane's message); with
+    ``residual``, the whole residual of a trainer leaving its session, in the "dense" compressor's form."""
 
     what: ClassVar[str] = "update"
     origin: str
     seq: int
     payload: bytes
+    residual: bool = False
 
 
 @dataclass(frozen=True)
@@ -68,8 +70,9 @@ class Ack(Record):
 @dataclass(frozen=True)
 class View(Record):
     """The session as a trainer sees it in every reply: whether every work item is acknowledged, the
-    membership (its ``version`` grows with every loss; ``nodes`` are the workers of the ``alive``
-    trainers) and how many updates each live trainer that has finished sent."""
+    membership (its ``version`` grows with every loss or departure; ``nodes`` are the workers of the
+    ``alive`` trainers) and how many updates each trainer sent that has finished, alive or gone on
+    purpose (retired: its peers wait for its last updates as for a finished trainer's)."""
 
     what: ClassVar[str] = "session view"
     done: bool

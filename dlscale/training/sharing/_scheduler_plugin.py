@@ -2,9 +2,11 @@
 minibatches are left, and when a fit has ended.
 
 Trainers pull minibatches a few at a time and acknowledge them when fitted, so a trainer that is
-lost (its worker removed) leaves its unacknowledged minibatches to the others. The membership has a
-version that grows with every loss; trainers read it with every reply and route their updates
-around the lost nodes. Updates themselves never pass through the scheduler.
+lost (its worker removed) leaves its unacknowledged minibatches to the others. A trainer whose worker
+is retiring leaves on purpose instead: it hands back what it holds and is *retired*, its peers waiting
+for its last updates as for a finished trainer's. The membership has a version that grows with every
+loss or departure; trainers read it with every reply and route their updates around the nodes gone.
+Updates themselves never pass through the scheduler.
 
 A :class:`Session` is the bookkeeping alone and raises a :class:`SessionStoppedError` for a trainer
 whose session has stopped; the plugin's handlers turn records and refusals into plain replies
@@ -21,6 +23,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dlscale.monitor import panel
@@ -64,6 +67,8 @@ class Session:
     fit: str = ""  # the fit's record in the training panel: a fit's sessions (its segments) share it
     client: str | None = None  # the driver's client: the session ends when it goes
     newcomers: list[str] = field(default_factory=list)  # workers that joined the cluster since it opened
+    retired: dict[str, int] = field(default_factory=dict)  # trainer that left on purpose -> updates it sent
+    retired_stats: list[dict[str, Any]] = field(default_factory=list)  # their statistics, for the driver
 
     @classmethod
     def open(cls, name: str, worker_of: dict[str, str], order: list[int], workers: Collection[str]) -> Session:
@@ -97,13 +102,15 @@ class Session:
             version=self.version,
             nodes=tuple(self.nodes()),
             alive=tuple(sorted(self.alive)),
-            finished={t: n for t, n in self.finished.items() if t in self.alive},
+            finished={**self.retired, **{t: n for t, n in self.finished.items() if t in self.alive}},
         )
 
     def progress(self) -> dict[str, Any]:
-        """The driver's report: the acknowledgements since the last one (:data:`Report`),
-        the trainers lost so far, the failure if any, and the state of the session."""
+        """The driver's report: the acknowledgements and the statistics of trainers retired since the
+        last one (:data:`Report`), the trainers lost so far, the failure if any, and the state of the
+        session."""
         reports, self.reports = self.reports, []
+        retired, self.retired_stats = self.retired_stats, []
         view = self.view()
         state = "abort" if self.failed is not None else "end" if view.done else "run"
         return {
@@ -117,6 +124,7 @@ class Session:
             "alive": list(view.alive),
             "finished": view.finished,
             "newcomers": list(self.newcomers),
+            "retired": retired,
         }
 
     # -- the trainers' calls -----------------------------------------------------------------
@@ -157,6 +165,24 @@ class Session:
         self._check_running()
         self.finished[trainer] = sent
         return self.view()
+
+    def leave(
+        self, trainer: str, acks: list[Ack], sent: int, stats: dict[str, Any], running: Collection[str]
+    ) -> tuple[list[Ack], View]:
+        """``trainer``, whose worker is retiring, acknowledges ``acks`` and hands back the other items it
+        holds; it leaves, having sent ``sent`` updates (``stats`` its statistics), unless no other live
+        trainer is on a worker in ``running`` (the workers not leaving): the last one stays, to train
+        the rest. Returns the acknowledgements recorded and the view (without ``trainer`` if it left)."""
+        fresh = self.acknowledge(trainer, acks)
+        back, self.assigned[trainer] = self.assigned[trainer], set()
+        self.pending.extendleft(sorted(back, reverse=True))
+        if any(self.worker_of[t] in running for t in self.alive if t != trainer):
+            self.alive.discard(trainer)
+            del self.assigned[trainer]
+            self.retired[trainer] = sent
+            self.retired_stats.append(stats)
+            self.version += 1
+        return fresh, self.view()
 
     def status(self, trainer: str) -> View:
         self._check_member(trainer)
@@ -218,6 +244,7 @@ class SharingSchedulerPlugin(SchedulerPlugin):
                 "dlscale_sharing_next": self.next,
                 "dlscale_sharing_finish": self.finish,
                 "dlscale_sharing_status": self.status,
+                "dlscale_sharing_leave": self.leave,
                 "dlscale_sharing_fail": self.fail,
                 "dlscale_sharing_progress": self.progress,
                 "dlscale_sharing_drain": self.drain,
@@ -282,6 +309,19 @@ class SharingSchedulerPlugin(SchedulerPlugin):
 
     def finish(self, session: str, trainer: str, sent: int) -> dict[str, Any]:
         return self._reply(session, lambda s: s.finish(trainer, sent))
+
+    def leave(self, session: str, trainer: str, acks: list[Any], sent: int, stats: dict[str, Any]) -> dict[str, Any]:
+        """A trainer on a retiring worker leaves (see :meth:`Session.leave`)."""
+        records = [Ack.from_plain(a) for a in acks]
+        running = {a for a, ws in self.scheduler.workers.items() if ws.status == Status.running}
+
+        def call(s: Session) -> View:
+            fresh, view = s.leave(trainer, records, sent, stats, running)
+            if fresh:
+                self._to_panel(s.fit, s.worker_of[trainer], trainer, fresh)
+            return view
+
+        return self._reply(session, call)
 
     def status(self, session: str, trainer: str) -> dict[str, Any]:
         return self._reply(session, lambda s: s.status(trainer))

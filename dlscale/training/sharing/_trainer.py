@@ -13,8 +13,11 @@ passes over the parameters and a copy); with another ("dl4j") the update is take
 message applied instead, so that every replica holds the shared parameters. Peers' updates are
 applied between steps, as they arrive: there is no barrier per step. At the end each trainer waits
 until it has applied every update its live peers sent, and returns the shared parameters (its own
-less its residual) with the residual. The trainer knows nothing of any compression scheme: it asks
-the compressor (``dlscale.encoding.compressors``).
+less its residual) with the residual. A trainer whose worker is retiring or closing (its status says
+so) leaves instead, between two steps: it hands the minibatches it holds back to the scheduler, sends
+its whole residual to its peers and returns once that is on its way (the last live trainer stays).
+The trainer knows nothing of any compression scheme: it asks the compressor
+(``dlscale.encoding.compressors``).
 """
 
 from __future__ import annotations
@@ -35,8 +38,10 @@ from distributed import Future, get_client, get_worker, secede
 from distributed.utils import sync
 
 from dlscale.data.loaders import prefetch
-from dlscale.encoding import Compressor, Layout
+from dlscale.encoding import Compressor, CompressorState, Layout
+from dlscale.encoding.compressors import DenseCompressor
 from dlscale.errors import NonFiniteUpdateError
+from dlscale.runtime.retirement import LEAVING, retire_timeout
 from dlscale.training._heap import training_heap
 from dlscale.training._worker import decode, replica, state_of
 from dlscale.training.sharing._exceptions import SessionAbortedError, SessionClosedError, SessionStoppedError
@@ -44,6 +49,8 @@ from dlscale.training.sharing._messages import Ack, Handout, Update, View, unwra
 from dlscale.training.sharing._worker_plugin import plugin
 
 logger = logging.getLogger("dlscale.training.sharing")
+
+_WHOLE = DenseCompressor()  # the codec of a leaving trainer's residual, whatever the session's compressor
 
 DEBUG_TOPIC = "dlscale-encoding"
 DEBUG_FORMAT = (
@@ -120,6 +127,9 @@ class _Control:
     def fail(self, error: str) -> None:
         self._call("fail", error=error)
 
+    def leave(self, acks: list[Ack], sent: int, stats: dict[str, Any]) -> View:
+        return View.from_plain(unwrap(self._call("leave", acks=[a.to_plain() for a in acks], sent=sent, stats=stats)))
+
 
 def run(
     session: str,
@@ -132,8 +142,9 @@ def run(
     spec: TrainerSpec,
 ) -> dict[str, Any]:
     """The task of one trainer; returns its final state, or ``{"lost": True}`` for a trainer whose
-    worker was lost (this task then runs again elsewhere and stops at once) and ``{"aborted": True}``
-    for one stopped by another's failure."""
+    worker was lost (this task then runs again elsewhere and stops at once), ``{"aborted": True}``
+    for one stopped by another's failure and ``{"retired": True}`` for one that left its session as
+    its worker retired (its statistics reach the driver through the scheduler)."""
     worker = get_worker()
     control = _Control(worker, session, trainer)
     try:
@@ -196,6 +207,7 @@ class _Trainer:
         self.acks_lock = threading.Lock()
         self.handed: collections.deque[int] = collections.deque()
         self.stopping = threading.Event()
+        self.staying = False  # the last live trainer, told to stay while its worker retires
         self.stats = {
             "trainer": self.name,
             "worker": worker.address,
@@ -222,13 +234,14 @@ class _Trainer:
         """Apply the updates received so far."""
         while self.inbox:
             update = self.inbox.popleft()
+            codec = _WHOLE if update.residual else self.compressor
             try:
-                message = self.compressor.from_bytes(update.payload)
+                message = codec.from_bytes(update.payload)
             except Exception as e:
                 e.add_note(f"in an update from trainer {update.origin}")
                 raise
             for target in self.targets:
-                self.compressor.apply(message, target)
+                codec.apply(message, target)
             self.applied[update.origin] += 1
             self.stats["messages_received"] += 1
             self.stats["bytes_received"] += len(update.payload)
@@ -255,6 +268,13 @@ class _Trainer:
 
     # -- the fit ----------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
+        self.node.busy.add(self.local)
+        try:
+            return self._train()
+        finally:
+            self.node.busy.discard(self.local)
+
+    def _train(self) -> dict[str, Any]:
         net, spec = self.network, self.spec
         threads = max(1, self.worker.state.nthreads // spec.workers_per_node)
         if torch.get_num_threads() != threads:
@@ -273,9 +293,16 @@ class _Trainer:
         seq = step = 0
         last_gc = time.monotonic()
         batches = prefetch(self._items(), self.loader, spec.prefetch)
+        left = False
         try:
             t = time.perf_counter()
             while True:
+                if not self.staying and self.worker.status in LEAVING:
+                    batches.close()  # its thread stops, and with it the calls for more minibatches
+                    if self._leave(own, seq):
+                        left = True
+                        break
+                    batches = prefetch(self._items(), self.loader, spec.prefetch)  # the last trainer stays
                 batch = next(batches, None)
                 t = self._phase("wait", t)
                 if batch is None:
@@ -344,6 +371,8 @@ class _Trainer:
         finally:
             self.stopping.set()
             batches.close()
+        if left:
+            return {"trainer": self.name, "retired": True}
         self._finish(seq)
         if shared is not None:
             params.copy_(shared)
@@ -361,6 +390,39 @@ class _Trainer:
             "stats": self.stats,
         }
 
+    def _leave(self, own: Any, sent: int) -> bool:
+        """Leave the session as this trainer's worker retires: acknowledge what is fitted, hand back the
+        rest, send the whole residual to the peers and wait (at most ``dlscale.worker.retire-timeout``)
+        until it is on its way. Returns ``False``, with nothing handed back lost (the items go back to
+        the queue, for this trainer too), when the session keeps it as the last live trainer."""
+        with self.acks_lock:
+            acks, self.acks = self.acks, []
+        payload = None
+        if torch.count_nonzero(own.residual):  # the residual as one dense message; the residual itself is kept
+            payload = _WHOLE.to_bytes(_WHOLE.compress(CompressorState(own.layout, own.residual), own.residual))
+        flush = (payload is not None, len(payload or b""))
+        self.stats["messages_sent"] += flush[0]
+        self.stats["bytes_sent"] += flush[1]
+        view = self.control.leave(acks, sent + flush[0], self.stats)
+        self.handed.clear()
+        if self.name in view.alive:
+            logger.warning(
+                "trainer %s stays while worker %s retires: no other trainer would train the rest",
+                self.name,
+                self.worker.address,
+            )
+            self.stats["messages_sent"] -= flush[0]
+            self.stats["bytes_sent"] -= flush[1]
+            self.staying = True
+            self.node.busy.discard(self.local)
+            return False
+        if payload is not None:
+            self.node.send(Update(self.name, sent, payload, residual=True), self.local)
+        if not self.node.drained(retire_timeout()):
+            logger.warning("trainer %s left with updates still unsent to its peers", self.name)
+        logger.info("trainer %s left its session: worker %s is %s", self.name, self.worker.address, self.worker.status)
+        return True
+
     def _finish(self, sent: int) -> None:
         """Report the end of this trainer's work (every minibatch of the session is fitted by now) and
         apply updates until every live peer's last one is in."""
@@ -372,8 +434,10 @@ class _Trainer:
             self._apply_inbox()
             self.node.set_nodes(view.version, view.nodes)
             alive = [o for o in view.alive if o != self.name]
-            if all(o in view.finished for o in alive):
-                missing = {o: view.finished[o] - self.applied[o] for o in alive if self.applied[o] < view.finished[o]}
+            if all(o in view.finished for o in alive):  # and the retired, whose counts are there too
+                missing = {
+                    o: n - self.applied[o] for o, n in view.finished.items() if o != self.name and self.applied[o] < n
+                }
                 if not missing:
                     break
                 now, total = time.monotonic(), sum(self.applied.values())

@@ -4,10 +4,13 @@ them to (see ``_core`` for the node, ``_comms`` for sending)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
+from dlscale.runtime.retirement import retire_timeout
 from dlscale.training.sharing._config import SharingConfig
 from dlscale.training.sharing._core import Node
 from dlscale.training.sharing._messages import Update
@@ -31,7 +34,12 @@ class SharingWorkerPlugin(WorkerPlugin):
         self.worker = worker
         worker.handlers["dlscale_update"] = self.update
 
-    def teardown(self, worker: Worker) -> None:
+    async def teardown(self, worker: Worker) -> None:
+        """A worker closing lets its trainers leave their sessions first (they see it closing: see
+        ``_trainer``), at most ``dlscale.worker.retire-timeout``; then its nodes end."""
+        deadline = time.monotonic() + retire_timeout()
+        while any(node.busy for node in self.nodes.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         for node in self.nodes.values():
             node.close()
         self.nodes.clear()

@@ -262,6 +262,7 @@ class _Session:
         the checkpoint."""
         n = len(self.batches.refs)
         progress: dict[str, Any] = {}
+        self.retired: list[dict[str, Any]] = []  # the statistics of the trainers that left as their workers retired
         pending = set(futures.values())
         left: list[int] = []
         due: list[Any] = []
@@ -271,6 +272,7 @@ class _Session:
                 wait(pending, timeout=self.config.poll_interval * 10, return_when="FIRST_COMPLETED")
             pending = {f for f in pending if not f.done()}
             progress = self._call("progress")
+            self.retired.extend(progress["retired"])
             epochs_done = self._epochs_done()
             for item, examples, score, threshold, sparsity, sent, at in progress["reports"]:
                 update = SentUpdate(sent, threshold, sparsity)
@@ -316,7 +318,8 @@ class _Session:
         self.client.cancel([f for f in futures.values() if not f.done()])
 
     def _conclude(self, results: list[dict[str, Any]], progress: dict[str, Any], seconds: float, last: bool) -> None:
-        states = [r for r in results if not r.get("lost") and not r.get("aborted")]
+        # a retired trainer sent its residual to its peers as it left: it has no state to add
+        states = [r for r in results if not (r.get("lost") or r.get("aborted") or r.get("retired"))]
         lost = progress["lost"]
         if not states:
             raise RuntimeError(f"every gradient-sharing trainer was lost ({', '.join(lost)}); the network is unchanged")
@@ -334,10 +337,10 @@ class _Session:
         state = dict(state, params=state["params"] + torch.stack([s["residual"] for s in states]).sum(0))
         _worker.apply_state(self.run.network, state)
         if self.run.stats is not None:  # a fit of several segments (checkpoints) has a record per trainer and segment
-            self.run.stats.trainers.extend(TrainerStats(**r["stats"]) for r in states)
+            self.run.stats.trainers.extend(TrainerStats(**s) for s in [r["stats"] for r in states] + self.retired)
             params = self.run.network.params()
             self.run.stats.dense_bytes = params.numel() * params.element_size()
-        minibatches = sum(r["batches"] for r in states)
+        minibatches = sum(r["batches"] for r in states) + sum(s["minibatches"] for s in self.retired)
         logger.log(  # a segment that ends for a checkpoint or a newcomer is not news; the fit's last is
             logging.INFO if last else logging.DEBUG,
             "gradient sharing: %d minibatches in %.2f s on %d trainers",
