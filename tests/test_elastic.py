@@ -117,6 +117,28 @@ def test_a_worker_that_joins_a_sharing_fit_trains_a_share_of_the_rest() -> None:
     assert accuracy >= reference - 0.02, (accuracy, reference)
 
 
+def test_a_worker_that_joins_a_parameter_averaging_fit_takes_part_from_the_next_epoch() -> None:
+    planned = EPOCHS * -(-1500 // BATCH)
+    with SparkContext("local[1]", "elastic") as sc:
+        (first,) = sc.client.scheduler_info(n_workers=-1)["workers"]
+        scaler = _ScaleAt(sc.client.cluster, planned // 4, 2)  # a lone worker's iterations are its minibatches
+        network, spark_net, _ = _fit(sc, scaler, _averaging)
+    rounds = spark_net.training_stats.rounds
+    fitted = [(r.epoch, name) for r in rounds for w in r.workers for name in w.batches]
+    assert len(fitted) == len(set(fitted)) == planned  # every minibatch of every epoch once
+    joined = sum(len(w.batches) for r in rounds for w in r.workers if w.worker != first)
+    assert scaler.scaled_at is not None and joined >= 0.3 * (planned - scaler.scaled_at), (joined, scaler.scaled_at)
+    # the fit is the one that trains its first epochs on one worker and the rest on two, exactly
+    one = len({r.epoch for r in rounds if r.round == 0 and len(r.workers) == 1})
+    reference = _network()
+    for workers, epochs in ((1, one), (2, EPOCHS - one)):
+        with SparkContext(f"local[{workers}]", "elastic-plan") as sc:
+            x, y = load_digits()
+            train = sc.parallelize(DataSet(x[:1500], y[:1500]).batch_by(BATCH), 2)
+            SparkNet(sc, reference, _averaging()).fit(train, epochs=epochs)
+    torch.testing.assert_close(network.params(), reference.params(), rtol=0, atol=1e-6)
+
+
 @pytest.fixture(scope="module")
 def two_workers() -> dict[str, float]:
     """The accuracy of a gradient-sharing fit on two workers from the start to the end."""
