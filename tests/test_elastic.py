@@ -117,6 +117,18 @@ def test_a_worker_that_joins_a_sharing_fit_trains_a_share_of_the_rest() -> None:
     assert accuracy >= reference - 0.02, (accuracy, reference)
 
 
+def _assert_fit_of_plan(network: Network, plan: list[tuple[int, int]]) -> None:
+    """``network`` has the parameters of a parameter-averaging fit of ``plan``'s ``(workers, epochs)`` parts
+    one after the other, to float32 rounding (the same arithmetic in the same order)."""
+    reference = _network()
+    x, y = load_digits()
+    for workers, epochs in plan:
+        with SparkContext(f"local[{workers}]", "elastic-plan") as sc:
+            train = sc.parallelize(DataSet(x[:1500], y[:1500]).batch_by(BATCH), 2)
+            SparkNet(sc, reference, _averaging()).fit(train, epochs=epochs)
+    torch.testing.assert_close(network.params(), reference.params(), rtol=0, atol=1e-6)
+
+
 def test_a_worker_that_joins_a_parameter_averaging_fit_takes_part_from_the_next_epoch() -> None:
     planned = EPOCHS * -(-1500 // BATCH)
     with SparkContext("local[1]", "elastic") as sc:
@@ -130,13 +142,7 @@ def test_a_worker_that_joins_a_parameter_averaging_fit_takes_part_from_the_next_
     assert scaler.scaled_at is not None and joined >= 0.3 * (planned - scaler.scaled_at), (joined, scaler.scaled_at)
     # the fit is the one that trains its first epochs on one worker and the rest on two, exactly
     one = len({r.epoch for r in rounds if r.round == 0 and len(r.workers) == 1})
-    reference = _network()
-    for workers, epochs in ((1, one), (2, EPOCHS - one)):
-        with SparkContext(f"local[{workers}]", "elastic-plan") as sc:
-            x, y = load_digits()
-            train = sc.parallelize(DataSet(x[:1500], y[:1500]).batch_by(BATCH), 2)
-            SparkNet(sc, reference, _averaging()).fit(train, epochs=epochs)
-    torch.testing.assert_close(network.params(), reference.params(), rtol=0, atol=1e-6)
+    _assert_fit_of_plan(network, [(1, one), (2, EPOCHS - one)])
 
 
 @pytest.fixture(scope="module")
@@ -198,11 +204,5 @@ def test_a_worker_retired_mid_fit_ends_its_part_in_order(
         # an epoch is planned over the workers there when it starts: the fit is the one that trains its
         # first epochs on two workers and the rest on one, exactly (the same arithmetic in the same order)
         two = len({r.epoch for r in stats.rounds if r.round == 0 and len(r.workers) == 2})
-        reference = _network()
-        for workers, epochs in ((2, two), (1, EPOCHS - two)):
-            with SparkContext(f"local[{workers}]", "elastic-plan") as sc:
-                x, y = load_digits()
-                train = sc.parallelize(DataSet(x[:1500], y[:1500]).batch_by(BATCH), 2)
-                SparkNet(sc, reference, _averaging()).fit(train, epochs=epochs)
         assert 0 < two < EPOCHS
-        torch.testing.assert_close(network.params(), reference.params(), rtol=0, atol=1e-6)
+        _assert_fit_of_plan(network, [(2, two), (1, EPOCHS - two)])
