@@ -174,11 +174,9 @@ class Session:
         trainer is on a worker in ``running`` (the workers not leaving): the last one stays, to train
         the rest. Returns the acknowledgements recorded and the view (without ``trainer`` if it left)."""
         fresh = self.acknowledge(trainer, acks)
-        back, self.assigned[trainer] = self.assigned[trainer], set()
-        self.pending.extendleft(sorted(back, reverse=True))
+        self._hand_back([trainer])
         if any(self.worker_of[t] in running for t in self.alive if t != trainer):
             self.alive.discard(trainer)
-            del self.assigned[trainer]
             self.retired[trainer] = sent
             self.retired_stats.append(stats)
             self.version += 1
@@ -206,15 +204,20 @@ class Session:
         """Drop the trainers of ``worker`` and hand their unacknowledged items back, to the front of
         the queue in order; returns the trainers dropped."""
         gone = sorted(t for t in self.alive if self.worker_of[t] == worker)
-        back: set[int] = set()
+        self._hand_back(gone)
         for t in gone:
             self.alive.discard(t)
-            back |= self.assigned.pop(t, set())
             self.lost.append(t)
-        self.pending.extendleft(sorted(back, reverse=True))
         if gone:
             self.version += 1
         return gone
+
+    def _hand_back(self, trainers: list[str]) -> None:
+        """Put the items ``trainers`` hold and have not acknowledged back at the front of the queue, in order."""
+        back = set().union(*(self.assigned.get(t, ()) for t in trainers))
+        for t in trainers:
+            self.assigned[t] = set()
+        self.pending.extendleft(sorted(back, reverse=True))
 
     def _check_member(self, trainer: str) -> None:
         if trainer not in self.alive:

@@ -397,13 +397,11 @@ class _Trainer:
         the queue, for this trainer too), when the session keeps it as the last live trainer."""
         with self.acks_lock:
             acks, self.acks = self.acks, []
-        payload = None
+        payload, stats = None, self.stats
         if torch.count_nonzero(own.residual):  # the residual as one dense message; the residual itself is kept
             payload = _WHOLE.to_bytes(_WHOLE.compress(CompressorState(own.layout, own.residual), own.residual))
-        flush = (payload is not None, len(payload or b""))
-        self.stats["messages_sent"] += flush[0]
-        self.stats["bytes_sent"] += flush[1]
-        view = self.control.leave(acks, sent + flush[0], self.stats)
+            stats = dict(stats, messages_sent=stats["messages_sent"] + 1, bytes_sent=stats["bytes_sent"] + len(payload))
+        view = self.control.leave(acks, sent + (payload is not None), stats)
         self.handed.clear()
         if self.name in view.alive:
             logger.warning(
@@ -411,8 +409,6 @@ class _Trainer:
                 self.name,
                 self.worker.address,
             )
-            self.stats["messages_sent"] -= flush[0]
-            self.stats["bytes_sent"] -= flush[1]
             self.staying = True
             self.node.busy.discard(self.local)
             return False
