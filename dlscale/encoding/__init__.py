@@ -23,6 +23,7 @@ _EXPORTS = {
     "Compressor": "dlscale.encoding.compressors",
     "CompressorState": "dlscale.encoding.compressors",
     "DenseCompressor": "dlscale.encoding.compressors",
+    "Difference": "dlscale.encoding.compressors",
     "Dl4jCompressor": "dlscale.encoding.compressors",
     "Layout": "dlscale.encoding.compressors",
     "TopKCompressor": "dlscale.encoding.compressors",

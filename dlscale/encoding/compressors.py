@@ -36,7 +36,7 @@ from dlscale.encoding import _codec, residual, thresholds
 from dlscale.encoding._codec import EncodedUpdate
 from dlscale.encoding.residual import ResidualPostProcessor
 from dlscale.encoding.thresholds import ThresholdAlgorithm
-from dlscale.errors import CorruptDataError
+from dlscale.errors import CorruptDataError, NonFiniteUpdateError
 from dlscale.registry import Registry
 
 
@@ -96,6 +96,21 @@ class CompressorState:
     density: float = 0.0
 
 
+@dataclass(frozen=True, eq=False)
+class Difference:
+    """A residual that lies in two flat vectors: ``params - shared``, a lossless trainer's replica less
+    the shared parameters beside it. Given to :meth:`Compressor.compress` in place of an update, it
+    lets the compressor read the residual where it lies, in its own pass over the two, where
+    subtracting first would write the whole residual and read it back at every step."""
+
+    params: torch.Tensor
+    shared: torch.Tensor
+
+    def into(self, out: torch.Tensor) -> torch.Tensor:
+        """``params - shared``, written to ``out``."""
+        return torch.sub(self.params.detach(), self.shared, out=out)
+
+
 class Compressor(abc.ABC):
     """Turns updates into messages and back: one instance serves every trainer, each with its own
     :class:`CompressorState`. Register a subclass with
@@ -115,13 +130,13 @@ class Compressor(abc.ABC):
         return CompressorState(layout, torch.zeros(layout.length, dtype=torch.float32, device=layout.device))
 
     @abc.abstractmethod
-    def compress(self, state: CompressorState, update: torch.Tensor | None) -> Any | None:
+    def compress(self, state: CompressorState, update: torch.Tensor | Difference) -> Any | None:
         """Add ``update`` (the flat float32 update, on the parameters' device; not kept) to the
         residual, take out what is sent, and return the message (``None`` when nothing is sent).
-        ``update`` ``None`` says that the caller has set the residual itself: a trainer with a
-        :attr:`lossless` compressor sets it to its replica less the shared parameters, which is what
-        adding each update gives, in one pass. A non-finite update raises
-        :class:`~dlscale.encoding.NonFiniteUpdateError`."""
+        A :class:`Difference` (which only a :attr:`lossless` compressor takes) *is* the residual:
+        the caller adds the message to its ``shared``, which takes out what is sent, and the state's
+        own ``residual`` is neither read nor kept (``difference.into(state.residual)`` sets it when
+        it is wanted). A non-finite update raises :class:`~dlscale.encoding.NonFiniteUpdateError`."""
 
     @abc.abstractmethod
     def apply(self, message: Any, params: torch.Tensor, scale: float = 1.0) -> None:
@@ -307,12 +322,17 @@ def _check_target(params: torch.Tensor, length: int) -> None:
         raise ValueError(f"params has {params.numel()} elements, the message describes {length}")
 
 
-def _check_update(state: CompressorState, update: torch.Tensor | None) -> None:
-    if update is None:
-        return
-    if not isinstance(update, torch.Tensor) or update.dim() != 1 or update.numel() != state.layout.length:
-        got = tuple(update.shape) if isinstance(update, torch.Tensor) else type(update).__name__
-        raise ValueError(f"update must be a flat tensor of {state.layout.length} elements, got {got}")
+def _check_update(compressor: Compressor, state: CompressorState, update: torch.Tensor | Difference) -> None:
+    if isinstance(update, Difference):
+        if not compressor.lossless:
+            raise TypeError(f"{compressor!r} is not lossless: give it the update, not a Difference")
+        tensors = (update.params, update.shared)
+    else:
+        tensors = (update,)
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() != state.layout.length:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"update must be a flat tensor of {state.layout.length} elements, got {got}")
 
 
 class _ValueCompressor(Compressor):
@@ -333,12 +353,13 @@ class DenseCompressor(_ValueCompressor):
 
     lossless = True
 
-    def compress(self, state: CompressorState, update: torch.Tensor | None) -> ValueUpdate:
-        _check_update(state, update)
-        values = (state.residual if update is None else update).detach().to(torch.float32, copy=True)
+    def compress(self, state: CompressorState, update: torch.Tensor | Difference) -> ValueUpdate:
+        _check_update(self, state, update)
+        if isinstance(update, Difference):
+            values = (update.params.detach() - update.shared).to(torch.float32)
+        else:
+            values = update.detach().to(torch.float32, copy=True)
         _codec.check_finite(values)
-        if update is None:
-            state.residual.zero_()
         state.step += 1
         state.threshold, state.density = 0.0, 1.0
         n = state.layout.length
@@ -421,19 +442,23 @@ class TopKCompressor(_ValueCompressor):
             return self.density
         return self.density ** (step / self.warmup_steps)
 
-    def compress(self, state: TopKState, update: torch.Tensor | None) -> ValueUpdate:
-        _check_update(state, update)
+    def compress(self, state: TopKState, update: torch.Tensor | Difference) -> ValueUpdate:
+        _check_update(self, state, update)
         r = state.residual
-        if update is not None:
-            r.add_(update.detach())
         on_host = r.device.type == "cpu"
-        if on_host:
-            _codec.check_finite(r)
+        implied = isinstance(update, Difference)
+        if implied and on_host:  # read where it lies: no residual written and read back
+            minuend, subtrahend = update.params.detach(), update.shared.detach()
+        else:
+            if implied:
+                update.into(r)
+            else:
+                r.add_(update.detach())
+            minuend, subtrahend = r, None
         layout, dtype = state.layout, VALUE_DTYPES[self.values]
         density = self.density_at(state.step)
         ranges: list[tuple[int, int]] = []
         picks: list[torch.Tensor] = []
-        cuts: list[float | torch.Tensor] = []
         for offset, n, shape in zip(layout.offsets, layout.numels, layout.shapes, strict=True):
             if not n:
                 continue
@@ -441,46 +466,53 @@ class TopKCompressor(_ValueCompressor):
             if len(shape) <= 1 or 3 * k >= n:  # a third sent with indices costs what the whole does without
                 ranges.append((offset, offset + n))
                 continue
-            part = r[offset : offset + n]
-            index, smallest = self._select(part, k, state.generator) if on_host else _top(part, k)
-            cuts.append(smallest)
+            a = minuend[offset : offset + n]
+            b = None if subtrahend is None else subtrahend[offset : offset + n]
+            index = self._select(a, b, k, state.generator) if on_host else _top(a, k)
             picks.append(index + offset)
-        if on_host:
-            cut = min(cuts, default=0.0)
+        index = torch.cat(picks) if picks else torch.zeros(0, dtype=torch.int64, device=r.device)
+        message = ValueUpdate(layout.length, tuple(_merge(ranges)), index, torch.empty(0, dtype=dtype))
+        positions = message.positions()
+        exact = _difference_at(minuend, subtrahend, positions)  # index_select: several times faster than r[positions]
+        sparse = exact[exact.numel() - index.numel() :].abs()
+        smallest = sparse.min() if sparse.numel() else exact.new_zeros(())
+        if on_host:  # every element not finite is among those sent: see _select
+            _check_sent(exact, positions)
+            cut = float(smallest)
         else:  # one round trip to the host a step: the finiteness check and the smallest value sent
-            total, cut = torch.stack([r.sum(), torch.stack(cuts).min() if cuts else r.new_zeros(())]).tolist()
+            total, cut = torch.stack([r.sum(), smallest]).tolist()
             if not math.isfinite(total):
                 _codec.check_finite(r)
-        index = torch.cat(picks) if picks else torch.zeros(0, dtype=torch.int64, device=r.device)
-        ranges = _merge(ranges)
-        message = ValueUpdate(layout.length, tuple(ranges), index, torch.empty(0, dtype=dtype))
-        positions = message.positions()
-        values = r.index_select(0, positions).to(dtype)  # index_select: several times faster than r[positions]
-        r.index_add_(0, positions, values.to(torch.float32), alpha=-1)  # what rounding lost stays
+        values = exact.to(dtype)
+        if not implied:  # what rounding lost stays; a Difference's caller adds the message to its shared
+            r.index_add_(0, positions, values.to(torch.float32), alpha=-1)
         state.waited = index.masked_select(~state.sent.index_select(0, index))
         if state._positions is not None:
-            state.sent[state._positions] = False
-        state.sent[positions] = True
+            state.sent.index_fill_(0, state._positions, False)
+        state.sent.index_fill_(0, positions, True)
         state._positions = positions
         state.step += 1
-        state.threshold = float(cut)
+        state.threshold = cut
         state.density = positions.numel() / layout.length if layout.length else 0.0
         return dataclasses.replace(message, values=values)
 
-    def _select(self, part: torch.Tensor, k: int, generator: torch.Generator) -> tuple[torch.Tensor, float]:
-        """The increasing positions of about ``k`` elements of largest magnitude in ``part`` (on the
-        CPU), and the smallest magnitude among them."""
-        n = part.numel()
+    def _select(self, a: torch.Tensor, b: torch.Tensor | None, k: int, generator: torch.Generator) -> torch.Tensor:
+        """The increasing positions of about ``k`` elements of largest magnitude in the residual
+        ``a - b`` (``a`` when ``b`` is ``None``; on the CPU). Every element that is not finite is
+        among them (``topk`` ranks NaN above all, the scan keeps what is not below the cut), so that
+        checking the values sent checks the whole residual."""
+        n = a.numel()
         if n < self.exact_below:
-            index, smallest = _top(part, k)
-            return index, float(smallest)
+            return _top(a if b is None else a - b, k)
         s = min(n, self.sample)
-        sample = part.index_select(0, torch.randint(0, n, (s,), generator=generator)).abs()
+        at = torch.randint(0, n, (s,), generator=generator)
+        sample = _difference_at(a, b, at).abs()
         cut = float(torch.topk(sample, max(1, math.ceil(k * s / n))).values[-1])
-        index = _at_least(part, cut)
+        index = _scan(a, b, cut)
         if index.numel() > 2 * k:  # a sample's cut that fell too low: the k largest of those found
-            index = torch.sort(index[torch.topk(part.index_select(0, index).abs(), k, sorted=False).indices]).values
-        return index, float(part.index_select(0, index).abs().min()) if index.numel() else cut
+            found = _difference_at(a, b, index).abs()
+            index = torch.sort(index[torch.topk(found, k, sorted=False).indices]).values
+        return index
 
     def momentum_mask(self, state: TopKState, message: ValueUpdate) -> torch.Tensor:
         """The picks that waited: elements the message before this one did not send. An element
@@ -497,19 +529,57 @@ class TopKCompressor(_ValueCompressor):
         )
 
 
-def _top(part: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The increasing positions of the ``k`` elements of largest magnitude in ``part``, and the
-    smallest magnitude among them (a 0-d tensor on ``part``'s device: reading it is left to the caller)."""
-    top = torch.topk(part.abs(), k, sorted=False)
-    return torch.sort(top.indices).values, top.values.min()
+def _top(part: torch.Tensor, k: int) -> torch.Tensor:
+    """The increasing positions of the ``k`` elements of largest magnitude in ``part``."""
+    return torch.sort(torch.topk(part.abs(), k, sorted=False).indices).values
 
 
-def _at_least(values: torch.Tensor, cut: float) -> torch.Tensor:
-    """The increasing positions (int64) of the elements of the 1-D CPU tensor ``values`` whose
-    magnitude is at least ``cut``, by numpy's kernels: on one thread they are faster than torch's
-    ``abs``, ``ge`` and ``nonzero``."""
-    a = values.detach().numpy()
-    return torch.from_numpy(np.flatnonzero(np.abs(a) >= np.float32(cut)).astype(np.int64, copy=False))
+def _difference_at(a: torch.Tensor, b: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
+    """``(a - b)[positions]`` (``a[positions]`` when ``b`` is ``None``), as float32."""
+    values = a.index_select(0, positions)
+    if b is not None:
+        values = values - b.index_select(0, positions)
+    return values.to(torch.float32)
+
+
+_BLOCK = 1 << 16  # elements a scan works on at once: its scratch stays in the core's cache
+
+
+def _scan(a: torch.Tensor, b: torch.Tensor | None, cut: float) -> torch.Tensor:
+    """The increasing positions (int64) of the elements of the residual ``a - b`` (``a`` when ``b`` is
+    ``None``; 1-D CPU tensors) whose magnitude is not below ``cut``: those at least ``cut``, and every
+    one that is not finite. Block by block, by numpy's kernels (on one thread faster than torch's
+    ``abs``, ``lt`` and ``nonzero``), so that the residual is read once from memory and never written."""
+    x = a.numpy()
+    y = None if b is None else b.numpy()
+    n = len(x)
+    scratch, below = np.empty(min(n, _BLOCK), np.float32), np.empty(min(n, _BLOCK), np.bool_)
+    c = np.float32(cut)
+    found = []
+    for at in range(0, n, _BLOCK):
+        m = min(_BLOCK, n - at)
+        s, low = scratch[:m], below[:m]
+        if y is None:
+            np.abs(x[at : at + m], out=s)
+        else:
+            np.subtract(x[at : at + m], y[at : at + m], out=s)
+            np.abs(s, out=s)
+        np.less(s, c, out=low)
+        np.logical_not(low, out=low)
+        hits = np.flatnonzero(low)
+        if len(hits):
+            found.append(hits + at)
+    return torch.from_numpy(np.concatenate(found)) if found else torch.zeros(0, dtype=torch.int64)
+
+
+def _check_sent(values: torch.Tensor, positions: torch.Tensor) -> None:
+    """Raise :class:`NonFiniteUpdateError` naming the first of ``positions`` whose value is not finite."""
+    bad = ~torch.isfinite(values)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise NonFiniteUpdateError(
+            f"residual element {int(positions[i])} is {float(values[i])}: the update is not finite"
+        )
 
 
 def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -556,8 +626,8 @@ class Dl4jCompressor(Compressor):
             post=self.residual_post_processor.clone(),
         )
 
-    def compress(self, state: Dl4jState, update: torch.Tensor | None) -> EncodedUpdate | None:
-        _check_update(state, update)
+    def compress(self, state: Dl4jState, update: torch.Tensor | Difference) -> EncodedUpdate | None:
+        _check_update(self, state, update)
         r = state.residual
         if update is not None:
             r.add_(update.detach())

@@ -38,12 +38,12 @@ from distributed import Future, get_client, get_worker, secede
 from distributed.utils import sync
 
 from dlscale.data.loaders import prefetch
-from dlscale.encoding import Compressor, CompressorState, Layout
+from dlscale.encoding import Compressor, CompressorState, Difference, Layout
 from dlscale.encoding.compressors import DenseCompressor
 from dlscale.errors import NonFiniteUpdateError
 from dlscale.runtime.retirement import LEAVING, retire_timeout
 from dlscale.training._heap import training_heap
-from dlscale.training._worker import decode, replica, state_of
+from dlscale.training._worker import check_finite, decode, replica, state_of
 from dlscale.training.sharing._exceptions import SessionAbortedError, SessionClosedError, SessionStoppedError
 from dlscale.training.sharing._messages import Ack, Handout, Update, View, unwrap
 from dlscale.training.sharing._worker_plugin import plugin
@@ -299,6 +299,8 @@ class _Trainer:
             while True:
                 if not self.staying and self.worker.status in LEAVING:
                     batches.close()  # its thread stops, and with it the calls for more minibatches
+                    if shared is not None:
+                        Difference(params, shared).into(own.residual)
                     if self._leave(own, seq):
                         left = True
                         break
@@ -310,16 +312,21 @@ class _Trainer:
                 item = self.handed.popleft()
                 self._apply_inbox()
                 t = self._phase("apply", t)
-                if shared is None:
+                # a lossless trainer without a live peer sends nothing: it trains as one process does,
+                # its updates kept in its replica (to the residual); only a check that they are finite
+                alone = lossless and self.alive <= 1
+                if shared is None and not alone:
                     before.copy_(params)
                 try:
                     score = net.fit_batch(batch)
                 except Exception as e:
                     e.add_note(f"while fitting minibatch {self.refs[item % len(self.refs)]}")
                     raise
-                if shared is not None:
-                    torch.sub(params, shared, out=own.residual)  # the residual, set: no update to add
-                    update = None
+                message = update = None
+                if alone:
+                    check_finite(net, score, str(self.refs[item % len(self.refs)]))
+                elif shared is not None:
+                    update = Difference(params, shared)  # the residual, as it lies: nothing to add
                 else:
                     update = torch.sub(params, before, out=delta)  # the optimizer's update
                     if spec.aggregation == "mean" and self.alive > 1:
@@ -327,23 +334,25 @@ class _Trainer:
                         if lossless:  # the replica keeps the weighed update
                             params.sub_(update, alpha=self.alive - 1)
                 t = self._phase("fit", t)
-                try:
-                    message = compressor.compress(own, update)
-                except NonFiniteUpdateError as e:
-                    e.add_note(f"after fitting minibatch {self.refs[item % len(self.refs)]}")
-                    raise
-                if shared is not None and message is not None:
-                    compressor.apply(message, shared)
-                if not lossless:  # the update goes to the compressor instead of the parameters
-                    params.copy_(before)
-                    if message is not None:
-                        compressor.apply(message, params)
-                # a lossless trainer alone takes every gradient where one process would: nothing is stale
-                if message is not None and spec.momentum_masking and (self.alive > 1 or not lossless):
-                    mask = compressor.momentum_mask(own, message)
-                    if mask is not None and mask.numel():
-                        _mask_momentum(net, mask)
+                if update is not None:
+                    try:
+                        message = compressor.compress(own, update)
+                    except NonFiniteUpdateError as e:
+                        e.add_note(f"after fitting minibatch {self.refs[item % len(self.refs)]}")
+                        raise
+                    if shared is not None and message is not None:
+                        compressor.apply(message, shared)
+                    if not lossless:  # the update goes to the compressor instead of the parameters
+                        params.copy_(before)
+                        if message is not None:
+                            compressor.apply(message, params)
+                    if message is not None and spec.momentum_masking:
+                        mask = compressor.momentum_mask(own, message)
+                        if mask is not None and mask.numel():
+                            _mask_momentum(net, mask)
                 if spec.debug:
+                    if shared is not None:
+                        Difference(params, shared).into(own.residual)
                     self._debug(step, compressor.describe(own, message))
                 t = self._phase("encode", t)
                 size = 0
@@ -375,6 +384,7 @@ class _Trainer:
             return {"trainer": self.name, "retired": True}
         self._finish(seq)
         if shared is not None:
+            Difference(params, shared).into(own.residual)
             params.copy_(shared)
         elif lossless:  # the shared parameters: this replica's less what it has not sent
             params.sub_(own.residual.to(params.device))
