@@ -347,12 +347,17 @@ MAGIC = b"HALF"
 
 class HalfCompressor(Compressor):
     """Every element as a float16 value (Horovod's ``Compression.fp16``), with error feedback: the
-    rounding error stays in the residual."""
+    rounding error stays in the residual, so it is lossless, and takes a trainer's Difference."""
 
-    def compress(self, state: CompressorState, update: torch.Tensor) -> torch.Tensor:
-        state.residual.add_(update)
-        message = state.residual.half()
-        state.residual.sub_(message.float())
+    lossless = True
+
+    def compress(self, state: CompressorState, update: torch.Tensor | Difference) -> torch.Tensor:
+        if isinstance(update, Difference):  # the residual itself: the trainer adds the message to its shared
+            message = (update.params - update.shared).half()
+        else:
+            state.residual.add_(update)
+            message = state.residual.half()
+            state.residual.sub_(message.float())
         state.step += 1
         state.threshold, state.density = 0.0, 1.0
         return message

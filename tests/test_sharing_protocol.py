@@ -274,6 +274,7 @@ def test_settings_are_read_in_one_record() -> None:
         coalesce=4 * 2**20,
         mesh_fanout=8,
         poll_interval=0.02,
+        lease=2,
         end_timeout=60,
         send_retries=3,
         send_retry_delay=0.1,
@@ -290,6 +291,7 @@ def test_settings_are_read_in_one_record() -> None:
     [
         ("send-retries", -1, r"dlscale\.sharing\.send-retries must be an integer >= 0, got -1"),
         ("mesh-fanout", 0, r"dlscale\.sharing\.mesh-fanout must be an integer >= 1"),
+        ("lease", 0, r"dlscale\.sharing\.lease must be an integer >= 1, got 0"),
         ("send-buffer", "lots", r"dlscale\.sharing\.send-buffer: "),
         ("send-buffer", 0, r"dlscale\.sharing\.send-buffer must be an integer >= 1"),
         ("poll-interval", "soon", r"dlscale\.sharing\.poll-interval: "),

@@ -374,15 +374,14 @@ class DenseCompressor(_ValueCompressor):
 
 @dataclass
 class TopKState(CompressorState):
-    """A :class:`CompressorState` that also knows which elements the last message sent (``sent``,
-    one flag per element) and which of this step's picks were not among them (``waited``), with the
-    random numbers of its samples (``generator``: its own, so that compressing neither draws from nor
+    """A :class:`CompressorState` that also knows what the last message sent (``last``: its ranges and
+    index, no values) and which of this step's picks were not among it (``waited``), with the random
+    numbers of its samples (``generator``: its own, so that compressing neither draws from nor
     depends on the program's random state)."""
 
-    sent: torch.Tensor | None = None
+    last: ValueUpdate | None = None
     waited: torch.Tensor | None = None
     generator: torch.Generator | None = None
-    _positions: torch.Tensor | None = None  # the last message's positions, to clear their flags
 
 
 class TopKCompressor(_ValueCompressor):
@@ -397,8 +396,8 @@ class TopKCompressor(_ValueCompressor):
     The density warms up: it starts at 1 (everything sent) and falls geometrically to ``density``
     over the first ``warmup_steps`` steps of the network's training (not of each fit).
     On the CPU, tensors of more than ``exact_below`` elements pick their cut from a random sample of
-    about ``sample`` elements instead of an exact top-k (the sent count is then close to, not exactly,
-    k); on a GPU every tensor's
+    about ``sample`` elements (in runs of 16 side by side: one cache line each) instead of an exact
+    top-k (the sent count is then close to, not exactly, k); on a GPU every tensor's
     top-k is exact and the step stays on the device, with one round trip to the host (the finiteness
     check and the statistics) besides the message's own bytes.
     The residual loses nothing (:attr:`~Compressor.lossless`).
@@ -433,8 +432,7 @@ class TopKCompressor(_ValueCompressor):
 
     def state(self, layout: Layout) -> TopKState:
         base = super().state(layout)
-        sent = torch.zeros(layout.length, dtype=torch.bool, device=base.residual.device)
-        return TopKState(layout, base.residual, sent=sent, generator=torch.Generator().manual_seed(0))
+        return TopKState(layout, base.residual, generator=torch.Generator().manual_seed(0))
 
     def density_at(self, step: int) -> float:
         """The density of step ``step`` (from 0): 1 at first, ``density`` from ``warmup_steps`` on."""
@@ -459,6 +457,7 @@ class TopKCompressor(_ValueCompressor):
         density = self.density_at(state.step)
         ranges: list[tuple[int, int]] = []
         picks: list[torch.Tensor] = []
+        picked: list[torch.Tensor] = []
         for offset, n, shape in zip(layout.offsets, layout.numels, layout.shapes, strict=True):
             if not n:
                 continue
@@ -468,51 +467,55 @@ class TopKCompressor(_ValueCompressor):
                 continue
             a = minuend[offset : offset + n]
             b = None if subtrahend is None else subtrahend[offset : offset + n]
-            index = self._select(a, b, k, state.generator) if on_host else _top(a, k)
+            if on_host:
+                index, values = self._select(a, b, k, state.generator)
+            else:
+                index = _top(a, k)
+                values = a.index_select(0, index)
             picks.append(index + offset)
+            picked.append(values)
+        ranges = _merge(ranges)
+        dense = [minuend[a:b] if subtrahend is None else minuend[a:b] - subtrahend[a:b] for a, b in ranges]
+        exact = torch.cat([*dense, *picked]).to(torch.float32) if dense or picked else r.new_zeros(0)
         index = torch.cat(picks) if picks else torch.zeros(0, dtype=torch.int64, device=r.device)
-        message = ValueUpdate(layout.length, tuple(_merge(ranges)), index, torch.empty(0, dtype=dtype))
-        positions = message.positions()
-        exact = _difference_at(minuend, subtrahend, positions)  # index_select: several times faster than r[positions]
+        message = ValueUpdate(layout.length, tuple(ranges), index, exact.to(dtype))
         sparse = exact[exact.numel() - index.numel() :].abs()
         smallest = sparse.min() if sparse.numel() else exact.new_zeros(())
         if on_host:  # every element not finite is among those sent: see _select
-            _check_sent(exact, positions)
+            _check_sent(message, exact)
             cut = float(smallest)
         else:  # one round trip to the host a step: the finiteness check and the smallest value sent
             total, cut = torch.stack([r.sum(), smallest]).tolist()
             if not math.isfinite(total):
                 _codec.check_finite(r)
-        values = exact.to(dtype)
         if not implied:  # what rounding lost stays; a Difference's caller adds the message to its shared
-            r.index_add_(0, positions, values.to(torch.float32), alpha=-1)
-        state.waited = index.masked_select(~state.sent.index_select(0, index))
-        if state._positions is not None:
-            state.sent.index_fill_(0, state._positions, False)
-        state.sent.index_fill_(0, positions, True)
-        state._positions = positions
+            _apply_values(message, r, -1.0)
+        state.waited = _waited(index, state.last)
+        state.last = dataclasses.replace(message, values=message.values[:0])
         state.step += 1
         state.threshold = cut
-        state.density = positions.numel() / layout.length if layout.length else 0.0
-        return dataclasses.replace(message, values=values)
+        state.density = message.count / layout.length if layout.length else 0.0
+        return message
 
-    def _select(self, a: torch.Tensor, b: torch.Tensor | None, k: int, generator: torch.Generator) -> torch.Tensor:
+    def _select(
+        self, a: torch.Tensor, b: torch.Tensor | None, k: int, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The increasing positions of about ``k`` elements of largest magnitude in the residual
-        ``a - b`` (``a`` when ``b`` is ``None``; on the CPU). Every element that is not finite is
-        among them (``topk`` ranks NaN above all, the scan keeps what is not below the cut), so that
-        checking the values sent checks the whole residual."""
+        ``a - b`` (``a`` when ``b`` is ``None``; on the CPU), and their values. Every element that is
+        not finite is among them (``topk`` ranks NaN above all, the scan keeps what is not below the
+        cut), so that checking the values sent checks the whole residual."""
         n = a.numel()
         if n < self.exact_below:
-            return _top(a if b is None else a - b, k)
-        s = min(n, self.sample)
-        at = torch.randint(0, n, (s,), generator=generator)
-        sample = _difference_at(a, b, at).abs()
-        cut = float(torch.topk(sample, max(1, math.ceil(k * s / n))).values[-1])
-        index = _scan(a, b, cut)
+            r = a if b is None else a - b
+            index = _top(r, k)
+            return index, r.index_select(0, index)
+        sample = _sample(a, b, self.sample, generator).abs()
+        cut = float(torch.topk(sample, max(1, math.ceil(k * sample.numel() / n))).values[-1])
+        index, values = _scan(a, b, cut)
         if index.numel() > 2 * k:  # a sample's cut that fell too low: the k largest of those found
-            found = _difference_at(a, b, index).abs()
-            index = torch.sort(index[torch.topk(found, k, sorted=False).indices]).values
-        return index
+            top = torch.sort(torch.topk(values.abs(), k, sorted=False).indices).values
+            index, values = index.index_select(0, top), values.index_select(0, top)
+        return index, values
 
     def momentum_mask(self, state: TopKState, message: ValueUpdate) -> torch.Tensor:
         """The picks that waited: elements the message before this one did not send. An element
@@ -534,52 +537,89 @@ def _top(part: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(torch.topk(part.abs(), k, sorted=False).indices).values
 
 
-def _difference_at(a: torch.Tensor, b: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
-    """``(a - b)[positions]`` (``a[positions]`` when ``b`` is ``None``), as float32."""
-    values = a.index_select(0, positions)
-    if b is not None:
-        values = values - b.index_select(0, positions)
-    return values.to(torch.float32)
+_RUN = 16  # elements a sample reads side by side: one 64-byte cache line of float32
+
+
+def _sample(a: torch.Tensor, b: torch.Tensor | None, size: int, generator: torch.Generator) -> torch.Tensor:
+    """About ``size`` elements of the residual ``a - b`` (``a`` when ``b`` is ``None``), in runs of
+    :data:`_RUN` at random places (with replacement): one cache line read per run, where as many
+    single elements would each miss the cache; the whole residual when it is no larger."""
+    n = a.numel()
+    if n <= size or n < _RUN:
+        return a if b is None else a - b
+    starts = torch.randint(0, n - _RUN + 1, (max(1, size // _RUN),), generator=generator)
+    at = (starts[:, None] + torch.arange(_RUN)).reshape(-1)
+    values = a.index_select(0, at)
+    return values if b is None else values - b.index_select(0, at)
 
 
 _BLOCK = 1 << 16  # elements a scan works on at once: its scratch stays in the core's cache
 
 
-def _scan(a: torch.Tensor, b: torch.Tensor | None, cut: float) -> torch.Tensor:
-    """The increasing positions (int64) of the elements of the residual ``a - b`` (``a`` when ``b`` is
-    ``None``; 1-D CPU tensors) whose magnitude is not below ``cut``: those at least ``cut``, and every
-    one that is not finite. Block by block, by numpy's kernels (on one thread faster than torch's
-    ``abs``, ``lt`` and ``nonzero``), so that the residual is read once from memory and never written."""
+def _scan(a: torch.Tensor, b: torch.Tensor | None, cut: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The increasing positions (int64) and values of the elements of the residual ``a - b`` (``a``
+    when ``b`` is ``None``; 1-D float32 CPU tensors) whose magnitude is not below ``cut``: those at
+    least ``cut``, and every one that is not finite. Block by block, by numpy's kernels (on one
+    thread faster than torch's): the residual is read once from memory and never written, its
+    values taken from the block in the cache."""
     x = a.numpy()
     y = None if b is None else b.numpy()
     n = len(x)
-    scratch, below = np.empty(min(n, _BLOCK), np.float32), np.empty(min(n, _BLOCK), np.bool_)
+    size = min(n, _BLOCK)
+    scratch, magnitude, low = np.empty(size, np.float32), np.empty(size, np.float32), np.empty(size, np.bool_)
     c = np.float32(cut)
-    found = []
+    positions, values = [], []
     for at in range(0, n, _BLOCK):
         m = min(_BLOCK, n - at)
-        s, low = scratch[:m], below[:m]
         if y is None:
-            np.abs(x[at : at + m], out=s)
+            d = x[at : at + m]
         else:
-            np.subtract(x[at : at + m], y[at : at + m], out=s)
-            np.abs(s, out=s)
-        np.less(s, c, out=low)
-        np.logical_not(low, out=low)
-        hits = np.flatnonzero(low)
-        if len(hits):
-            found.append(hits + at)
-    return torch.from_numpy(np.concatenate(found)) if found else torch.zeros(0, dtype=torch.int64)
+            d = scratch[:m]
+            np.subtract(x[at : at + m], y[at : at + m], out=d)
+        np.abs(d, out=magnitude[:m])
+        np.less(magnitude[:m], c, out=low[:m])
+        np.logical_not(low[:m], out=low[:m])  # NaN is not below the cut
+        found = np.flatnonzero(low[:m])
+        if len(found):
+            positions.append(found + at)
+            values.append(d[found])
+    if not positions:
+        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float32)
+    return torch.from_numpy(np.concatenate(positions)), torch.from_numpy(np.concatenate(values))
 
 
-def _check_sent(values: torch.Tensor, positions: torch.Tensor) -> None:
-    """Raise :class:`NonFiniteUpdateError` naming the first of ``positions`` whose value is not finite."""
-    bad = ~torch.isfinite(values)
+def _check_sent(message: ValueUpdate, exact: torch.Tensor) -> None:
+    """Raise :class:`NonFiniteUpdateError` naming the first element of ``message``, whose float32
+    values are ``exact``, that is not finite."""
+    bad = ~torch.isfinite(exact)
     if bool(bad.any()):
         i = int(bad.nonzero()[0])
-        raise NonFiniteUpdateError(
-            f"residual element {int(positions[i])} is {float(values[i])}: the update is not finite"
-        )
+        element = int(message.positions()[i])
+        raise NonFiniteUpdateError(f"residual element {element} is {float(exact[i])}: the update is not finite")
+
+
+def _waited(index: torch.Tensor, last: ValueUpdate | None) -> torch.Tensor:
+    """The positions of ``index`` (increasing) that the ``last`` message did not send, found by
+    searching its sorted positions (numpy's search on the CPU, several times faster than torch's)
+    rather than flags over every element."""
+    if last is None:
+        return index
+    bounds = [p for r in last.ranges for p in r]
+    if index.device.type == "cpu":
+        i, sent = index.numpy(), last.index.numpy()
+        fresh = np.ones(len(i), np.bool_)
+        if len(sent):
+            fresh &= sent[np.minimum(np.searchsorted(sent, i), len(sent) - 1)] != i
+        if bounds:
+            fresh &= np.searchsorted(np.asarray(bounds, np.int64), i, side="right") % 2 == 0
+        return torch.from_numpy(i[fresh])
+    fresh = torch.ones_like(index, dtype=torch.bool)
+    if last.index.numel():
+        at = torch.searchsorted(last.index, index).clamp_(max=last.index.numel() - 1)
+        fresh &= last.index.index_select(0, at) != index
+    if bounds:
+        fresh &= torch.searchsorted(torch.tensor(bounds, device=index.device), index, right=True) % 2 == 0
+    return index.masked_select(fresh)
 
 
 def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -21,13 +21,14 @@ class SharingConfig:
     coalesce: int  # bytes of waiting messages sent to one peer in one call
     mesh_fanout: int  # children per node of the mesh's tree
     poll_interval: float  # seconds between a waiting trainer's calls to the scheduler
+    lease: int  # minibatches a trainer takes from the scheduler in one call
     end_timeout: float  # seconds a trainer waits for its peers' last updates, or for a lost minibatch held in memory
     send_retries: int  # retries of a send that failed with a connection error before its peer is dropped
     send_retry_delay: float  # seconds before the first retry, doubling with each one
     max_trainers: int | None = None  # trainers a fit places at most (None: workers_per_node on every worker)
 
     def __post_init__(self) -> None:
-        for name in ("send_buffer", "coalesce", "mesh_fanout"):
+        for name in ("send_buffer", "coalesce", "mesh_fanout", "lease"):
             _check(name, getattr(self, name), 1)
         if self.max_trainers is not None:
             _check("max_trainers", self.max_trainers, 1)
@@ -45,6 +46,7 @@ class SharingConfig:
             coalesce=_read("coalesce", parse_bytes),
             mesh_fanout=_read("mesh_fanout"),
             poll_interval=_read("poll_interval", parse_timedelta),
+            lease=_read("lease"),
             end_timeout=_read("end_timeout", parse_timedelta),
             send_retries=_read("send_retries"),
             send_retry_delay=_read("send_retry_delay", parse_timedelta),

@@ -247,14 +247,15 @@ class _Trainer:
             self.stats["bytes_received"] += len(update.payload)
 
     def _items(self) -> Iterator[Any]:
-        """The refs of the minibatches this trainer is handed, pulled from the scheduler one ahead of
-        need (the prefetching thread runs this); ends when the session has no work left, and raises
-        :class:`SessionStoppedError` when the session stops under it."""
+        """The refs of the minibatches this trainer is handed, pulled from the scheduler a lease
+        (``dlscale.sharing.lease`` of them) at a time, the acknowledgements of those fitted since
+        going with each call (the prefetching thread runs this); ends when the session has no work
+        left, and raises :class:`SessionStoppedError` when the session stops under it."""
         n = len(self.refs)
         while not self.stopping.is_set():
             with self.acks_lock:
                 acks, self.acks = self.acks, []
-            handout = self.control.next(acks, want=1)
+            handout = self.control.next(acks, want=self.config.lease)
             self.node.set_nodes(handout.view.version, handout.view.nodes)
             self.alive = len(handout.view.alive)
             if handout.items:

@@ -1,0 +1,142 @@
+"""Gradient sharing on a small model, where a step's fixed costs, not the update's size, decide.
+
+Run from the repository root with ``python -m benchmarks.small_model`` (about 3 minutes).
+scikit-learn's digits (1,200 training and 597 test images), the MLP 64-256-10 of
+``benchmarks.quality`` (19,210 parameters), SGD (lr 0.01, momentum 0.9), minibatches of 16, 20
+epochs (1,500 minibatches), each run ``REPEATS`` times (the median goes in the table):
+
+- **single**: plain PyTorch, one thread, the whole training timed;
+- **ddp**: PyTorch DDP over gloo, 2 processes × 1 thread, 16 examples each a step; as in
+  ``benchmarks.compare``, its timed epochs only (after a few warm-up steps), not starting the
+  processes;
+- **sharing**: dlscale's ``SharedTrainingMaster`` with its defaults on ``SparkContext("local[1]")``
+  and ``("local[2]")``, one ``fit_paths`` of the 20 epochs on minibatch files exported before, timed
+  whole: shipping the network, opening the sessions and gathering the trainers' states included;
+  with its trainers' phase timings per minibatch.
+
+Target: sharing on 2 workers at least as fast as the single process over the whole fit. Results go
+to ``benchmarks/results/small_model.json``.
+"""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.multiprocessing import ProcessExitedException
+
+from benchmarks import _ddp
+from benchmarks._common import accuracy, digits, export_paths, header, write_results
+from benchmarks.quality import digits_mlp
+from dlscale import SharedTrainingMaster, SparkContext, SparkNet
+from dlscale.nn import Network
+
+RESULTS = Path(__file__).resolve().parent / "results" / "small_model.json"
+BATCH, EPOCHS, LR, REPEATS = 16, 20, 0.01, 3
+OPTIMIZER = functools.partial(torch.optim.SGD, lr=LR, momentum=0.9)
+PHASES = ("fit", "encode", "send", "apply", "wait")
+
+
+def single(data: tuple[torch.Tensor, ...]) -> dict[str, Any]:
+    """Plain PyTorch on one thread: examples/s over the whole training, and test accuracy."""
+    x, y, tx, ty = data
+    torch.set_num_threads(1)
+    module = digits_mlp(0)
+    optimizer = OPTIMIZER(module.parameters())
+    order = torch.Generator().manual_seed(0)
+    start = time.perf_counter()
+    for _ in range(EPOCHS):
+        perm = torch.randperm(len(x), generator=order)
+        for i in range(0, len(x), BATCH):
+            at = perm[i : i + BATCH]
+            optimizer.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(module(x[at]), y[at]).backward()
+            optimizer.step()
+    seconds = time.perf_counter() - start
+    return {"examples_per_s": EPOCHS * len(x) / seconds, "seconds": seconds, "accuracy": accuracy(module, tx, ty)}
+
+
+def ddp(data: tuple[torch.Tensor, ...], tries: int = 3) -> dict[str, Any]:
+    """DDP over gloo, 2 processes of one thread: examples/s of its timed epochs. A run whose process
+    gloo aborts (``SIGABRT``, seen in about one run of three here) is run again, and counted."""
+    x, y, tx, ty = data
+    for attempt in range(tries):
+        try:
+            r = _ddp.ddp_samples_per_s(
+                2, functools.partial(digits_mlp, 0), x, y, BATCH, EPOCHS, OPTIMIZER, 1, test_x=tx, test_y=ty
+            )
+        except ProcessExitedException:
+            if attempt == tries - 1:
+                raise
+            continue
+        return {
+            "examples_per_s": r["samples_per_s"],
+            "seconds": r["seconds"],
+            "accuracy": r["test_accuracy"],
+            "aborted_before": attempt,
+        }
+    raise AssertionError("unreachable")
+
+
+def sharing(sc: SparkContext, paths: Any, data: tuple[torch.Tensor, ...]) -> dict[str, Any]:
+    """One ``fit_paths`` of every epoch with the default ``SharedTrainingMaster``, timed whole."""
+    _, _, tx, ty = data
+    net = Network(digits_mlp(0), "cross_entropy", OPTIMIZER)
+    spark_net = SparkNet(sc, net, SharedTrainingMaster(BATCH, rng_seed=0, collect_training_stats=True))
+    start = time.perf_counter()
+    spark_net.fit_paths(paths, epochs=EPOCHS)
+    seconds = time.perf_counter() - start
+    trainers = spark_net.training_stats.trainers
+    steps = sum(t.minibatches for t in trainers)
+    return {
+        "examples_per_s": sum(t.examples for t in trainers) / seconds,
+        "seconds": seconds,
+        "accuracy": accuracy(net.module, tx, ty),
+        "trainers": len(trainers),
+        "phase_ms_per_minibatch": {p: 1000 * sum(t.seconds(p) for t in trainers) / steps for p in PHASES},
+        "busy_seconds": sum(t.seconds(p) for t in trainers for p in PHASES) / len(trainers),
+    }
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median examples/s, with every run's examples/s beside it."""
+    ranked = sorted(runs, key=lambda r: r["examples_per_s"])
+    return {**ranked[len(ranked) // 2], "repeats": [r["examples_per_s"] for r in runs]}
+
+
+def main() -> None:
+    data = digits()
+    rows: dict[str, dict[str, Any]] = {
+        "single": median_run([single(data) for _ in range(REPEATS)]),
+        "ddp (2 processes)": median_run([ddp(data) for _ in range(REPEATS)]),
+    }
+    for workers in (1, 2):
+        with tempfile.TemporaryDirectory() as tmp, SparkContext(f"local[{workers}]", "small-model") as sc:
+            paths = export_paths(sc, data[0], data[1], f"{tmp}/train", batch=BATCH)
+            paths = sc.parallelize(paths.collect(), workers)
+            sharing(sc, sc.parallelize(paths.take(2 * workers), workers), data)  # imports, connections
+            rows[f"sharing ({workers} worker{'s' * (workers > 1)})"] = median_run(
+                [sharing(sc, paths, data) for _ in range(REPEATS)]
+            )
+    base = rows["single"]["examples_per_s"]
+    for row in rows.values():
+        row["vs_single"] = row["examples_per_s"] / base
+    ratio = rows["sharing (2 workers)"]["vs_single"]
+    report = {
+        **header("small_model"),
+        "setup": {"model": "MLP 64-256-10", "batch": BATCH, "epochs": EPOCHS, "lr": LR, "repeats": REPEATS},
+        "runs": rows,
+        "target": {"sharing_2_workers_vs_single": ratio, "bound": 1.0, "met": ratio >= 1.0},
+    }
+    write_results(RESULTS, report)
+    for name, row in rows.items():
+        rate, ratio, acc = row["examples_per_s"], row["vs_single"], row["accuracy"]
+        print(f"{name:22s} {rate:9,.0f} examples/s  {ratio:.2f}x single  test accuracy {acc:.3f}")
+
+
+if __name__ == "__main__":
+    main()
