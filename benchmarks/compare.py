@@ -322,11 +322,9 @@ def run_dlscale(
     dense = 4 * net.num_params()
     out.update(samples=steps * BATCH, seconds=elapsed, minibatches=steps, curve=curve, dense_update_bytes=dense)
     if master_name == "sharing":  # each message goes to every peer (plain mode)
-        out.update(
-            bytes_per_minibatch=sent / steps * (workers - 1),
-            compression=dense * steps / max(sent, 1),
-            bytes_sent_per_step=sent / steps,
-        )
+        out.update(bytes_per_minibatch=sent / steps * (workers - 1), bytes_sent_per_step=sent / steps)
+        if sent:  # a lone trainer sends nothing
+            out["compression"] = dense * steps / sent
     else:  # each worker's state (parameters and momentum) goes to a peer once a round of 5 minibatches
         out.update(bytes_per_minibatch=2 * dense / 5 if workers > 1 else 0)
 

@@ -1,6 +1,6 @@
 """Gradient sharing on a small model, where a step's fixed costs, not the update's size, decide.
 
-Run from the repository root with ``python -m benchmarks.small_model`` (about 3 minutes).
+Run from the repository root with ``python -m benchmarks.small_model`` (about 2 minutes).
 scikit-learn's digits (1,200 training and 597 test images), the MLP 64-256-10 of
 ``benchmarks.quality`` (19,210 parameters), SGD (lr 0.01, momentum 0.9), minibatches of 16, 20
 epochs (1,500 minibatches), each run ``REPEATS`` times (the median goes in the table):
@@ -12,7 +12,10 @@ epochs (1,500 minibatches), each run ``REPEATS`` times (the median goes in the t
 - **sharing**: dlscale's ``SharedTrainingMaster`` with its defaults on ``SparkContext("local[1]")``
   and ``("local[2]")``, one ``fit_paths`` of the 20 epochs on minibatch files exported before, timed
   whole: shipping the network, opening the sessions and gathering the trainers' states included;
-  with its trainers' phase timings per minibatch.
+  with its trainers' phase timings per minibatch; on 2 workers also with ``dlscale.sharing.lease``
+  at each of ``LEASES`` (minibatches a trainer takes from the scheduler in one call), and on 1
+  worker also with ``prefetch=0`` (each minibatch loaded by the trainer's own thread when it is
+  needed, not by a thread beside it).
 
 Target: sharing on 2 workers at least as fast as the single process over the whole fit. Results go
 to ``benchmarks/results/small_model.json``.
@@ -26,17 +29,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+import dask
 import torch
 from torch.multiprocessing import ProcessExitedException
 
 from benchmarks import _ddp
 from benchmarks._common import accuracy, digits, export_paths, header, write_results
 from benchmarks.quality import digits_mlp
-from dlscale import SharedTrainingMaster, SparkContext, SparkNet
+from dlscale import SharedTrainingMaster, SparkContext, SparkNet, config
 from dlscale.nn import Network
 
 RESULTS = Path(__file__).resolve().parent / "results" / "small_model.json"
 BATCH, EPOCHS, LR, REPEATS = 16, 20, 0.01, 3
+LEASES = (1, 4)  # besides the default
 OPTIMIZER = functools.partial(torch.optim.SGD, lr=LR, momentum=0.9)
 PHASES = ("fit", "encode", "send", "apply", "wait")
 
@@ -82,11 +87,12 @@ def ddp(data: tuple[torch.Tensor, ...], tries: int = 3) -> dict[str, Any]:
     raise AssertionError("unreachable")
 
 
-def sharing(sc: SparkContext, paths: Any, data: tuple[torch.Tensor, ...]) -> dict[str, Any]:
-    """One ``fit_paths`` of every epoch with the default ``SharedTrainingMaster``, timed whole."""
+def sharing(sc: SparkContext, paths: Any, data: tuple[torch.Tensor, ...], **options: Any) -> dict[str, Any]:
+    """One ``fit_paths`` of every epoch with ``SharedTrainingMaster``'s defaults but ``options``, timed whole."""
     _, _, tx, ty = data
     net = Network(digits_mlp(0), "cross_entropy", OPTIMIZER)
-    spark_net = SparkNet(sc, net, SharedTrainingMaster(BATCH, rng_seed=0, collect_training_stats=True))
+    master = SharedTrainingMaster(BATCH, rng_seed=0, collect_training_stats=True, **options)
+    spark_net = SparkNet(sc, net, master)
     start = time.perf_counter()
     spark_net.fit_paths(paths, epochs=EPOCHS)
     seconds = time.perf_counter() - start
@@ -122,20 +128,36 @@ def main() -> None:
             rows[f"sharing ({workers} worker{'s' * (workers > 1)})"] = median_run(
                 [sharing(sc, paths, data) for _ in range(REPEATS)]
             )
+            if workers == 1:
+                rows["sharing (1 worker, prefetch 0)"] = median_run(
+                    [sharing(sc, paths, data, prefetch=0) for _ in range(REPEATS)]
+                )
+            for lease in LEASES if workers > 1 else ():
+                with dask.config.set({"dlscale.sharing.lease": lease}):
+                    rows[f"sharing (2 workers, lease {lease})"] = median_run(
+                        [sharing(sc, paths, data) for _ in range(REPEATS)]
+                    )
     base = rows["single"]["examples_per_s"]
     for row in rows.values():
         row["vs_single"] = row["examples_per_s"] / base
     ratio = rows["sharing (2 workers)"]["vs_single"]
     report = {
         **header("small_model"),
-        "setup": {"model": "MLP 64-256-10", "batch": BATCH, "epochs": EPOCHS, "lr": LR, "repeats": REPEATS},
+        "setup": {
+            "model": "MLP 64-256-10",
+            "batch": BATCH,
+            "epochs": EPOCHS,
+            "lr": LR,
+            "repeats": REPEATS,
+            "lease": config.get("sharing.lease"),
+        },
         "runs": rows,
         "target": {"sharing_2_workers_vs_single": ratio, "bound": 1.0, "met": ratio >= 1.0},
     }
     write_results(RESULTS, report)
     for name, row in rows.items():
         rate, ratio, acc = row["examples_per_s"], row["vs_single"], row["accuracy"]
-        print(f"{name:22s} {rate:9,.0f} examples/s  {ratio:.2f}x single  test accuracy {acc:.3f}")
+        print(f"{name:30s} {rate:9,.0f} examples/s  {ratio:.2f}x single  test accuracy {acc:.3f}")
 
 
 if __name__ == "__main__":
