@@ -121,9 +121,10 @@ class Compressor(abc.ABC):
     """Whether what :meth:`compress` takes in and does not send stays in the residual exactly, to be
     sent later (error feedback that loses nothing). A trainer then keeps its whole update in its own
     replica, whose parameters are the shared ones plus its residual, so that its next gradient is
-    taken where it would be without compression; it applies only its peers' messages. Otherwise a
-    trainer applies its own message to its replica, as DL4J does, and every replica holds the
-    shared parameters."""
+    taken where it would be without compression; it applies only its peers' messages (and, summing
+    them, hands :meth:`compress` a :class:`Difference`, which a lossless compressor must take).
+    Otherwise a trainer applies its own message to its replica, as DL4J does, and every replica
+    holds the shared parameters."""
 
     def state(self, layout: Layout) -> CompressorState:
         """A trainer's fresh state: an all-zero residual on the parameters' device."""

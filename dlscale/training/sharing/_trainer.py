@@ -8,9 +8,10 @@ lossless compressor (``Compressor.lossless``: "topk", "dense") the trainer's own
 whole update, so that its parameters are the shared ones plus its residual and its next gradient is
 taken where one process's would be (summing updates, it keeps the shared parameters beside its
 replica, to which its own messages and its peers' are added, and its residual is its replica less
-them: one subtraction a step, where taking each update out and adding it to the residual were three
-passes over the parameters and a copy); with another ("dl4j") the update is taken back out and the
-message applied instead, so that every replica holds the shared parameters. Peers' updates are
+them, which the compressor reads where it lies: a ``Difference``); alone, with no live peer, it
+sends nothing and trains as one process does. With another ("dl4j") the update is taken back out
+and the message applied instead, so that every replica holds the shared parameters. Minibatches
+come from the scheduler a lease (``dlscale.sharing.lease``) at a time. Peers' updates are
 applied between steps, as they arrive: there is no barrier per step. At the end each trainer waits
 until it has applied every update its live peers sent, and returns the shared parameters (its own
 less its residual) with the residual. A trainer whose worker is retiring or closing (its status says
