@@ -670,8 +670,7 @@ class Dl4jCompressor(Compressor):
     def compress(self, state: Dl4jState, update: torch.Tensor | Difference) -> EncodedUpdate | None:
         _check_update(self, state, update)
         r = state.residual
-        if update is not None:
-            r.add_(update.detach())
+        r.add_(update.detach())
         message = _codec.encode(r, state.thresholds.threshold)
         state.post.process(state.step, message.threshold, r)
         state.thresholds.update(message.sparsity, message.length)
