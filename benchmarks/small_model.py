@@ -67,7 +67,7 @@ def single(data: tuple[torch.Tensor, ...]) -> dict[str, Any]:
 
 def ddp(data: tuple[torch.Tensor, ...], tries: int = 3) -> dict[str, Any]:
     """DDP over gloo, 2 processes of one thread: examples/s of its timed epochs. A run whose process
-    gloo aborts (``SIGABRT``, seen in about one run of three here) is run again, and counted."""
+    gloo aborts (``SIGABRT``) is run again, and counted."""
     x, y, tx, ty = data
     for attempt in range(tries):
         try:
