@@ -172,12 +172,14 @@ def test_the_default_compressor_trains_as_one_process(
     assert sum(shared) / 3 >= sum(single) / 3 - TOLERANCE[kind], (shared, single)
 
 
-@pytest.mark.parametrize("compressor", ["topk", "dense"])
-def test_one_trainer_with_a_lossless_compressor_takes_one_process_steps(compressor: str) -> None:
+@pytest.mark.parametrize(("compressor", "fits"), [("topk", 1), ("dense", 1), ("topk", 3)])
+def test_one_trainer_with_a_lossless_compressor_takes_one_process_steps(compressor: str, fits: int) -> None:
     """A trainer keeps its whole update in its replica: alone, with no peer to send to, it sends
     nothing and takes the steps one process takes on the same minibatches in the same order (item
     ``i`` of epoch ``e`` is the ``i``-th of ``numpy.random.default_rng([rng_seed, e]).permutation``),
-    and the fit ends where that process ends (the residual added back to the shared part)."""
+    and the fit ends where that process ends (the residual added back to the shared part). Three
+    epochs in three fits end there too: each fit's trainer goes on with the last one's replica,
+    residual and momentum."""
     x, y, _, _ = digits()
     batches = [DataSet(x[i : i + 32], y[i : i + 32]) for i in range(0, len(x), 32)]
     reference = _digits_model("cnn", 0)
@@ -188,28 +190,71 @@ def test_one_trainer_with_a_lossless_compressor_takes_one_process_steps(compress
     with SparkContext("local[1]", "one-trainer") as ctx:
         master = SharedTrainingMaster(32, compressor=compressor, rng_seed=5, collect_training_stats=True)
         spark_net = SparkNet(ctx, net, master)
-        spark_net.fit(ctx.parallelize(batches, 2), epochs=3)
-    (trainer,) = spark_net.training_stats.trainers
-    assert trainer.minibatches == 3 * len(batches) and trainer.bytes_sent == 0
+        for _ in range(fits):
+            spark_net.fit(ctx.parallelize(batches, 2), epochs=3 // fits)
+    trainers = spark_net.training_stats.trainers
+    assert sum(t.minibatches for t in trainers) == 3 * len(batches) and sum(t.bytes_sent for t in trainers) == 0
     torch.testing.assert_close(net.params(), reference.params(), rtol=0, atol=1e-6)
+
+
+def _parked(sc: SparkContext) -> dict[str, dict[str, dict[int, int]]]:
+    """Each worker's parked trainers: ``{worker: {session: {local trainer: id of its network}}}``."""
+    from dlscale.training.sharing._worker_plugin import plugin
+
+    def read(dask_worker: object) -> dict[str, dict[int, int]]:
+        return {s: {i: id(p.network) for i, p in d.items()} for s, d in plugin(dask_worker).parked.items()}
+
+    return sc.client.run(read)
+
+
+def test_a_fit_loop_goes_on_with_the_last_fits_trainers_unless_the_network_changed(sc: SparkContext) -> None:
+    """One ``fit`` per epoch, as DL4J's examples train: the second fit's trainers are the first's,
+    parked on their workers (the same replicas: the network is not sent again). A network changed
+    on the driver in between is sent again and trained from where the driver left it."""
+    x, y, _, _ = digits()
+    rdd = sc.parallelize([DataSet(x[i : i + 16], y[i : i + 16]) for i in range(0, len(x), 16)], 2)
+    net = _digits_model("mlp", 0)
+    spark_net = SparkNet(sc, net, SharedTrainingMaster(16, rng_seed=0))
+    spark_net.fit(rdd)
+    first = _parked(sc)
+    assert all(len(sessions) == 1 and len(next(iter(sessions.values()))) == 1 for sessions in first.values())
+    spark_net.fit(rdd)
+    second = _parked(sc)
+    for w in first:
+        (a,), (b,) = first[w].items(), second[w].items()
+        assert a[0] != b[0] and a[1] == b[1]  # a new session, the same replica
+
+    changed = torch.randn_like(net.params())
+    net.set_params(changed)
+    for group in net.optimizer.param_groups:
+        group["lr"] = 0.0
+    spark_net.fit(rdd)
+    third = _parked(sc)
+    assert all(next(iter(third[w].values())) != next(iter(second[w].values())) for w in third)  # replicas anew
+    # trained from the driver's parameters, at lr 0: the trainers' equal copies, averaged weighted (an ulp or two off)
+    torch.testing.assert_close(net.params(), changed, rtol=1e-6, atol=0)
 
 
 def test_topk_warms_up_once_when_training_starts_not_at_every_fit(sc: SparkContext) -> None:
     """A loop of one ``fit`` per epoch, as DL4J's examples train: the second fit's trainers go on
-    from where the network's training is, so their first messages are already sparse."""
+    from where the network's training is, so their first messages are already sparse; so do those
+    of a third, after the learning rate changed (the network is sent again)."""
     x, y, _, _ = digits()
     batches = [DataSet(x[i : i + 16], y[i : i + 16]) for i in range(0, len(x), 16)]
-    spark_net = SparkNet(sc, _digits_model("mlp", 0), SharedTrainingMaster(16, rng_seed=0, collect_training_stats=True))
+    net = _digits_model("mlp", 0)
+    spark_net = SparkNet(sc, net, SharedTrainingMaster(16, rng_seed=0, collect_training_stats=True))
     first_steps = []
-    for _ in range(2):
+    for fit in range(3):
+        if fit == 2:
+            net.optimizer.param_groups[0]["lr"] /= 2
         spark_net.fit(sc.parallelize(batches, 2))
-        first_steps.append(
-            [t.steps[0][2] for t in spark_net.training_stats.trainers[-2:]]
-        )  # (time, cut, density, bytes)
-    assert first_steps[0] == [1.0, 1.0]  # everything, at the start of training
+        # (time, cut, density, bytes); on so small a model one trainer may fit every minibatch
+        first_steps.append([t.steps[0][2] for t in spark_net.training_stats.trainers[-2:] if t.steps])
+    assert first_steps[0] and all(d == 1.0 for d in first_steps[0])  # everything, at the start of training
     layout = Layout.of(_digits_model("mlp", 0).module.parameters())
     steady = (max(32, math.ceil(0.004 * 64 * 256)) + 32 + 256 + 10) / layout.length  # picks, plus the biases whole
-    assert all(abs(d - steady) < 1e-9 for d in first_steps[1]), (first_steps, steady)
+    for later in first_steps[1:]:
+        assert later and all(abs(d - steady) < 1e-9 for d in later), (first_steps, steady)
 
 
 def test_momentum_masking_zeroes_the_momentum_of_sent_elements() -> None:

@@ -2,10 +2,10 @@
 
 A master is handed a :class:`FitContext` (what it may use of the network's owner) and runs its fit
 inside a :class:`FitRun`, which does what both masters do around their own rounds or trainers: list
-the workers (and refuse an empty cluster), draw the seed, send the network once, check one minibatch
-on a worker, show progress (bar and dashboard panel), count iterations and call the listeners after
-every step, collect the statistics, and on the way out drop the workers' copies of the network and,
-after a failure, leave the network's counters as they were.
+the workers (and refuse an empty cluster), draw the seed, send the network once (when first
+needed), check one minibatch on a worker, show progress (bar and dashboard panel), count iterations
+and call the listeners after every step, collect the statistics, and on the way out drop the
+workers' copies of the network and, after a failure, leave the network's counters as they were.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from dask.utils import format_time, parse_timedelta
-from distributed import Client
+from distributed import Client, Future
 
 from dlscale import config
 from dlscale.errors import WorkersUnavailableError
@@ -140,9 +140,9 @@ def start_workers(client: Client) -> list[str]:
 class FitRun:
     """One fit of ``master`` on ``batches`` for ``epochs`` epochs, used as a context manager.
 
-    On entry the network (pickled in ``blob``) is sent once to every worker: :attr:`blob` is its future and
-    :attr:`replicas` the keys under which workers keep an unpickled copy (a master that keeps several
-    per worker lists them there). A step's report goes to :meth:`step`. On a clean exit the epoch
+    The network (pickled in ``blob``) is sent once to every worker when first needed: :attr:`blob` is its
+    future and :attr:`replicas` the keys under which workers keep an unpickled copy (a master that keeps
+    several per worker lists them there). A step's report goes to :meth:`step`. On a clean exit the epoch
     counter moves on by ``epochs`` and the statistics are recorded; after an error the network's
     counters are restored (its parameters are only replaced by a master once training succeeded).
     """
@@ -182,9 +182,18 @@ class FitRun:
 
     def __enter__(self) -> FitRun:
         install(self.client, RETIREMENT)  # a worker retired during the fit ends its part in order
-        self.blob = shipping.ship_blob(self.client, self._blob)  # on every worker: one copy would die with its worker
-        self.replicas = [self.blob.key]
+        self._shipped: Future | None = None
+        self.replicas: list[str] = []
         return self
+
+    @property
+    def blob(self) -> Future:
+        """The pickled network's future, held on every worker (one copy would die with its worker): sent
+        when first asked for, so that a fit that trains networks the workers still hold sends nothing."""
+        if self._shipped is None:
+            self._shipped = shipping.ship_blob(self.client, self._blob)
+            self.replicas = [self._shipped.key]
+        return self._shipped
 
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
@@ -195,14 +204,15 @@ class FitRun:
             if error is None and self.stats is not None:
                 panel.record_phases(self.client, self.fit_id, self.stats)
             panel.close_fit(self.client, self.fit_id)
-            alive = set(cluster_workers(self.client))  # a lost worker would take a timeout
-            self.client.run(
-                _worker.drop_replicas,
-                self.replicas,
-                workers=[w for w in self.workers if w in alive],
-                on_error="ignore",
-            )
-            self.blob.release()
+            if self._shipped is not None:
+                alive = set(cluster_workers(self.client))  # a lost worker would take a timeout
+                self.client.run(
+                    _worker.drop_replicas,
+                    self.replicas,
+                    workers=[w for w in self.workers if w in alive],
+                    on_error="ignore",
+                )
+                self._shipped.release()
         finally:
             if error is not None:
                 self.network.iteration, self.network.epoch = self._counters
@@ -256,19 +266,19 @@ class FitRun:
         self.write_checkpoint(self.checkpoints_due(position.epoch if epoch_end else None), position, state)
 
     def reship(self) -> None:
-        """Send the driver's network, as it is now, to the workers in place of the one the fit began with
-        (a fit that goes on in a new segment after a checkpoint)."""
-        self.client.run(_worker.drop_replicas, self.replicas, workers=list(cluster_workers(self.client)))
-        self.blob.release()
-        self.blob = shipping.ship_blob(self.client, shipping.serialise(self.network))
-        self.replicas = [self.blob.key]
+        """Put the driver's network, as it is now, in place of the one the fit began with (a fit that
+        goes on in a new segment after a checkpoint): :attr:`blob` then sends it."""
+        if self._shipped is not None:
+            self.client.run(_worker.drop_replicas, self.replicas, workers=list(cluster_workers(self.client)))
+            self._shipped.release()
+        self._blob, self._shipped = shipping.serialise(self.network), None
 
     def probe(self, key: str | None = None) -> None:
         """Load the first minibatch on a worker and compute the loss on it, into the copy of the
         network kept under ``key`` (default: the first of :attr:`replicas`)."""
+        blob, b = self.blob, self.batches
         key = self.replicas[0] if key is None else key
-        b = self.batches
-        self.client.submit(_worker.probe, key, self.blob, b.refs[0], b.loader, pure=False).result()
+        self.client.submit(_worker.probe, key, blob, b.refs[0], b.loader, pure=False).result()
 
     def show_progress(self, fit: str | None = None) -> None:
         """Open the fit's record in the dashboard panel (under ``fit``, or a new id) and its progress."""

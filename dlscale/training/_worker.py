@@ -41,10 +41,11 @@ def drop_replicas(keys: list[str]) -> None:
         shipping.drop(key)
 
 
-def state_of(network: Network, with_optimizer: bool) -> dict[str, Any]:
-    """A CPU copy of ``network``'s parameters, buffers and (when asked) optimizer state."""
+def state_of(network: Network, with_optimizer: bool, params: torch.Tensor | None = None) -> dict[str, Any]:
+    """A CPU copy of ``network``'s parameters (or of ``params`` in their place), buffers and (when asked)
+    optimizer state."""
     return {
-        "params": cpu_copy(network.params()),
+        "params": cpu_copy(network.params() if params is None else params),
         "buffers": {name: cpu_copy(b) for name, b in network.module.named_buffers()},
         "optimizer": cpu_copy(network.optimizer_state()) if with_optimizer else None,
     }

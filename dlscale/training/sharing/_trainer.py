@@ -13,10 +13,13 @@ sends nothing and trains as one process does. With another ("dl4j") the update i
 and the message applied instead, so that every replica holds the shared parameters. Minibatches
 come from the scheduler a lease (``dlscale.sharing.lease``) at a time. Peers' updates are
 applied between steps, as they arrive: there is no barrier per step. At the end each trainer waits
-until it has applied every update its live peers sent, and returns the shared parameters (its own
-less its residual) with the residual. A trainer whose worker is retiring or closing (its status says
-so) leaves instead, between two steps: it hands the minibatches it holds back to the scheduler, sends
-its whole residual to its peers and returns once that is on its way (the last live trainer stays).
+until it has applied every update its live peers sent, returns the shared parameters (its own
+less its residual) with the residual, and parks its replica, shared parameters and compressor state
+on its worker, where the driver's next fit of the same network, unchanged, takes them back
+(``TrainerSpec.warm``) instead of sending the network again. A trainer whose worker is retiring or
+closing (its status says so) leaves instead, between two steps: it hands the minibatches it holds
+back to the scheduler, sends its whole residual to its peers and returns once that is on its way
+(the last live trainer stays).
 The trainer knows nothing of any compression scheme: it asks the compressor
 (``dlscale.encoding.compressors``).
 """
@@ -73,6 +76,8 @@ class TrainerSpec:
     collect_stats: bool
     gc_seconds: float | None
     momentum_masking: bool
+    iteration: int = 0  # the network's iteration count when the fit began
+    warm: str | None = None  # the session whose trainers, parked on the workers, go on in this one
 
 
 @dataclass(frozen=True)
@@ -196,7 +201,17 @@ class _Trainer:
         self.config = self.node.config
         self.node.set_nodes(joined.version, joined.nodes)
         self.start_version = joined.version
-        self.network, _ = replica(f"{key}/{local}", blob, local, spec.workers_per_node)
+        self.parked: _Parked | None = None
+        if spec.warm is not None:
+            self.parked = plugin(worker).unpark(spec.warm, local)
+            if self.parked is None:
+                raise RuntimeError(
+                    f"the trainer of the last fit, to go on here, is no longer on worker {worker.address} "
+                    "(the worker was restarted): fit again to send the network anew"
+                )
+            self.network = self.parked.network
+        else:
+            self.network, _ = replica(f"{key}/{local}", blob, local, spec.workers_per_node)
         self.params = self.network.params()
         self.targets = [self.params]  # what a peer's message is added to
         self.compressor = spec.compressor
@@ -286,12 +301,15 @@ class _Trainer:
         # A lossless trainer that sums updates keeps the shared parameters beside its replica; its
         # residual is then its replica less them, one subtraction a step. Otherwise it keeps the
         # parameters from before each step to take the update out.
-        shared = params.clone() if lossless and spec.aggregation == "sum" else None
+        if self.parked is not None:  # the last fit's trainer goes on
+            shared, own = self.parked.shared, self.parked.state
+        else:
+            shared = params.clone() if lossless and spec.aggregation == "sum" else None
+            own = compressor.state(Layout.of(net.module.parameters()))
+        own.step = spec.iteration // max(1, self.alive)  # a fit goes on with its network's training: one warm-up
         before, delta = (None, None) if shared is not None else (torch.empty_like(params), torch.empty_like(params))
         if shared is not None:
             self.targets.append(shared)  # peers' messages change the shared parameters too
-        own = compressor.state(Layout.of(net.module.parameters()))
-        own.step = net.iteration // max(1, self.alive)  # a fit goes on with its network's training: one warm-up
         seq = step = 0
         last_gc = time.monotonic()
         batches = prefetch(self._items(), self.loader, spec.prefetch)
@@ -387,10 +405,14 @@ class _Trainer:
         self._finish(seq)
         if shared is not None:
             Difference(params, shared).into(own.residual)
-            params.copy_(shared)
+            out = shared
         elif lossless:  # the shared parameters: this replica's less what it has not sent
-            params.sub_(own.residual.to(params.device))
-        state = state_of(net, with_optimizer=True)
+            out = params - own.residual.to(params.device)
+        else:
+            out = params
+        state = state_of(net, with_optimizer=True, params=out)
+        # the replica goes on as it is in the next fit, if the driver's network is then still this fit's
+        plugin(self.worker).park(self.control.session, self.local, _Parked(net, shared, own))
         return {
             **state,
             "trainer": self.name,
@@ -474,6 +496,16 @@ class _Trainer:
         info = {"trainer": self.name, "step": step, **description}
         logger.info(DEBUG_FORMAT, info)
         self.worker.log_event(DEBUG_TOPIC, info)
+
+
+@dataclass(frozen=True)
+class _Parked:
+    """What a trainer trains with, kept on its worker between two fits: its replica of the network, the
+    shared parameters (of a lossless trainer summing updates) and its compressor's state."""
+
+    network: Any
+    shared: torch.Tensor | None
+    state: CompressorState
 
 
 def _mask_momentum(network: Any, sent: torch.Tensor) -> None:

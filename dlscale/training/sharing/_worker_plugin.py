@@ -1,10 +1,17 @@
 """The data plane of gradient sharing on every worker: a ``dlscale_update`` handler that receives
 encoded updates from peers, and the session's :class:`~dlscale.training.sharing._core.Node` it hands
-them to (see ``_core`` for the node, ``_comms`` for sending)."""
+them to (see ``_core`` for the node, ``_comms`` for sending); and the trainers kept between fits.
+
+A trainer that ends its fit *parks* what it trains with (its replica of the network, the shared
+parameters and its compressor's state, residual included) under its session; the driver's next fit
+of the same network, unchanged since, takes them back instead of sending the network again, and so
+goes on as one fit of several epochs would. A worker parks the trainers of one session at most:
+parking another's forgets the older ones."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -29,9 +36,11 @@ class SharingWorkerPlugin(WorkerPlugin):
 
     def __init__(self) -> None:
         self.nodes: dict[str, Node] = {}
+        self.parked: dict[str, dict[int, Any]] = {}  # session: {local trainer: what it parked}
 
     def setup(self, worker: Worker) -> None:
         self.worker = worker
+        self._parking = threading.Lock()  # made here: the plugin is pickled to reach the worker
         worker.handlers["dlscale_update"] = self.update
 
     async def teardown(self, worker: Worker) -> None:
@@ -63,6 +72,29 @@ class SharingWorkerPlugin(WorkerPlugin):
         node = self.nodes.pop(session, None)
         if node is not None:
             node.close()
+
+    def park(self, session: str, local: int, kept: Any) -> None:
+        """Keep what local trainer ``local`` of ``session`` trains with, for the next fit; the trainers of
+        any other session are forgotten."""
+        with self._parking:
+            for other in [s for s in self.parked if s != session]:
+                del self.parked[other]
+            self.parked.setdefault(session, {})[local] = kept
+
+    def unpark(self, session: str, local: int) -> Any | None:
+        """What local trainer ``local`` of ``session`` parked, taken away (``None`` if nothing is)."""
+        with self._parking:
+            return self.parked.get(session, {}).pop(local, None)
+
+    def parked_trainers(self, session: str) -> list[int]:
+        """The local trainers of ``session`` parked here."""
+        with self._parking:
+            return sorted(self.parked.get(session, {}))
+
+    def forget(self, session: str) -> None:
+        """Drop what the trainers of ``session`` parked here."""
+        with self._parking:
+            self.parked.pop(session, None)
 
 
 def plugin(worker: Worker) -> SharingWorkerPlugin:

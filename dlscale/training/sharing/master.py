@@ -18,12 +18,15 @@ import logging
 import time
 import uuid
 import warnings
+import weakref
 from typing import Any, ClassVar
 
+import crc32c
 import numpy as np
 import torch
-from distributed import Future, wait
+from distributed import Future, get_worker, wait
 
+from dlscale.data.loaders import prefetch
 from dlscale.encoding import Compressor, ResidualPostProcessor, ThresholdAlgorithm, compressor
 from dlscale.encoding.compressors import DEFAULT as DEFAULT_COMPRESSOR
 from dlscale.errors import TrainerLostWarning
@@ -82,6 +85,7 @@ class SharedTrainingMaster(TrainingMaster):
     worker_gc_frequency_ms: int = 5000
     momentum_masking: bool = True
     prefetch: int = 2
+    _warm: _Warm | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -110,6 +114,60 @@ class SharedTrainingMaster(TrainingMaster):
         _Session(self, run, batches, held=partitions is not None).train(probe)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Warm:
+    """A fit's trainers, parked on their workers under its last ``session``, and what the next fit must
+    match to take them back: the same ``network`` (a weak reference), unchanged since (its
+    ``fingerprint``), the master's same ``settings`` and the same ``trainers`` on the same workers."""
+
+    session: str
+    network: weakref.ref[Any]
+    fingerprint: tuple[int, str]
+    settings: str
+    trainers: tuple[tuple[str, tuple[str, int]], ...]
+
+
+def fingerprint(network: Any) -> tuple[int, str]:
+    """A digest of ``network``'s state: the CRC-32C of its parameters, buffers and optimizer state
+    tensors, with the rest of the optimizer's state (its settings, such as the learning rate) as text.
+    A fit's trainers go on in the next fit only if the network has not changed in between."""
+    crc, rest = 0, []
+
+    def visit(value: Any) -> None:
+        nonlocal crc
+        if isinstance(value, torch.Tensor):
+            data = value.detach().reshape(-1).contiguous().cpu()
+            crc = crc32c.crc32c(data.view(torch.uint8).numpy() if data.numel() else b"", crc)
+            rest.append(f"{data.dtype}{tuple(value.shape)}")
+        elif isinstance(value, dict):
+            for k in sorted(value, key=repr):
+                rest.append(repr(k))
+                visit(value[k])
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                visit(v)
+        else:
+            rest.append(repr(value))
+
+    visit([network.params(), dict(network.module.named_buffers()), network.optimizer_state()])
+    return crc, "|".join(rest)
+
+
+def _parked(session: str, dask_worker: Any = None) -> list[int]:
+    return plugin(dask_worker).parked_trainers(session)
+
+
+def _forget(session: str, dask_worker: Any = None) -> None:
+    plugin(dask_worker).forget(session)
+
+
+def _probe_parked(session: str, local: int, ref: Any, loader: Any) -> None:
+    """Load one minibatch and compute the loss on it with a parked trainer's replica (what
+    :func:`dlscale.training._worker.probe` does with a shipped one)."""
+    network = plugin(get_worker()).parked[session][local].network
+    network.score(next(prefetch([ref], loader, 0)))
+
+
 def _open_node(session: str, trainers: int, mode: str, config: SharingConfig, dask_worker: Any = None) -> None:
     plugin(dask_worker).open(session, trainers, mode, config)
 
@@ -127,6 +185,8 @@ class _Session:
         self.config = SharingConfig.from_dask()
         self.fit = self.session = f"dlscale-sharing-{uuid.uuid4().hex[:12]}"  # a segment's session: fit-N
         self.trainers = self._place()
+        self.complete = False  # whether every trainer of the last segment returned its state (and parked)
+        self.warm: str | None = None  # the session of the last fit's trainers, when they go on in this one
         self.held: dict[str, Future] = {}
         if held:  # minibatches in worker memory: published for the trainers, fetched by name
             self.held = dict(zip(batches.names, batches.refs))
@@ -167,9 +227,15 @@ class _Session:
     def train(self, probe: bool) -> None:
         master, client, run = self.master, self.client, self.run
         install(client, SHARING)
-        run.replicas = [f"{run.blob.key}/{i}" for i in range(master.workers_per_node)]
-        if probe:
-            run.probe()
+        warm = self.warm = self._warm()
+        if warm is None:
+            run.replicas = [f"{run.blob.key}/{i}" for i in range(master.workers_per_node)]
+            if probe:
+                run.probe()
+        elif probe:
+            w, i = next(iter(self.trainers.values()))
+            b = self.batches
+            client.submit(_probe_parked, warm, i, b.refs[0], b.loader, workers=[w], pure=False).result()
         spec = _trainer.TrainerSpec(
             master.compressor,
             master.aggregation,
@@ -179,33 +245,82 @@ class _Session:
             master.collect_training_stats,
             master.worker_gc_frequency_ms / 1000 if master.worker_periodic_gc else None,
             master.momentum_masking,
+            run.network.iteration,
+            warm,
         )
         if master.encoding_debug_mode:
             client.subscribe_topic(_trainer.DEBUG_TOPIC, _log_debug)
         run.show_progress(fit=self.fit)
         remaining = self._order() if run.resume is None else self._resumed(run.resume)
         self.left = collections.Counter(item // len(self.batches.refs) for item in remaining)  # items, by epoch
+        kept = False
         try:
             if self.held:
                 client.publish_dataset(**{self.batches.loader.dataset: self.held})
             segment = 0
             while remaining:
                 if segment:  # the fit goes on from its checkpoint: the network and the workers there now
+                    self._forget()
                     run.reship()
                     run.replicas = [f"{run.blob.key}/{i}" for i in range(master.workers_per_node)]
                     self.workers = workers(client)
                     self.trainers = self._place()
+                    spec = dataclasses.replace(spec, iteration=run.network.iteration, warm=None)
                 self.session = f"{self.fit}-{segment}" if segment else self.fit
                 remaining, due = self._segment(remaining, spec)
                 n = len(self.batches.refs)
                 epoch = min(remaining) // n if remaining else run.epochs
                 run.write_checkpoint(due, run.position(epoch, remaining=tuple(remaining)), lambda network: None)
                 segment += 1
+            if self.complete:  # every trainer parked: the next fit of this network, unchanged, goes on with them
+                master._warm = _Warm(
+                    self.session,
+                    weakref.ref(run.network),
+                    fingerprint(run.network),
+                    repr(master),
+                    tuple(sorted(self.trainers.items())),
+                )
+                kept = True
         finally:
+            if not kept:
+                self._forget()
             if master.encoding_debug_mode:
                 client.unsubscribe_topic(_trainer.DEBUG_TOPIC)
             if self.held:
                 client.unpublish_dataset(self.batches.loader.dataset)
+
+    def _warm(self) -> str | None:
+        """The session whose trainers, parked on the workers by the last fit, go on in this one: the
+        network and the master are as that fit left them, and every trainer is where it was. Otherwise
+        ``None``, and the parked trainers are forgotten."""
+        warm, self.master._warm = self.master._warm, None
+        if warm is None:
+            return None
+        nodes = sorted({w for _, (w, _) in warm.trainers})
+        alive = set(cluster_workers(self.client))
+        usable = (
+            self.run.resume is None
+            and warm.network() is self.run.network
+            and warm.trainers == tuple(sorted(self.trainers.items()))
+            and warm.settings == repr(self.master)
+            and alive.issuperset(nodes)
+            and warm.fingerprint == fingerprint(self.run.network)
+        )
+        if usable:
+            held = self.client.run(_parked, warm.session, workers=nodes)
+            usable = all(held[w] == sorted(i for _, (v, i) in warm.trainers if v == w) for w in nodes)
+        if not usable:
+            self.client.run(_forget, warm.session, workers=[w for w in nodes if w in alive], on_error="ignore")
+            return None
+        return warm.session
+
+    def _forget(self) -> None:
+        """Drop what this fit's session parked on its workers, and what is left of the last fit's
+        (its trainers take it as they start: nothing, unless this fit failed before)."""
+        with contextlib.suppress(Exception):  # after a failure, the failure matters, not this
+            alive = set(cluster_workers(self.client))
+            for session in {self.session, self.warm} - {None}:
+                self.client.run(_forget, session, workers=[w for w in self._nodes() if w in alive], on_error="ignore")
 
     def _segment(self, order: list[int], spec: _trainer.TrainerSpec) -> tuple[list[int], list[Any]]:
         """Train the work items ``order`` in one session, until they are done or a checkpoint is due; then
@@ -320,6 +435,7 @@ class _Session:
     def _conclude(self, results: list[dict[str, Any]], progress: dict[str, Any], seconds: float, last: bool) -> None:
         # a retired trainer sent its residual to its peers as it left: it has no state to add
         states = [r for r in results if not (r.get("lost") or r.get("aborted") or r.get("retired"))]
+        self.complete = len(states) == len(self.trainers)  # and so parked, every one
         lost = progress["lost"]
         if not states:
             raise RuntimeError(f"every gradient-sharing trainer was lost ({', '.join(lost)}); the network is unchanged")
