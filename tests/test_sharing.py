@@ -207,6 +207,23 @@ def _parked(sc: SparkContext) -> dict[str, dict[str, dict[int, int]]]:
     return sc.client.run(read)
 
 
+class _SentNetworks(TrainingListener):
+    """Looks, at the first step of every fit, for a pickled network held on the workers (a scattered
+    ``bytes-...`` key): ``held`` has one flag per fit."""
+
+    def __init__(self, sc: SparkContext) -> None:
+        self.sc, self.held, self.looked = sc, [], False
+
+    def iteration_done(self, network: Network, iteration: int, epoch: int, score: float, examples: int) -> None:
+        if not self.looked:
+            keys = self.sc.client.run(lambda dask_worker: [str(k) for k in dask_worker.data])
+            self.held.append(any(k.startswith("bytes-") for ks in keys.values() for k in ks))
+            self.looked = True
+
+    def fit_done(self, network: Network) -> None:
+        self.looked = False
+
+
 def test_a_fit_loop_goes_on_with_the_last_fits_trainers_unless_the_network_changed(sc: SparkContext) -> None:
     """One ``fit`` per epoch, as DL4J's examples train: the second fit's trainers are the first's,
     parked on their workers (the same replicas: the network is not sent again). A network changed
@@ -215,6 +232,8 @@ def test_a_fit_loop_goes_on_with_the_last_fits_trainers_unless_the_network_chang
     rdd = sc.parallelize([DataSet(x[i : i + 16], y[i : i + 16]) for i in range(0, len(x), 16)], 2)
     net = _digits_model("mlp", 0)
     spark_net = SparkNet(sc, net, SharedTrainingMaster(16, rng_seed=0))
+    sent = _SentNetworks(sc)
+    spark_net.set_listeners(sent)
     spark_net.fit(rdd)
     first = _parked(sc)
     assert all(len(sessions) == 1 and len(next(iter(sessions.values()))) == 1 for sessions in first.values())
@@ -231,6 +250,7 @@ def test_a_fit_loop_goes_on_with_the_last_fits_trainers_unless_the_network_chang
     spark_net.fit(rdd)
     third = _parked(sc)
     assert all(next(iter(third[w].values())) != next(iter(second[w].values())) for w in third)  # replicas anew
+    assert sent.held == [True, False, True]  # the network sent to the first fit and the third alone
     # trained from the driver's parameters, at lr 0: the trainers' equal copies, averaged weighted (an ulp or two off)
     torch.testing.assert_close(net.params(), changed, rtol=1e-6, atol=0)
 

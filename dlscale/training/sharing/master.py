@@ -335,6 +335,7 @@ class _Session:
             fit=self.fit,
             client=client.id,
         )
+        blob = None if spec.warm is not None else run.blob  # the last fit's trainers go on: nothing to send
         try:
             client.run(
                 _open_node,
@@ -350,8 +351,8 @@ class _Session:
                     self.session,
                     t,
                     i,
-                    run.blob.key,
-                    run.blob,
+                    None if blob is None else blob.key,
+                    blob,
                     self.batches.refs,
                     self.batches.loader,
                     spec,
