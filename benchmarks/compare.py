@@ -302,14 +302,17 @@ def run_dlscale(
         SparkNet(sc, warm, master()).fit_paths(sc.parallelize(paths.take(4 * workers)))  # imports, connections
         net = Network(workload["module"](), "cross_entropy", SGD)
         spark_net = SparkNet(sc, net, master())
-        elapsed, curve = 0.0, []
+        elapsed, curve, edges = 0.0, [], []
         with measured(out):
             for _ in range(epochs):
-                start = time.perf_counter()
+                start, wall = time.perf_counter(), time.time()
                 spark_net.fit_paths(paths)
                 elapsed += time.perf_counter() - start
+                edges.append(_edges(spark_net.training_stats, wall, time.time()))
                 curve.append((elapsed, accuracy(net.module, tx, ty)))
     stats = spark_net.training_stats  # of every epoch's fit
+    if master_name == "sharing":
+        out["fit_edges_seconds"] = edges
     if stats.trainers:
         sent = sum(t.bytes_sent for t in stats.trainers)
         steps = sum(t.minibatches for t in stats.trainers)
@@ -327,6 +330,17 @@ def run_dlscale(
             out["compression"] = dense * steps / sent
     else:  # each worker's state (parameters and momentum) goes to a peer once a round of 5 minibatches
         out.update(bytes_per_minibatch=2 * dense / 5 if workers > 1 else 0)
+
+
+def _edges(stats: Any, start: float, end: float) -> list[float]:
+    """A gradient-sharing fit's fixed costs, from its trainers' timelines: seconds from the call of
+    ``fit_paths`` to the first trainer's first step (the network sent, or the last fit's trainers
+    taken back), and from the last trainer's last phase to the call's return (their states
+    gathered and averaged on the driver)."""
+    phases = [p for t in stats.trainers if t.phases for p in t.phases if start <= p[1] <= end]
+    if not phases:
+        return [float("nan"), float("nan")]
+    return [min(p[1] for p in phases) - start, end - max(p[1] + p[2] for p in phases)]
 
 
 def inner(link: str, workload_name: str, runner: str, workers: int, quick: bool, device: str) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import os
 import signal
 from collections.abc import Iterator
 
+import dask
 import numpy as np
 import pytest
 import torch
@@ -251,6 +252,10 @@ def test_a_fit_loop_goes_on_with_the_last_fits_trainers_unless_the_network_chang
     third = _parked(sc)
     assert all(next(iter(third[w].values())) != next(iter(second[w].values())) for w in third)  # replicas anew
     assert sent.held == [True, False, True]  # the network sent to the first fit and the third alone
+    with dask.config.set({"dlscale.sharing.keep-trainers": False}):
+        spark_net.fit(rdd)
+        spark_net.fit(rdd)
+    assert sent.held[3:] == [False, True] and not any(_parked(sc).values())  # the last kept, then none
     # trained from the driver's parameters, at lr 0: the trainers' equal copies, averaged weighted (an ulp or two off)
     torch.testing.assert_close(net.params(), changed, rtol=1e-6, atol=0)
 

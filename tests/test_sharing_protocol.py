@@ -296,6 +296,7 @@ def test_settings_are_read_in_one_record() -> None:
         ("send-buffer", 0, r"dlscale\.sharing\.send-buffer must be an integer >= 1"),
         ("poll-interval", "soon", r"dlscale\.sharing\.poll-interval: "),
         ("send-retry-delay", "later", r"dlscale\.sharing\.send-retry-delay: "),
+        ("keep-trainers", "yes", r"dlscale\.sharing\.keep-trainers must be true or false, got 'yes'"),
     ],
 )
 def test_a_setting_out_of_range_is_refused_naming_it(key: str, value: Any, match: str) -> None:

@@ -26,6 +26,7 @@ class SharingConfig:
     send_retries: int  # retries of a send that failed with a connection error before its peer is dropped
     send_retry_delay: float  # seconds before the first retry, doubling with each one
     max_trainers: int | None = None  # trainers a fit places at most (None: workers_per_node on every worker)
+    keep_trainers: bool = True  # whether a fit's trainers stay on their workers for the next fit of the network
 
     def __post_init__(self) -> None:
         for name in ("send_buffer", "coalesce", "mesh_fanout", "lease"):
@@ -33,6 +34,8 @@ class SharingConfig:
         if self.max_trainers is not None:
             _check("max_trainers", self.max_trainers, 1)
         _check("send_retries", self.send_retries, 0)
+        if not isinstance(self.keep_trainers, bool):
+            raise SharingConfigError(f"dlscale.sharing.keep-trainers must be true or false, got {self.keep_trainers!r}")
         for name in ("poll_interval", "end_timeout", "send_retry_delay"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
@@ -51,6 +54,7 @@ class SharingConfig:
             send_retries=_read("send_retries"),
             send_retry_delay=_read("send_retry_delay", parse_timedelta),
             max_trainers=_read("max_trainers"),
+            keep_trainers=_read("keep_trainers"),
         )
 
 

@@ -411,8 +411,8 @@ class _Trainer:
         else:
             out = params
         state = state_of(net, with_optimizer=True, params=out)
-        # the replica goes on as it is in the next fit, if the driver's network is then still this fit's
-        plugin(self.worker).park(self.control.session, self.local, _Parked(net, shared, own))
+        if self.config.keep_trainers:  # the replica goes on in the next fit, if the driver's network is then this one
+            plugin(self.worker).park(self.control.session, self.local, _Parked(net, shared, own))
         return {
             **state,
             "trainer": self.name,

@@ -272,7 +272,7 @@ class _Session:
                 epoch = min(remaining) // n if remaining else run.epochs
                 run.write_checkpoint(due, run.position(epoch, remaining=tuple(remaining)), lambda network: None)
                 segment += 1
-            if self.complete:  # every trainer parked: the next fit of this network, unchanged, goes on with them
+            if self.complete and self.config.keep_trainers:  # every trainer parked: the next fit can go on with them
                 master._warm = _Warm(
                     self.session,
                     weakref.ref(run.network),
