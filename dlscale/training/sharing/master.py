@@ -4,9 +4,9 @@ exchanged peer to peer (Strom, Interspeech 2015; Lin et al., ICLR 2018).
 The driver places ``workers_per_node`` long-lived trainers on every worker, opens a session on the
 scheduler (membership, minibatches) and on every worker (inboxes, links), and then only follows
 progress: updates go from worker to worker, never through the driver or the scheduler. At the end
-the trainers' states are averaged (they hold the same parameters when no peer was lost; batch-norm
-statistics and momentum are per trainer and averaged) and the updates still in their residuals are
-added, so nothing a trainer computed is dropped.
+the trainers' states are averaged on a worker (they hold the same parameters when no peer was lost;
+batch-norm statistics and momentum are per trainer and averaged) and the updates still in their
+residuals are added, so nothing a trainer computed is dropped; the driver takes that one state.
 """
 
 from __future__ import annotations
@@ -363,19 +363,19 @@ class _Session:
                 )
                 for k, (t, (w, i)) in enumerate(self.trainers.items())
             }
-            results, progress, left, due = self._follow(futures)
+            combined, progress, left, due = self._follow(futures)
         finally:
             self._call("close")
             alive = set(cluster_workers(client))  # a lost worker would take a timeout
             client.run(_close_node, self.session, workers=[w for w in self._nodes() if w in alive], on_error="ignore")
-        self._conclude(results, progress, time.perf_counter() - t0, last=not left)
+        self._conclude(combined, progress, time.perf_counter() - t0, last=not left)
         return left, due
 
-    def _follow(self, futures: dict[str, Future]) -> tuple[list[dict[str, Any]], dict[str, Any], list[int], list[Any]]:
+    def _follow(self, futures: dict[str, Future]) -> tuple[dict[str, Any], dict[str, Any], list[int], list[Any]]:
         """Wait for the trainers, reporting to the run as minibatches are acknowledged, and take back the
         items not yet handed out once a checkpoint is due; returns the results of the trainers that
-        finished, the session's last progress report, the items taken back and the listeners that want
-        the checkpoint."""
+        finished, made one (:func:`_combine`), the session's last progress report, the items taken back
+        and the listeners that want the checkpoint."""
         n = len(self.batches.refs)
         progress: dict[str, Any] = {}
         self.retired: list[dict[str, Any]] = []  # the statistics of the trainers that left as their workers retired
@@ -415,10 +415,12 @@ class _Session:
                 raise RuntimeError(f"gradient sharing stopped: {progress['failed']}")
             if not pending:
                 break
-        results = [f.result() for f in futures.values() if f.status == "finished"]
+        finished = [f for f in futures.values() if f.status == "finished"]
+        # made one on a worker beside their states: the driver takes one state, not one per trainer
+        combined = self.client.submit(_combine, *finished, pure=False).result() if finished else _combine()
         if not drained:  # the end of the fit
             due = self.run.checkpoints_due(self._epochs_done(epochs_done))
-        return results, progress, left, due
+        return combined, progress, left, due
 
     def _epochs_done(self, before: int | None = None) -> int | None:
         """The fit's epochs whose every minibatch is fitted, counted from its first; with ``before``, the
@@ -433,12 +435,11 @@ class _Session:
             wait(list(futures.values()), timeout=self.config.end_timeout)
         self.client.cancel([f for f in futures.values() if not f.done()])
 
-    def _conclude(self, results: list[dict[str, Any]], progress: dict[str, Any], seconds: float, last: bool) -> None:
-        # a retired trainer sent its residual to its peers as it left: it has no state to add
-        states = [r for r in results if not (r.get("lost") or r.get("aborted") or r.get("retired"))]
+    def _conclude(self, combined: dict[str, Any], progress: dict[str, Any], seconds: float, last: bool) -> None:
+        states = combined["trainers"]
         self.complete = len(states) == len(self.trainers)  # and so parked, every one
         lost = progress["lost"]
-        if not states:
+        if combined["state"] is None:
             raise RuntimeError(f"every gradient-sharing trainer was lost ({', '.join(lost)}); the network is unchanged")
         if lost:
             warnings.warn(
@@ -447,12 +448,7 @@ class _Session:
                 TrainerLostWarning,
                 stacklevel=6,
             )
-        fitted = [s for s in states if s["examples"]] or states[:1]  # an idle trainer's optimizer has no state
-        state = _worker.average(*fitted)
-        # a residual holds updates already weighted by the aggregation (1 / live trainers for "mean"),
-        # as every message was: adding them all applies each unsent update as its sent part was
-        state = dict(state, params=state["params"] + torch.stack([s["residual"] for s in states]).sum(0))
-        _worker.apply_state(self.run.network, state)
+        _worker.apply_state(self.run.network, combined["state"], copy=False)
         if self.run.stats is not None:  # a fit of several segments (checkpoints) has a record per trainer and segment
             self.run.stats.trainers.extend(TrainerStats(**s) for s in [r["stats"] for r in states] + self.retired)
             params = self.run.network.params()
@@ -465,6 +461,28 @@ class _Session:
             seconds,
             len(states),
         )
+
+
+def _combine(*results: dict[str, Any]) -> dict[str, Any]:
+    """The trainers' results made one (on a worker): ``state``, the mean of the states of the trainers
+    that fitted minibatches plus every residual (``None`` when no trainer returned a state), and
+    ``trainers``, what each trainer that returned a state reports of itself, its state left out."""
+    # a retired trainer sent its residual to its peers as it left: it has no state to add
+    states = [r for r in results if not (r.get("lost") or r.get("aborted") or r.get("retired"))]
+    if not states:
+        return {"state": None, "trainers": []}
+    fitted = [s for s in states if s["examples"]] or states[:1]  # an idle trainer's optimizer has no state
+    state = _worker.average(*fitted)
+    # a residual holds updates already weighted by the aggregation (1 / live trainers for "mean"),
+    # as every message was: adding them all applies each unsent update as its sent part was
+    params = state["params"].clone()
+    for s in states:
+        params.add_(s["residual"])
+    kept = ("params", "buffers", "optimizer", "residual")
+    return {
+        "state": {"params": params, "buffers": state["buffers"], "optimizer": state["optimizer"]},
+        "trainers": [{k: v for k, v in s.items() if k not in kept} for s in states],
+    }
 
 
 def _lost_worker(future: Future) -> bool:
