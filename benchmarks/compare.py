@@ -17,9 +17,10 @@ Every run is a fresh process inside the link's network namespace (``benchmarks._
 its CPU time, peak memory and link traffic are its own. Per run: samples/s over the timed epochs,
 seconds and test accuracy after each epoch (time to accuracy), the bytes a worker sends per
 minibatch it trains by the method's own count and the bytes that crossed the link per minibatch
-trained, the compression against the dense update (gradient sharing), CPU utilisation of the
-machine, peak resident memory of the largest process, and final test accuracy. Evaluation
-between epochs is not timed. Results go to
+trained, the compression against the dense update (gradient sharing; also the trainers' time in
+each phase, and each fit's fixed costs: seconds before its first step and after its last), CPU
+utilisation of the machine, peak resident memory of the largest process, and final test
+accuracy. Evaluation between epochs is not timed. Results go to
 ``benchmarks/results/compare.json``, plots to ``docs/images/compare-*.png``, and the scaling model
 (``benchmarks.scaling``) is projected from the measured gradient-sharing run. A run of some
 runners only (``--runners``) goes to ``benchmarks/results/compare-<runners>.json`` and leaves the
