@@ -208,17 +208,22 @@ def _parked(sc: SparkContext) -> dict[str, dict[str, dict[int, int]]]:
     return sc.client.run(read)
 
 
+def _networks_held(sc: SparkContext) -> set[str]:
+    """The pickled networks (scattered ``bytes-...`` keys) the workers hold now."""
+    keys = sc.client.run(lambda dask_worker: [str(k) for k in dask_worker.data])
+    return {k for ks in keys.values() for k in ks if k.startswith("bytes-")}
+
+
 class _SentNetworks(TrainingListener):
-    """Looks, at the first step of every fit, for a pickled network held on the workers (a scattered
-    ``bytes-...`` key): ``held`` has one flag per fit."""
+    """Looks, at the first step of every fit, for a pickled network on the workers that was not there
+    before the fit (``before``, set by the caller): ``held`` has one flag per fit."""
 
     def __init__(self, sc: SparkContext) -> None:
-        self.sc, self.held, self.looked = sc, [], False
+        self.sc, self.held, self.before, self.looked = sc, [], set(), False
 
     def iteration_done(self, network: Network, iteration: int, epoch: int, score: float, examples: int) -> None:
         if not self.looked:
-            keys = self.sc.client.run(lambda dask_worker: [str(k) for k in dask_worker.data])
-            self.held.append(any(k.startswith("bytes-") for ks in keys.values() for k in ks))
+            self.held.append(bool(_networks_held(self.sc) - self.before))
             self.looked = True
 
     def fit_done(self, network: Network) -> None:
@@ -235,10 +240,15 @@ def test_a_fit_loop_goes_on_with_the_last_fits_trainers_unless_the_network_chang
     spark_net = SparkNet(sc, net, SharedTrainingMaster(16, rng_seed=0))
     sent = _SentNetworks(sc)
     spark_net.set_listeners(sent)
-    spark_net.fit(rdd)
+
+    def fit() -> None:
+        sent.before = _networks_held(sc)  # other tests' networks, or the last fit's on its way out
+        spark_net.fit(rdd)
+
+    fit()
     first = _parked(sc)
     assert all(len(sessions) == 1 and len(next(iter(sessions.values()))) == 1 for sessions in first.values())
-    spark_net.fit(rdd)
+    fit()
     second = _parked(sc)
     for w in first:
         (a,), (b,) = first[w].items(), second[w].items()
@@ -248,13 +258,13 @@ def test_a_fit_loop_goes_on_with_the_last_fits_trainers_unless_the_network_chang
     net.set_params(changed)
     for group in net.optimizer.param_groups:
         group["lr"] = 0.0
-    spark_net.fit(rdd)
+    fit()
     third = _parked(sc)
     assert all(next(iter(third[w].values())) != next(iter(second[w].values())) for w in third)  # replicas anew
     assert sent.held == [True, False, True]  # the network sent to the first fit and the third alone
     with dask.config.set({"dlscale.sharing.keep-trainers": False}):
-        spark_net.fit(rdd)
-        spark_net.fit(rdd)
+        fit()
+        fit()
     assert sent.held[3:] == [False, True] and not any(_parked(sc).values())  # the last kept, then none
     # trained from the driver's parameters, at lr 0: the trainers' equal copies, averaged weighted (an ulp or two off)
     torch.testing.assert_close(net.params(), changed, rtol=1e-6, atol=0)
