@@ -157,7 +157,7 @@ def _parked(session: str, dask_worker: Any = None) -> list[int]:
     return plugin(dask_worker).parked_trainers(session)
 
 
-def _forget(session: str, dask_worker: Any = None) -> None:
+def _forget_parked(session: str, dask_worker: Any = None) -> None:
     plugin(dask_worker).forget(session)
 
 
@@ -227,7 +227,7 @@ class _Session:
     def train(self, probe: bool) -> None:
         master, client, run = self.master, self.client, self.run
         install(client, SHARING)
-        warm = self.warm = self._warm()
+        warm = self.warm = self._take_parked()
         if warm is None:
             run.replicas = [f"{run.blob.key}/{i}" for i in range(master.workers_per_node)]
             if probe:
@@ -289,7 +289,7 @@ class _Session:
             if self.held:
                 client.unpublish_dataset(self.batches.loader.dataset)
 
-    def _warm(self) -> str | None:
+    def _take_parked(self) -> str | None:
         """The session whose trainers, parked on the workers by the last fit, go on in this one: the
         network and the master are as that fit left them, and every trainer is where it was. Otherwise
         ``None``, and the parked trainers are forgotten."""
@@ -310,7 +310,7 @@ class _Session:
             held = self.client.run(_parked, warm.session, workers=nodes)
             usable = all(held[w] == sorted(i for _, (v, i) in warm.trainers if v == w) for w in nodes)
         if not usable:
-            self.client.run(_forget, warm.session, workers=[w for w in nodes if w in alive], on_error="ignore")
+            self.client.run(_forget_parked, warm.session, workers=[w for w in nodes if w in alive], on_error="ignore")
             return None
         return warm.session
 
@@ -320,7 +320,9 @@ class _Session:
         with contextlib.suppress(Exception):  # after a failure, the failure matters, not this
             alive = set(cluster_workers(self.client))
             for session in {self.session, self.warm} - {None}:
-                self.client.run(_forget, session, workers=[w for w in self._nodes() if w in alive], on_error="ignore")
+                self.client.run(
+                    _forget_parked, session, workers=[w for w in self._nodes() if w in alive], on_error="ignore"
+                )
 
     def _segment(self, order: list[int], spec: _trainer.TrainerSpec) -> tuple[list[int], list[Any]]:
         """Train the work items ``order`` in one session, until they are done or a checkpoint is due; then
