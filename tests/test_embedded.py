@@ -143,6 +143,39 @@ def test_a_killed_worker_is_restarted_by_its_nanny() -> None:
         assert ctx.parallelize(range(10), 2).sum() == 45
 
 
+def _restarted(ctx: SparkContext, before: int, seconds: float) -> int:
+    """The pid of the worker that replaced the one of pid ``before``, once its nanny runs again."""
+    deadline = time.monotonic() + seconds
+    while (pids := _worker_pids(ctx)) in ([], [before]) or set(ctx.client.run(_nanny_status, nanny=True).values()) != {
+        "running"
+    }:
+        assert time.monotonic() < deadline, f"no worker back within {seconds} s"
+        time.sleep(0.05)
+    (pid,) = pids
+    return pid
+
+
+@pytest.mark.slow
+def test_a_worker_killed_again_keeps_its_nanny_when_the_first_loss_timeout_ends() -> None:
+    """Dask closes a lost worker's nanny when no worker of its name is back
+    ``distributed.deploy.lost-worker-timeout`` after the loss. Killed, replaced, and killed again just
+    before that timeout ends, the worker is being replaced when the first loss's time is up: its
+    nanny goes on and the replacement joins (Dask's own timer would close the nanny, for good)."""
+    timeout = 8.0
+    settings = {"dlscale.worker.imports": WORKER_IMPORTS, "distributed.deploy.lost-worker-timeout": f"{timeout}s"}
+    with dask.config.set(settings), SparkContext("local[1]") as ctx:
+        first = _restarted(ctx, -1, 30)
+        lost = time.monotonic()
+        os.kill(first, signal.SIGKILL)
+        second = _restarted(ctx, first, timeout - 1)
+        time.sleep(max(0.0, lost + timeout - 0.3 - time.monotonic()))  # a fresh worker takes longer to join
+        os.kill(second, signal.SIGKILL)
+        third = _restarted(ctx, second, 60)
+        time.sleep(max(0.0, lost + timeout + 0.5 - time.monotonic()))
+        assert len(ctx.client.cluster.workers) == 1 and _worker_pids(ctx) == [third]
+        assert ctx.parallelize(range(10), 2).sum() == 45
+
+
 def _imported() -> bool:
     return {"torch._dynamo", "dlscale.training._worker"} <= set(sys.modules)
 

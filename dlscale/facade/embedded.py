@@ -24,7 +24,9 @@ import warnings
 from typing import Any
 
 import dask.config
+from dask.utils import parse_timedelta
 from distributed import Scheduler
+from distributed.deploy.cluster import Cluster
 from distributed.deploy.spec import SpecCluster
 from distributed.deploy.subprocess import SubprocessWorker
 
@@ -135,6 +137,7 @@ class EmbeddedCluster(SpecCluster):
             **({"resources": resources} if resources else {}),
         }
         worker = {"cls": NannyProcess, "options": {"worker_kwargs": nanny, "env": _environment(config or {})}}
+        self._losses: dict[str | int, int] = {}  # losses of a worker of each name so far
         with warnings.catch_warnings():
             # distributed moves to a free port itself, warning in three lines: one is said below
             warnings.filterwarnings("ignore", message="Port .* is already in use", category=UserWarning)
@@ -148,6 +151,30 @@ class EmbeddedCluster(SpecCluster):
         wanted = dashboard_address and int(dashboard_address.rpartition(":")[2] or 0)
         if wanted and self.scheduler.http_server.port != wanted:
             logger.info("dashboard port %d is taken; the dashboard is at %s", wanted, self.dashboard_link)
+
+    def _update_worker_status(self, op: str, msg: Any) -> None:
+        """``SpecCluster``'s, but a lost worker's nanny is closed only when the *last* loss of a worker
+        of its name is ``distributed.deploy.lost-worker-timeout`` old and no worker of that name is back.
+
+        ``SpecCluster`` times every loss on its own, so the timer of an earlier loss, long since
+        replaced, fires while the nanny starts the replacement of a later one, closes a nanny at work,
+        and the cluster stays a worker short for good (a worker killed twice within the timeout)."""
+        if op != "remove":
+            super()._update_worker_status(op, msg)
+            return
+        name = self.scheduler_info["workers"][msg]["name"]
+        loss = self._losses[name] = self._losses.get(name, 0) + 1
+
+        def close_if_still_lost() -> None:
+            if self._losses.get(name) != loss or name not in self.workers:
+                return  # lost again since (that loss has its own timer), or closed already
+            if any(w["name"] == name for w in self.scheduler_info["workers"].values()):
+                return
+            self._futures.add(asyncio.ensure_future(self.workers.pop(name).close()))
+
+        delay = parse_timedelta(dask.config.get("distributed.deploy.lost-worker-timeout"))
+        asyncio.get_running_loop().call_later(delay, close_if_still_lost)
+        Cluster._update_worker_status(self, op, msg)  # the bookkeeping, without SpecCluster's timer
 
     async def _correct_state_internal(self) -> None:
         await super()._correct_state_internal()
