@@ -1,6 +1,7 @@
 """Training quality of gradient sharing: test accuracy over several seeds, single process against
 ``SharedTrainingMaster`` with each compressor on 2 and 4 workers, with the bytes each trainer sent
-against what dense updates would have sent.
+against what dense updates would have sent, and beside them what a PyTorch user would run instead:
+DDP and DDP with the PowerSGD hook on as many processes.
 
 Run from the repository root::
 
@@ -8,6 +9,8 @@ Run from the repository root::
     python -m benchmarks.quality --quick      # one seed, 2 workers, a few epochs: a smoke run
     python -m benchmarks.quality --models digits_mlp,digits_cnn --workers 2 --seeds 0,1
     python -m benchmarks.quality --workers 2 --aggregations sum,mean   # both ways of combining updates
+    python -m benchmarks.quality --compressors topk --peers ""   # no DDP rows
+    python -m benchmarks.quality --compressors "" --workers 2    # DDP rows alone
     python -m benchmarks.quality --report     # the table again from the last results
 
 Models (``MODELS``): scikit-learn's digits (1,200 training and 597 test images) with an MLP, a
@@ -17,7 +20,11 @@ Each seed fixes the model's initial weights and the order of minibatches. The si
 reference is plain PyTorch: the same initial weights, optimizer, minibatches, epochs and per-epoch
 minibatch order as the scheduler of gradient sharing hands out (``np.random.default_rng([seed,
 epoch]).permutation``). Every shared fit runs on an embedded ``SparkContext("local[W]")`` (W worker
-processes of one thread), from minibatch files exported once. Results go to
+processes of one thread), from minibatch files exported once. The peers (``PEERS``) run
+``benchmarks._ddp`` in W processes of one thread over gloo: each takes its own minibatch of the
+model's batch a step and DDP averages the gradients (a global batch of W times the batch, W times
+fewer steps an epoch, as a ``DistributedSampler`` gives; an epoch's incomplete last global batch is
+dropped), from the same initial weights (the seed's) and with an order of examples of the seed. Results go to
 ``benchmarks/results/quality.json``, replacing the runs of the same model, method, workers and seed
 and keeping the others, so that a part can be rerun on its own (``--quick`` writes
 ``quality-quick.json`` instead).
@@ -41,7 +48,7 @@ import numpy as np
 import torch
 from sklearn.datasets import load_digits
 
-from benchmarks import compare
+from benchmarks import _ddp, compare
 from benchmarks._common import accuracy, header, make_data, mlp, write_results
 from dlscale import SharedTrainingMaster, SparkContext, SparkNet
 from dlscale.data import DataSet, export_minibatches
@@ -53,6 +60,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "quality.json"
 AGGREGATION = SharedTrainingMaster(1).aggregation  # the default
 SEEDS = (0, 1, 2)
 WORKERS = (2, 4)
+PEERS = {"ddp": False, "ddp_powersgd": True}  # name: with PowerSGD
 
 
 def digits_mlp(seed: int) -> torch.nn.Module:
@@ -189,6 +197,45 @@ def shared(
     }
 
 
+def peer(
+    model: Model,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    test: tuple[torch.Tensor, torch.Tensor],
+    seed: int,
+    epochs: int,
+    workers: int,
+    powersgd: bool,
+) -> dict[str, Any]:
+    """Test accuracy after DDP (with PowerSGD when ``powersgd``) in ``workers`` processes."""
+    r = _ddp.ddp_samples_per_s(
+        workers,
+        functools.partial(model.module, seed),
+        x,
+        y,
+        model.batch,
+        epochs,
+        model.optimizer,
+        test_x=test[0],
+        test_y=test[1],
+        warmup_steps=0,
+        seed=seed,
+        powersgd=powersgd,
+    )
+    steps = r["steps_per_epoch"] * epochs
+    return {
+        "accuracy": r["test_accuracy"],
+        "seconds": r["seconds"],
+        "trainers": workers,
+        "minibatches": steps * workers,
+        "messages_sent": steps,
+        "bytes_sent": r["allreduced_bytes_per_step"] * steps * workers,
+        "dense_bytes": r["grad_bytes_per_step"] * steps * workers,
+        "bytes_sent_per_trainer": r["allreduced_bytes_per_step"] * steps,
+        "compression": r["grad_bytes_per_step"] / r["allreduced_bytes_per_step"],
+    }
+
+
 # -- the report -------------------------------------------------------------------------------------------
 def _key(run: dict[str, Any]) -> tuple[Any, ...]:
     return run["model"], run["method"], run["aggregation"], run["workers"], run["seed"]
@@ -201,7 +248,7 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in runs:
         groups.setdefault((r["model"], r["method"], r["aggregation"], r["workers"]), []).append(r)
     order = {m: i for i, m in enumerate(MODELS)}
-    methods = {m: i for i, m in enumerate(dict.fromkeys(("single", DEFAULT, *sorted(COMPRESSORS))))}
+    methods = {m: i for i, m in enumerate(dict.fromkeys(("single", DEFAULT, *sorted(COMPRESSORS), *PEERS)))}
     rows = []
     for (model, method, aggregation, workers), rs in sorted(
         groups.items(),
@@ -279,19 +326,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--compressors",
         default=",".join(sorted(COMPRESSORS, key=lambda c: c != DEFAULT)),
-        help="comma-separated compressors",
+        help="comma-separated compressors (empty: none)",
     )
     parser.add_argument(
         "--aggregations", default=AGGREGATION, help=f"comma-separated aggregations (default {AGGREGATION})"
     )
+    parser.add_argument("--peers", default=",".join(PEERS), help="comma-separated peers to run beside (empty: none)")
     parser.add_argument("--report", action="store_true", help="the table again from the last results")
     args = parser.parse_args(argv)
     if args.report:
         write_report(RESULTS, json.loads(RESULTS.read_text()))
         return
     models = _names(args.models, tuple(MODELS), "models", parser)
-    compressors = _names(args.compressors, tuple(COMPRESSORS), "compressors", parser)
+    compressors = _names(args.compressors, tuple(COMPRESSORS), "compressors", parser) if args.compressors else ()
     aggregations = _names(args.aggregations, AGGREGATIONS, "aggregations", parser)
+    peers = _names(args.peers, tuple(PEERS), "peers", parser) if args.peers else ()
     workers = tuple(int(w) for w in (args.workers or ("2" if args.quick else ",".join(map(str, WORKERS)))).split(","))
     seeds = tuple(int(s) for s in (args.seeds or ("0" if args.quick else ",".join(map(str, SEEDS)))).split(","))
     path = RESULTS.with_name("quality-quick.json") if args.quick else RESULTS
@@ -301,6 +350,7 @@ def main(argv: list[str] | None = None) -> None:
         mine |= {
             (m, c, a, w, s) for m in models for c in compressors for a in aggregations for w in workers for s in seeds
         }
+        mine |= {(m, p, None, w, s) for m in models for p in peers for w in workers for s in seeds}
         report["runs"] = [r for r in json.loads(path.read_text())["runs"] if _key(r) not in mine]
     report["setup"] = {
         "optimizer": "SGD momentum 0.9",
@@ -328,6 +378,15 @@ def main(argv: list[str] | None = None) -> None:
             x, y, tx, ty = load(model, args.quick)
             batches = minibatches(x, y, model.batch)
             exported[name] = (batches, export_minibatches(batches, f"{tmp}/{name}", model.batch), (tx, ty))
+            epochs = model.quick_epochs if args.quick else model.epochs
+            for p, w, seed in itertools.product(peers, workers, seeds):  # no cluster either: before the shared fits
+                r = peer(model, x, y, (tx, ty), seed, epochs, w, PEERS[p])
+                print(
+                    f"{name:14s} {p:13s} {w} workers seed {seed}: accuracy {r['accuracy']:.3f}, "
+                    f"{r['compression']:.1f}x compression ({r['seconds']:.0f} s)",
+                    flush=True,
+                )
+                record({"model": name, "method": p, "aggregation": None, "workers": w, "seed": seed, **r})
         for name in models:  # single-process references first: they take no cluster
             model = MODELS[name]
             batches, _, test = exported[name]
@@ -345,7 +404,7 @@ def main(argv: list[str] | None = None) -> None:
                         "accuracy": acc,
                     }
                 )
-        for w in workers:
+        for w in workers if compressors else ():
             with SparkContext(f"local[{w}]", f"quality-{w}") as sc:
                 for name in models:
                     model = MODELS[name]
