@@ -49,6 +49,7 @@ POWERSGD_RANK = 4  # matrix_approximation_rank: Vogels et al. reach full accurac
 # low-rank approximation and its error feedback start from a trained-in direction; 10 steps is a few
 # percent of the compare runs' steps (the default, 1000, would be more steps than they take).
 POWERSGD_START = 10
+TRIES = 3  # runs of a training whose process gloo aborts
 
 
 def free_port() -> int:
@@ -283,11 +284,22 @@ def ddp_samples_per_s(
     **options: Any,
 ) -> dict[str, Any]:
     """:func:`train_with` in processes started by ``torch.multiprocessing`` (spawn), meeting at
-    127.0.0.1:``port`` (a free port by default); ``options`` are :func:`train_with`'s keywords."""
+    127.0.0.1:``port`` (a free port by default); ``options`` are :func:`train_with`'s keywords.
+
+    gloo sometimes aborts a process as it ends ("terminate called without an active exception",
+    ``SIGABRT``): such a run is run again, up to :data:`TRIES` runs in all, and the result says how
+    many were (``aborted_before``)."""
 
     def launch(tmp: str, args: tuple[Any, ...]) -> dict[str, Any]:
-        mp.spawn(_worker, nprocs=world_size, join=True, args=(world_size, port or free_port(), tmp, *args))
-        return {}
+        for attempt in range(TRIES):
+            try:
+                mp.spawn(_worker, nprocs=world_size, join=True, args=(world_size, port or free_port(), tmp, *args))
+            except mp.ProcessExitedException as e:
+                if e.signal_name != "SIGABRT" or attempt == TRIES - 1:
+                    raise
+                continue
+            return {"aborted_before": attempt}
+        raise AssertionError("unreachable")
 
     return train_with(
         launch, world_size, make_module, x, y, batch, epochs, optimizer_factory, threads_per_process, **options

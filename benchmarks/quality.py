@@ -19,12 +19,15 @@ with less data or fewer epochs than there so that the whole run stays near an ho
 Each seed fixes the model's initial weights and the order of minibatches. The single-process
 reference is plain PyTorch: the same initial weights, optimizer, minibatches, epochs and per-epoch
 minibatch order as the scheduler of gradient sharing hands out (``np.random.default_rng([seed,
-epoch]).permutation``). Every shared fit runs on an embedded ``SparkContext("local[W]")`` (W worker
-processes of one thread), from minibatch files exported once. The peers (``PEERS``) run
-``benchmarks._ddp`` in W processes of one thread over gloo: each takes its own minibatch of the
-model's batch a step and DDP averages the gradients (a global batch of W times the batch, W times
-fewer steps an epoch, as a ``DistributedSampler`` gives; an epoch's incomplete last global batch is
-dropped), from the same initial weights (the seed's) and with an order of examples of the seed. Results go to
+epoch]).permutation``). Beside it, ``sync_sum`` trains in one process on the gradients of W
+consecutive minibatches of that order summed a step: the W-fold fewer sequential steps of W
+trainers whose updates are all summed, without their staleness or compression. Every shared fit
+runs on an embedded ``SparkContext("local[W]")`` (W worker processes of one thread), from
+minibatch files exported once. The peers (``PEERS``) run ``benchmarks._ddp`` in W processes of one
+thread over gloo: each takes its own minibatch of the model's batch a step and DDP averages the
+gradients (a global batch of W times the batch, W times fewer steps an epoch, as a
+``DistributedSampler`` gives; an epoch's incomplete last global batch is dropped), from the same
+initial weights (the seed's) and with an order of examples of the seed. Results go to
 ``benchmarks/results/quality.json``, replacing the runs of the same model, method, workers and seed
 and keeping the others, so that a part can be rerun on its own (``--quick`` writes
 ``quality-quick.json`` instead).
@@ -61,6 +64,7 @@ AGGREGATION = SharedTrainingMaster(1).aggregation  # the default
 SEEDS = (0, 1, 2)
 WORKERS = (2, 4)
 PEERS = {"ddp": False, "ddp_powersgd": True}  # name: with PowerSGD
+LARGE_BATCH = "sync_sum"  # the method name of large_batch's rows
 
 
 def digits_mlp(seed: int) -> torch.nn.Module:
@@ -161,6 +165,27 @@ def single(
     return accuracy(module, *test)
 
 
+def large_batch(
+    model: Model, batches: list[DataSet], test: tuple[torch.Tensor, torch.Tensor], seed: int, epochs: int, workers: int
+) -> float:
+    """Test accuracy after synchronous training in one process that sums the gradients of ``workers``
+    consecutive minibatches of the single process's order a step (the last group of an epoch may be
+    fewer): what summing every trainer's update reaches with no staleness and no compression, in the
+    fewer sequential steps that W trainers take, one thread."""
+    torch.set_num_threads(1)
+    module = model.module(seed)
+    optimizer = model.optimizer(module.parameters())
+    module.train()
+    for epoch in range(epochs):
+        order = epoch_order(seed, epoch, len(batches))
+        for start in range(0, len(order), workers):
+            optimizer.zero_grad()
+            for i in order[start : start + workers]:
+                torch.nn.functional.cross_entropy(module(batches[i].features), batches[i].labels).backward()
+            optimizer.step()
+    return accuracy(module, *test)
+
+
 def shared(
     sc: SparkContext,
     model: Model,
@@ -233,6 +258,7 @@ def peer(
         "dense_bytes": r["grad_bytes_per_step"] * steps * workers,
         "bytes_sent_per_trainer": r["allreduced_bytes_per_step"] * steps,
         "compression": r["grad_bytes_per_step"] / r["allreduced_bytes_per_step"],
+        "aborted_before": r["aborted_before"],
     }
 
 
@@ -248,7 +274,9 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in runs:
         groups.setdefault((r["model"], r["method"], r["aggregation"], r["workers"]), []).append(r)
     order = {m: i for i, m in enumerate(MODELS)}
-    methods = {m: i for i, m in enumerate(dict.fromkeys(("single", DEFAULT, *sorted(COMPRESSORS), *PEERS)))}
+    methods = {
+        m: i for i, m in enumerate(dict.fromkeys(("single", LARGE_BATCH, DEFAULT, *sorted(COMPRESSORS), *PEERS)))
+    }
     rows = []
     for (model, method, aggregation, workers), rs in sorted(
         groups.items(),
@@ -271,7 +299,7 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "min": min(accs),
             "max": max(accs),
         }
-        if method != "single":
+        if method not in ("single", LARGE_BATCH):
             row["bytes_sent_per_trainer"] = statistics.fmean(r["bytes_sent_per_trainer"] for r in rs)
             row["dense_bytes_per_trainer"] = statistics.fmean(r["dense_bytes"] / r["trainers"] for r in rs)
             row["compression"] = sum(r["dense_bytes"] for r in rs) / max(sum(r["bytes_sent"] for r in rs), 1)
@@ -347,6 +375,7 @@ def main(argv: list[str] | None = None) -> None:
     report: dict[str, Any] = {**header("quality"), "quick": args.quick, "runs": []}
     if not args.quick and path.exists():
         mine = {(m, "single", None, 1, s) for m in models for s in seeds}
+        mine |= {(m, LARGE_BATCH, "sum", w, s) for m in models for w in workers for s in seeds}
         mine |= {
             (m, c, a, w, s) for m in models for c in compressors for a in aggregations for w in workers for s in seeds
         }
@@ -404,6 +433,19 @@ def main(argv: list[str] | None = None) -> None:
                         "accuracy": acc,
                     }
                 )
+                for w in workers:
+                    acc = large_batch(model, batches, test, seed, epochs, w)
+                    print(f"{name:14s} {LARGE_BATCH:13s} {w} workers seed {seed}: accuracy {acc:.3f}", flush=True)
+                    record(
+                        {
+                            "model": name,
+                            "method": LARGE_BATCH,
+                            "aggregation": "sum",
+                            "workers": w,
+                            "seed": seed,
+                            "accuracy": acc,
+                        }
+                    )
         for w in workers if compressors else ():
             with SparkContext(f"local[{w}]", f"quality-{w}") as sc:
                 for name in models:

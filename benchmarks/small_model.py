@@ -31,7 +31,6 @@ from typing import Any
 
 import dask
 import torch
-from torch.multiprocessing import ProcessExitedException
 
 from benchmarks import _ddp
 from benchmarks._common import accuracy, digits, export_paths, header, write_results
@@ -65,26 +64,19 @@ def single(data: tuple[torch.Tensor, ...]) -> dict[str, Any]:
     return {"examples_per_s": EPOCHS * len(x) / seconds, "seconds": seconds, "accuracy": accuracy(module, tx, ty)}
 
 
-def ddp(data: tuple[torch.Tensor, ...], tries: int = 3) -> dict[str, Any]:
-    """DDP over gloo, 2 processes of one thread: examples/s of its timed epochs. A run whose process
-    gloo aborts (``SIGABRT``) is run again, and counted."""
+def ddp(data: tuple[torch.Tensor, ...]) -> dict[str, Any]:
+    """DDP over gloo, 2 processes of one thread: examples/s of its timed epochs (a run whose process
+    gloo aborts is run again, and counted)."""
     x, y, tx, ty = data
-    for attempt in range(tries):
-        try:
-            r = _ddp.ddp_samples_per_s(
-                2, functools.partial(digits_mlp, 0), x, y, BATCH, EPOCHS, OPTIMIZER, 1, test_x=tx, test_y=ty
-            )
-        except ProcessExitedException:
-            if attempt == tries - 1:
-                raise
-            continue
-        return {
-            "examples_per_s": r["samples_per_s"],
-            "seconds": r["seconds"],
-            "accuracy": r["test_accuracy"],
-            "aborted_before": attempt,
-        }
-    raise AssertionError("unreachable")
+    r = _ddp.ddp_samples_per_s(
+        2, functools.partial(digits_mlp, 0), x, y, BATCH, EPOCHS, OPTIMIZER, 1, test_x=tx, test_y=ty
+    )
+    return {
+        "examples_per_s": r["samples_per_s"],
+        "seconds": r["seconds"],
+        "accuracy": r["test_accuracy"],
+        "aborted_before": r["aborted_before"],
+    }
 
 
 def sharing(sc: SparkContext, paths: Any, data: tuple[torch.Tensor, ...], **options: Any) -> dict[str, Any]:
