@@ -6,19 +6,24 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import threading
 import time
+import uuid
 import warnings
 from typing import Any
 
 import dask.config
 import pytest
+import torch
+from distributed import get_client
 from distributed.comm.core import CommClosedError
 from distributed.core import ConnectionPool, Server
 from distributed.protocol import dumps, loads
 from distributed.utils_test import gen_cluster
 from tornado.ioloop import IOLoop
 
+from dlscale.data import DataSet
 from dlscale.errors import DlscaleError
 from dlscale.training.sharing._config import SharingConfig
 from dlscale.training.sharing._core import Node
@@ -35,7 +40,7 @@ from dlscale.training.sharing._exceptions import (
 from dlscale.training.sharing._limiter import ResourceLimiter
 from dlscale.training.sharing._messages import Ack, Handout, Update, View, ok, refusal, unwrap
 from dlscale.training.sharing._scheduler_plugin import Session, SharingSchedulerPlugin
-from dlscale.training.sharing._trainer import _Control
+from dlscale.training.sharing._trainer import _PATIENCE, HeldMinibatch, _Control
 from dlscale.training.sharing._worker_plugin import NAME, SharingWorkerPlugin
 
 
@@ -709,3 +714,44 @@ def test_every_update_reaches_every_peer_once_on_64_nodes(mode: str, fanout: int
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         asyncio.run(main())
+
+
+# -- minibatches held in worker memory ----------------------------------------------------------------
+def _slow_minibatch(seconds: float) -> DataSet:
+    time.sleep(seconds)
+    return DataSet(torch.arange(6.0).reshape(3, 2), torch.tensor([0, 1, 0]))
+
+
+def _held(dataset: str, name: str) -> tuple[list[list[float]], list[int], list[str]]:
+    """Load ``name`` of ``dataset`` as a trainer does, with what the loader logged on the way."""
+    said: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger("dlscale.training.sharing")
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        batch = HeldMinibatch(dataset, 30.0).bind(get_client())(name)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    return batch.features.tolist(), batch.labels.tolist(), said
+
+
+def test_a_held_minibatch_slower_to_come_than_the_loaders_patience_is_asked_for_again_and_arrives(sc) -> None:
+    """A fetch of a held minibatch that outlasts the loader's patience (one that would be connecting to
+    a worker already dead) is cancelled and asked again, not given up: a minibatch computed for
+    longer than the patience arrives whole, after the loader said it asked again."""
+    client = sc.client
+    dataset = f"test-held-{uuid.uuid4().hex[:8]}"
+    slow = client.submit(_slow_minibatch, _PATIENCE + 1.5, pure=False)
+    client.publish_dataset(**{dataset: {"mb": slow}})
+    try:
+        features, labels, said = client.submit(_held, dataset, "mb", pure=False).result(timeout=60)
+    finally:
+        client.unpublish_dataset(dataset)
+    assert features == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]] and labels == [0, 1, 0]
+    assert [m for m in said if "asking again" in m] == [
+        f"minibatch mb, held in worker memory, not here after {_PATIENCE:.3g} s: asking again"
+    ]

@@ -80,13 +80,22 @@ class TrainerSpec:
     warm: str | None = None  # the session whose trainers, parked on the workers, go on in this one
 
 
+_PATIENCE = 2.0  # seconds a fetch of a held minibatch may take before it is asked again (doubling)
+
+
 @dataclass(frozen=True)
 class HeldMinibatch:
     """The loader of minibatches held in workers' memory ("direct" training), by name. The driver
     publishes their futures as the Dask dataset ``dataset``; a trainer takes them from there once
     (:meth:`bind`), which makes its client want them as the driver's does: a minibatch lost with its
     worker is recomputed from its RDD's lineage, and the trainer waiting for it is told when it is
-    back. ``timeout`` (seconds) bounds that wait."""
+    back. ``timeout`` (seconds) bounds that wait.
+
+    A fetch can be connecting to a worker that died after the scheduler named it as the holder, and
+    Dask retries a refused connection until its connect timeout (``distributed.comm.timeouts.connect``,
+    30 s). So a fetch that takes longer than :data:`_PATIENCE` seconds is cancelled and asked again,
+    which asks the scheduler again and finds the copy recomputed elsewhere, with the patience doubled
+    each time so that a long transfer still ends."""
 
     dataset: str
     timeout: float
@@ -96,13 +105,20 @@ class HeldMinibatch:
         return HeldMinibatch(self.dataset, self.timeout, client.get_dataset(self.dataset))
 
     def __call__(self, name: str) -> Any:
-        try:
-            return decode(self.futures[name].result(timeout=self.timeout))
-        except TimeoutError:
-            raise TimeoutError(
-                f"minibatch {name}, held in worker memory, was not available within {self.timeout:g} s "
-                "(dlscale.sharing.end-timeout): it was lost with its worker and not recomputed"
-            ) from None
+        future, patience = self.futures[name], _PATIENCE
+        deadline = time.monotonic() + self.timeout
+        while True:
+            wait = min(patience, deadline - time.monotonic())
+            try:
+                return decode(future.result(timeout=max(wait, 0.0)))
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"minibatch {name}, held in worker memory, was not available within {self.timeout:g} s "
+                        "(dlscale.sharing.end-timeout): it was lost with its worker and not recomputed"
+                    ) from None
+                logger.info("minibatch %s, held in worker memory, not here after %.3g s: asking again", name, wait)
+                patience *= 2
 
 
 class _Control:
