@@ -64,7 +64,7 @@ AGGREGATION = SharedTrainingMaster(1).aggregation  # the default
 SEEDS = (0, 1, 2)
 WORKERS = (2, 4)
 PEERS = {"ddp": False, "ddp_powersgd": True}  # name: with PowerSGD
-LARGE_BATCH = "sync_sum"  # the method name of large_batch's rows
+LARGE_BATCH = "sync_sum"  # the method name of single's rows with several minibatches a step
 
 
 def digits_mlp(seed: int) -> torch.nn.Module:
@@ -150,37 +150,27 @@ def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
 
 
 def single(
-    model: Model, batches: list[DataSet], test: tuple[torch.Tensor, torch.Tensor], seed: int, epochs: int
+    model: Model,
+    batches: list[DataSet],
+    test: tuple[torch.Tensor, torch.Tensor],
+    seed: int,
+    epochs: int,
+    per_step: int = 1,
 ) -> float:
-    """Test accuracy after plain PyTorch training, one thread."""
-    torch.set_num_threads(1)
-    module = model.module(seed)
-    optimizer = model.optimizer(module.parameters())
-    module.train()
-    for epoch in range(epochs):
-        for i in epoch_order(seed, epoch, len(batches)):
-            optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(module(batches[i].features), batches[i].labels).backward()
-            optimizer.step()
-    return accuracy(module, *test)
-
-
-def large_batch(
-    model: Model, batches: list[DataSet], test: tuple[torch.Tensor, torch.Tensor], seed: int, epochs: int, workers: int
-) -> float:
-    """Test accuracy after synchronous training in one process that sums the gradients of ``workers``
-    consecutive minibatches of the single process's order a step (the last group of an epoch may be
-    fewer): what summing every trainer's update reaches with no staleness and no compression, in the
-    fewer sequential steps that W trainers take, one thread."""
+    """Test accuracy after plain PyTorch training, one thread, in the minibatch order gradient
+    sharing's scheduler hands out. With ``per_step`` W > 1 each step sums the gradients of W
+    consecutive minibatches of that order (the last group of an epoch may be fewer): what summing
+    every trainer's update reaches with no staleness and no compression, in the fewer sequential
+    steps that W trainers take (``sync_sum``)."""
     torch.set_num_threads(1)
     module = model.module(seed)
     optimizer = model.optimizer(module.parameters())
     module.train()
     for epoch in range(epochs):
         order = epoch_order(seed, epoch, len(batches))
-        for start in range(0, len(order), workers):
+        for start in range(0, len(order), per_step):
             optimizer.zero_grad()
-            for i in order[start : start + workers]:
+            for i in order[start : start + per_step]:
                 torch.nn.functional.cross_entropy(module(batches[i].features), batches[i].labels).backward()
             optimizer.step()
     return accuracy(module, *test)
@@ -434,7 +424,7 @@ def main(argv: list[str] | None = None) -> None:
                     }
                 )
                 for w in workers:
-                    acc = large_batch(model, batches, test, seed, epochs, w)
+                    acc = single(model, batches, test, seed, epochs, per_step=w)
                     print(f"{name:14s} {LARGE_BATCH:13s} {w} workers seed {seed}: accuracy {acc:.3f}", flush=True)
                     record(
                         {
