@@ -15,7 +15,11 @@ epochs (1,500 minibatches), each run ``REPEATS`` times (the median goes in the t
   with its trainers' phase timings per minibatch; on 2 workers also with ``dlscale.sharing.lease``
   at each of ``LEASES`` (minibatches a trainer takes from the scheduler in one call), and on 1
   worker also with ``prefetch=0`` (each minibatch loaded by the trainer's own thread when it is
-  needed, not by a thread beside it).
+  needed, not by a thread beside it);
+- **averaging**: dlscale's ``ParameterAveragingTrainingMaster`` on ``local[2]``, one ``fit_paths``
+  of the 20 epochs timed whole, averaging every 5 minibatches (its default) and once an epoch
+  (``averaging_frequency`` 38: each worker's share of an epoch's 75 minibatches): what a user with
+  a small model could pick instead of gradient sharing.
 
 Target: sharing on 2 workers at least as fast as the single process over the whole fit. Results go
 to ``benchmarks/results/small_model.json``.
@@ -35,12 +39,13 @@ import torch
 from benchmarks import _ddp
 from benchmarks._common import accuracy, digits, export_paths, header, write_results
 from benchmarks.quality import digits_mlp
-from dlscale import SharedTrainingMaster, SparkContext, SparkNet, config
+from dlscale import ParameterAveragingTrainingMaster, SharedTrainingMaster, SparkContext, SparkNet, config
 from dlscale.nn import Network
 
 RESULTS = Path(__file__).resolve().parent / "results" / "small_model.json"
 BATCH, EPOCHS, LR, REPEATS = 16, 20, 0.01, 3
 LEASES = (1, 4)  # besides the default
+AVERAGING_FREQUENCIES = (5, 38)  # the default, and once an epoch on 2 workers (75 minibatches an epoch)
 OPTIMIZER = functools.partial(torch.optim.SGD, lr=LR, momentum=0.9)
 PHASES = ("fit", "encode", "send", "apply", "wait")
 
@@ -100,6 +105,17 @@ def sharing(sc: SparkContext, paths: Any, data: tuple[torch.Tensor, ...], **opti
     }
 
 
+def averaging(sc: SparkContext, paths: Any, data: tuple[torch.Tensor, ...], frequency: int) -> dict[str, Any]:
+    """One ``fit_paths`` of every epoch with ``ParameterAveragingTrainingMaster``, timed whole."""
+    x, _, tx, ty = data
+    net = Network(digits_mlp(0), "cross_entropy", OPTIMIZER)
+    spark_net = SparkNet(sc, net, ParameterAveragingTrainingMaster(BATCH, averaging_frequency=frequency, rng_seed=0))
+    start = time.perf_counter()
+    spark_net.fit_paths(paths, epochs=EPOCHS)
+    seconds = time.perf_counter() - start
+    return {"examples_per_s": EPOCHS * len(x) / seconds, "seconds": seconds, "accuracy": accuracy(net.module, tx, ty)}
+
+
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The run of median examples/s, with every run's examples/s beside it."""
     ranked = sorted(runs, key=lambda r: r["examples_per_s"])
@@ -129,6 +145,11 @@ def main() -> None:
                     rows[f"sharing (2 workers, lease {lease})"] = median_run(
                         [sharing(sc, paths, data) for _ in range(REPEATS)]
                     )
+            for frequency in AVERAGING_FREQUENCIES if workers > 1 else ():
+                averaging(sc, sc.parallelize(paths.take(2 * workers), workers), data, frequency)  # its first pickling
+                rows[f"averaging (2 workers, frequency {frequency})"] = median_run(
+                    [averaging(sc, paths, data, frequency) for _ in range(REPEATS)]
+                )
     base = rows["single"]["examples_per_s"]
     for row in rows.values():
         row["vs_single"] = row["examples_per_s"] / base
