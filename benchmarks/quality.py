@@ -11,6 +11,7 @@ Run from the repository root::
     python -m benchmarks.quality --workers 2 --aggregations sum,mean   # both ways of combining updates
     python -m benchmarks.quality --compressors topk --peers ""   # no DDP rows
     python -m benchmarks.quality --compressors "" --workers 2    # DDP rows alone
+    python -m benchmarks.quality --compressors topk --masking off   # without momentum masking
     python -m benchmarks.quality --report     # the table again from the last results
 
 Models (``MODELS``): scikit-learn's digits (1,200 training and 597 test images) with an MLP, a
@@ -65,6 +66,7 @@ SEEDS = (0, 1, 2)
 WORKERS = (2, 4)
 PEERS = {"ddp": False, "ddp_powersgd": True}  # name: with PowerSGD
 LARGE_BATCH = "sync_sum"  # the method name of single's rows with several minibatches a step
+UNMASKED = " unmasked"  # a compressor's method name ends so when its fits ran without momentum masking
 
 
 def digits_mlp(seed: int) -> torch.nn.Module:
@@ -185,11 +187,17 @@ def shared(
     epochs: int,
     compressor: str,
     aggregation: str,
+    momentum_masking: bool = True,
 ) -> dict[str, Any]:
     """Test accuracy and bytes sent after gradient sharing on ``sc``'s workers."""
     net = Network(model.module(seed), "cross_entropy", model.optimizer)
     master = SharedTrainingMaster(
-        model.batch, compressor=compressor, aggregation=aggregation, rng_seed=seed, collect_training_stats=True
+        model.batch,
+        compressor=compressor,
+        aggregation=aggregation,
+        momentum_masking=momentum_masking,
+        rng_seed=seed,
+        collect_training_stats=True,
     )
     spark_net = SparkNet(sc, net, master)
     start = time.perf_counter()
@@ -253,6 +261,11 @@ def peer(
 
 
 # -- the report -------------------------------------------------------------------------------------------
+def _method(compressor: str, masking: bool) -> str:
+    """The method name of a compressor's runs: its own, or with :data:`UNMASKED` after it."""
+    return compressor if masking else compressor + UNMASKED
+
+
 def _key(run: dict[str, Any]) -> tuple[Any, ...]:
     return run["model"], run["method"], run["aggregation"], run["workers"], run["seed"]
 
@@ -264,9 +277,8 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in runs:
         groups.setdefault((r["model"], r["method"], r["aggregation"], r["workers"]), []).append(r)
     order = {m: i for i, m in enumerate(MODELS)}
-    methods = {
-        m: i for i, m in enumerate(dict.fromkeys(("single", LARGE_BATCH, DEFAULT, *sorted(COMPRESSORS), *PEERS)))
-    }
+    compressors = [_method(c, k) for c in dict.fromkeys((DEFAULT, *sorted(COMPRESSORS))) for k in (True, False)]
+    methods = {m: i for i, m in enumerate(dict.fromkeys(("single", LARGE_BATCH, *compressors, *PEERS)))}
     rows = []
     for (model, method, aggregation, workers), rs in sorted(
         groups.items(),
@@ -349,6 +361,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--aggregations", default=AGGREGATION, help=f"comma-separated aggregations (default {AGGREGATION})"
     )
+    parser.add_argument(
+        "--masking",
+        default="on",
+        help="comma-separated momentum masking of the shared fits: on (the default), off (rows named "
+        f"'<compressor>{UNMASKED}')",
+    )
     parser.add_argument("--peers", default=",".join(PEERS), help="comma-separated peers to run beside (empty: none)")
     parser.add_argument("--report", action="store_true", help="the table again from the last results")
     args = parser.parse_args(argv)
@@ -358,6 +376,7 @@ def main(argv: list[str] | None = None) -> None:
     models = _names(args.models, tuple(MODELS), "models", parser)
     compressors = _names(args.compressors, tuple(COMPRESSORS), "compressors", parser) if args.compressors else ()
     aggregations = _names(args.aggregations, AGGREGATIONS, "aggregations", parser)
+    maskings = tuple(m == "on" for m in _names(args.masking, ("on", "off"), "masking", parser))
     peers = _names(args.peers, tuple(PEERS), "peers", parser) if args.peers else ()
     workers = tuple(int(w) for w in (args.workers or ("2" if args.quick else ",".join(map(str, WORKERS)))).split(","))
     seeds = tuple(int(s) for s in (args.seeds or ("0" if args.quick else ",".join(map(str, SEEDS)))).split(","))
@@ -367,7 +386,13 @@ def main(argv: list[str] | None = None) -> None:
         mine = {(m, "single", None, 1, s) for m in models for s in seeds}
         mine |= {(m, LARGE_BATCH, "sum", w, s) for m in models for w in workers for s in seeds}
         mine |= {
-            (m, c, a, w, s) for m in models for c in compressors for a in aggregations for w in workers for s in seeds
+            (m, _method(c, k), a, w, s)
+            for m in models
+            for c in compressors
+            for k in maskings
+            for a in aggregations
+            for w in workers
+            for s in seeds
         }
         mine |= {(m, p, None, w, s) for m in models for p in peers for w in workers for s in seeds}
         report["runs"] = [r for r in json.loads(path.read_text())["runs"] if _key(r) not in mine]
@@ -442,17 +467,20 @@ def main(argv: list[str] | None = None) -> None:
                     model = MODELS[name]
                     _, paths, test = exported[name]
                     epochs = model.quick_epochs if args.quick else model.epochs
-                    for compressor, aggregation, seed in itertools.product(compressors, aggregations, seeds):
-                        r = shared(sc, model, paths, test, seed, epochs, compressor, aggregation)
+                    for compressor, masking, aggregation, seed in itertools.product(
+                        compressors, maskings, aggregations, seeds
+                    ):
+                        r = shared(sc, model, paths, test, seed, epochs, compressor, aggregation, masking)
+                        method = _method(compressor, masking)
                         print(
-                            f"{name:14s} {compressor:8s} {aggregation:4s} {w} workers seed {seed}: accuracy "
+                            f"{name:14s} {method:8s} {aggregation:4s} {w} workers seed {seed}: accuracy "
                             f"{r['accuracy']:.3f}, {r['compression']:.1f}x compression ({r['seconds']:.0f} s)",
                             flush=True,
                         )
                         record(
                             {
                                 "model": name,
-                                "method": compressor,
+                                "method": method,
                                 "aggregation": aggregation,
                                 "workers": w,
                                 "seed": seed,
