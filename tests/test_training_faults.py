@@ -162,15 +162,16 @@ def test_averaging_survives_kills_at_random_points(sc3: SparkContext, data: tupl
     """Ten fits, each killing a worker at a random round: every one finishes with each minibatch fitted
     once, and the kills cost no accuracy on average (mean within 1 point of the same fits unfaulted;
     measured 0.2 below). A kill changes the rounds that follow (two workers share what three did), which
-    moves one fit's accuracy as another shuffle would: measured up to 2.7 points either way against the
-    same seed unfaulted, so a single fit is held to 3."""
+    moves one fit's accuracy as another shuffle would: over 30 seeds, faulted less unfaulted had a mean
+    of +0.1 and a standard deviation of 1.0 points, from -2.7 to +2.2, and one fit in a CI run was 3.0
+    below, so a single fit is held to 4 (a lost share of minibatches fails the check that each is fitted once)."""
     unfaulted, faulted = [], []
     for seed in range(10):
         approach = "export" if seed % 2 else "direct"
         unfaulted.append(_fit_averaging(sc3, data, approach, seed=100 + seed))
         faulted.append(accuracy(_fit_averaging_killed(sc3, data, approach, seed=100 + seed), data[2], data[3]))
     assert sum(faulted) / 10 >= sum(unfaulted) / 10 - 0.01, (faulted, unfaulted)
-    assert all(f >= u - 0.03 for f, u in zip(faulted, unfaulted, strict=True)), (faulted, unfaulted)
+    assert all(f >= u - 0.04 for f, u in zip(faulted, unfaulted, strict=True)), (faulted, unfaulted)
 
 
 @pytest.mark.timeout(300)
