@@ -20,7 +20,10 @@ A plain PyTorch step of the same model (compare's single process) is timed the s
 ``STEPS`` steps after ``WARMUP`` untimed ones (past ``"topk"``'s density warm-up), twice: alone,
 with the machine's other core idle, and beside a second process that fits the same model in a loop,
 as the other trainer of a 2-worker run (or the ceiling's other process) does. Figures are medians
-over the steps, in milliseconds. Results go to ``benchmarks/results/step_costs.json``.
+over the steps, in milliseconds. From them, ``two_trainers_bound``: the most two trainers of each
+compressor could train against one plain process alone, were nothing else on the machine (two
+steps' examples in one step beside a fitting process, against one plain step alone). Results go to
+``benchmarks/results/step_costs.json``.
 """
 
 from __future__ import annotations
@@ -190,6 +193,13 @@ def main() -> None:
                 + f"  ms a step (besides the fit {r['besides_fit']:.2f})",
                 flush=True,
             )
+    alone = next(r["fit"] for r in report["runs"] if r["run"] == "plain PyTorch" and r["beside"] == "nothing")
+    report["two_trainers_bound"] = {}
+    for r in report["runs"]:
+        if r["run"] in COMPRESSORS and r["beside"] != "nothing":
+            bound = 2 * alone / (r["fit"] + r["besides_fit"])
+            report["two_trainers_bound"][r["run"]] = bound
+            print(f"two {r['run']} trainers with nothing else on the machine: at most {bound:.2f}x one process")
     write_results(RESULTS, report, indent=1)
 
 
