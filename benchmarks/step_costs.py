@@ -50,8 +50,15 @@ STEPS = 60
 PHASES = ("fit", "encode", "send", "apply")
 
 
+def _plain_step(module: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Compare's single process: one plain PyTorch step."""
+    optimizer.zero_grad()
+    torch.nn.functional.cross_entropy(module(x), y).backward()
+    optimizer.step()
+
+
 def _fit_forever(ready: Any, stop: Any) -> None:
-    """The second process: compare's plain PyTorch step, over and over, until ``stop`` is set."""
+    """The second process: :func:`_plain_step`, over and over, until ``stop`` is set."""
     torch.set_num_threads(1)
     x, y, _, _ = make_data()
     module = mlp()
@@ -59,9 +66,7 @@ def _fit_forever(ready: Any, stop: Any) -> None:
     i = 0
     while not stop.is_set():
         at = (i % (len(x) // BATCH)) * BATCH
-        optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(module(x[at : at + BATCH]), y[at : at + BATCH]).backward()
-        optimizer.step()
+        _plain_step(module, optimizer, x[at : at + BATCH], y[at : at + BATCH])
         i += 1
         if i == 5:
             ready.set()
@@ -103,15 +108,13 @@ def _phases(steps: Callable[[DataSet], dict[str, float]], batches: list[DataSet]
 
 
 def plain(batches: list[DataSet]) -> dict[str, float]:
-    """Compare's single process: a plain PyTorch step."""
+    """Compare's single process: :func:`_plain_step`, timed."""
     module = mlp()
     optimizer = SGD(module.parameters())
 
     def step(batch: DataSet) -> dict[str, float]:
         t = time.perf_counter()
-        optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(module(batch.features), batch.labels).backward()
-        optimizer.step()
+        _plain_step(module, optimizer, batch.features, batch.labels)
         return {"fit": time.perf_counter() - t}
 
     return _phases(step, batches)
