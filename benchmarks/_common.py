@@ -5,17 +5,29 @@ The workload: an MLP 784-2048-2048-10 (5.8M parameters) trained with SGD (lr 0.0
 minibatches of 64 on a synthetic 10-class problem of MNIST's shape, 25,600 training and 4,096 test
 examples. Only torch is imported with this module; the helpers that need dlscale import it when
 called, so that the DDP baseline's processes (``benchmarks._ddp``) never load dlscale.
+
+Every benchmark takes ``--smoke`` and ``--out`` (:func:`command_line`, :func:`parse`). A smoke run
+checks that the benchmark still works, in seconds: small data, a few steps, one seed, one repeat;
+its figures mean nothing, so its results go to ``--out`` or to a scratch folder
+(:data:`SCRATCH`), never to ``benchmarks/results/``, and say ``"smoke": true``. The smoke switch
+reaches the processes a benchmark starts through the environment (:data:`SMOKE_ENV`), so that the
+shared workload is small in every one of them. A benchmark that cannot run on this machine (no
+GPU, no Java for PySpark) says why with :func:`unavailable`.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import functools
 import json
 import operator
 import os
 import platform
+import shutil
 import statistics
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -28,9 +40,17 @@ if TYPE_CHECKING:
     from dlscale.facade.rdd import RDD
     from dlscale.nn import Network
 
+SMOKE_ENV = "DLSCALE_BENCHMARK_SMOKE"
+"""Set (to 1) in a smoke run's environment: the benchmark and every process it starts run small."""
+SMOKE = os.environ.get(SMOKE_ENV) == "1"
+RESULTS = Path(__file__).resolve().parent / "results"
+"""The benchmarks' recorded figures; a smoke run never writes here."""
+SCRATCH = Path(tempfile.gettempdir()) / "dlscale-benchmarks-smoke"
+"""Where a smoke run's results go when no ``--out`` is given."""
+
 BATCH = 64
-TRAIN = 64 * 400  # 25,600 examples: 400 minibatches an epoch
-TEST = 4096
+TRAIN = 64 * 8 if SMOKE else 64 * 400  # 25,600 examples: 400 minibatches an epoch (a smoke run: 8)
+TEST = 512 if SMOKE else 4096
 SGD = functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9)
 
 
@@ -125,13 +145,85 @@ def export_paths(sc: SparkContext, x: torch.Tensor, y: torch.Tensor, url: str, b
     return list_paths(sc, url)
 
 
+def command_line(description: str | None) -> argparse.ArgumentParser:
+    """A benchmark's argument parser, with the options every benchmark takes: ``--smoke`` and ``--out``.
+    Add the benchmark's own, then :func:`parse`."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a smoke run: small data, a few steps, one seed, to check that the benchmark works (its figures "
+        "mean nothing); results go to --out or a scratch folder, never to benchmarks/results/",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        metavar="FILE",
+        help=f"the results file (default benchmarks/results/NAME.json; with --smoke, NAME.json in {SCRATCH})",
+    )
+    return parser
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None, results: Path | None) -> argparse.Namespace:
+    """``parser``'s arguments, with ``args.out`` the results file: ``--out``, else ``results`` (None: the
+    benchmark writes none unless asked), else in a smoke run a file of ``results``' name in :data:`SCRATCH`.
+    A smoke run (``--smoke``, or a process that a smoke run started) refuses an ``--out`` under
+    ``benchmarks/results/`` and sets :data:`SMOKE_ENV` for the processes it starts."""
+    args = parser.parse_args(argv)
+    args.smoke = args.smoke or SMOKE
+    if args.smoke:
+        name = results.name if results is not None else f"{Path(sys.argv[0]).stem}.json"
+        args.out = (args.out or SCRATCH / name).resolve()
+        if args.out.is_relative_to(RESULTS):
+            parser.error(f"--smoke writes its results outside {RESULTS} (its figures mean nothing): --out FILE")
+        os.environ[SMOKE_ENV] = "1"
+        _smoke_workload()
+    else:
+        args.out = args.out or results
+    return args
+
+
+def _smoke_workload() -> None:
+    """The shared workload of a smoke run, in this process too (a flag given on the command line)."""
+    global SMOKE, TRAIN, TEST
+    SMOKE, TRAIN, TEST = True, 64 * 8, 512
+
+
+def shrink(namespace: dict[str, Any], **sizes: Any) -> None:
+    """A smoke run's sizes: each of ``sizes`` replaces the constant of that name in ``namespace`` (a
+    benchmark's ``globals()``). A name the benchmark does not have is an error, so that a renamed
+    constant is not silently left at its full size."""
+    unknown = sorted(set(sizes) - set(namespace))
+    if unknown:
+        raise NameError(f"shrink: no constant {', '.join(unknown)} to set")
+    namespace.update(sizes)
+
+
+def unavailable(benchmark: str, reason: str, smoke: bool) -> None:
+    """End a benchmark that cannot run on this machine, saying why: with status 1 for a real run (no
+    figures were made), with status 0 for a smoke run, whose line ``not run here: REASON`` the smoke
+    test reports as a skip. ``reason`` completes "benchmarks.NAME needs ..."."""
+    if smoke:
+        print(f"not run here: benchmarks.{benchmark} needs {reason}", flush=True)
+        raise SystemExit(0)
+    raise SystemExit(f"benchmarks.{benchmark} needs {reason}")
+
+
+def java_missing() -> str | None:
+    """Why PySpark cannot start here (no Java), or None."""
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        return "Java 17+ for PySpark (no `java` on PATH and no JAVA_HOME)"
+    return None
+
+
 def header(benchmark: str, **machine: Any) -> dict[str, Any]:
     """The head of a results file: the benchmark, the date (UTC), and the machine (Python, torch,
-    dlscale, cores and platform, with the versions in ``machine``)."""
+    dlscale, cores and platform, with the versions in ``machine``); ``"smoke": true`` in a smoke run."""
     from dlscale import __version__
 
     return {
         "benchmark": benchmark,
+        **({"smoke": True} if SMOKE else {}),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {
             "python": platform.python_version(),

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks._common import header, timed, write_results
+from benchmarks._common import command_line, header, parse, shrink, timed, write_results
 from dlscale.encoding import apply, decode, encode
 
 RESULTS = Path(__file__).resolve().parent / "results" / "encoding.json"
@@ -90,7 +90,10 @@ def run(update: torch.Tensor, limits: dict[float, float]) -> dict[str, Any]:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    args = parse(command_line(__doc__.splitlines()[0]), argv, RESULTS)
+    if args.smoke:
+        shrink(globals(), LENGTH=100_000, REPEATS=2)
     default_threads = torch.get_num_threads()
     update = torch.randn(LENGTH, generator=torch.Generator().manual_seed(0))
     limits = thresholds(update)
@@ -125,7 +128,7 @@ def main() -> None:
         f"target encode+apply <= {TARGET} x clone at sparsity {HEADLINE:g}, one thread: "
         f"{'met' if report['target']['met'] else 'missed'} ({headline:.2f})"
     )
-    write_results(RESULTS, report)
+    write_results(args.out, report)
 
 
 if __name__ == "__main__":

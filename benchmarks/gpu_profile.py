@@ -23,7 +23,18 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import BATCH, export_paths, header, make_data, network, write_results
+from benchmarks._common import (
+    BATCH,
+    command_line,
+    export_paths,
+    header,
+    make_data,
+    network,
+    parse,
+    shrink,
+    unavailable,
+    write_results,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu-profile.json"
 COMPRESSORS = ("topk", "dl4j", "dense")
@@ -96,9 +107,12 @@ def profile(compressor: str, paths: Any, sc: Any, tmp: str) -> dict[str, Any]:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    args = parse(command_line(__doc__.splitlines()[0]), argv, RESULTS)
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks.gpu_profile needs a GPU that torch sees")
+        unavailable("gpu_profile", "a GPU that torch sees", args.smoke)
+    if args.smoke:
+        shrink(globals(), EXAMPLES=64 * 8)
     os.environ["DLSCALE_DEVICE"] = "cuda"  # the embedded cluster's workers inherit it
     from dlscale import SparkContext
 
@@ -119,7 +133,7 @@ def main() -> None:
                 flush=True,
             )
     write_results(
-        RESULTS,
+        args.out,
         {
             **header("gpu_profile", gpu=torch.cuda.get_device_name(0)),
             "setup": {"workers": 2, "device": "cuda", "batch": BATCH, "minibatches_per_fit": EXAMPLES // BATCH},

@@ -29,7 +29,7 @@ import dask
 import torch
 import zarr
 
-from benchmarks._common import header, timed, write_results
+from benchmarks._common import command_line, header, parse, shrink, timed, write_results
 from dlscale import SparkContext, StorageLevel, storage
 from dlscale.data import (
     DataSet,
@@ -47,6 +47,7 @@ SHAPE = (3, 32, 32)  # CIFAR-sized images: 3 MiB of float32 features per minibat
 N_BATCHES = 48
 S3_BATCHES = 12
 REPEATS = 5
+S3_REPEATS = 3
 TARGET = 0.8
 
 
@@ -136,8 +137,8 @@ def bench_export(sc: SparkContext, root: Path) -> dict[str, Any]:
             timed(lambda r=r: export_minibatches(rdd, str(root / f"export-{r}"), BATCH))
         )
         if r == 0:
-            exported = sorted((root / "export-0").iterdir())
-            assert all(load(str(p)).equals(b) for p, b in zip(exported, local)) and len(exported) == len(local)
+            _, exported = storage.find_files(str(root / "export-0"), None)  # the minibatches, not the manifest
+            assert all(load(p).equals(b) for p, b in zip(exported, local)) and len(exported) == len(local)
         shutil.rmtree(out)
         shutil.rmtree(root / f"export-{r}")
     rdd.unpersist()
@@ -184,12 +185,15 @@ def s3_zarr(data: list[DataSet]) -> dict[str, Any]:
     spec.loader.exec_module(launcher)
     server, endpoint = launcher.start(buckets=("bench",))
     try:
-        return bench_zarr(data, "s3://bench/io", launcher.storage_options(endpoint), 3)
+        return bench_zarr(data, "s3://bench/io", launcher.storage_options(endpoint), S3_REPEATS)
     finally:
         server.stop()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    args = parse(command_line(__doc__.splitlines()[0]), argv, RESULTS)
+    if args.smoke:
+        shrink(globals(), N_BATCHES=4, S3_BATCHES=2, REPEATS=1, S3_REPEATS=1)
     data = make_data(N_BATCHES)
     nbytes = sum(d.nbytes() for d in data)
     # under the storage root, on disk (a tmpfs /tmp would make "local disk" mean memory)
@@ -236,7 +240,7 @@ def main() -> None:
             + ", ".join(f"{k} {v:.2f} GB/s" for k, v in z["GB/s"].items())
             + f"; zarr / files = {z['zarr / files']:.2f}"
         )
-    write_results(RESULTS, report)
+    write_results(args.out, report)
 
 
 if __name__ == "__main__":

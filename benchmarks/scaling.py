@@ -233,14 +233,15 @@ def table(projection: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    """Project the MLP's two-worker loopback gradient-sharing run of ``compare.json`` again; print the table."""
-    import argparse
+def main(argv: list[str] | None = None) -> None:
+    """Project the MLP's two-worker loopback gradient-sharing run of ``compare.json`` again; print the
+    table (and write the projection to ``--out``, if given)."""
+    from benchmarks._common import command_line, header, parse, write_results
 
-    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser = command_line(main.__doc__)
     parser.add_argument("--latency", type=float, default=50e-6, help="seconds per message (default 50e-6)")
     parser.add_argument("--fanout", type=int, default=8, help="mesh fanout (default 8)")
-    args = parser.parse_args()
+    args = parse(parser, argv, None)
     results = json.loads(SOURCE.read_text())
     run = next(
         r
@@ -251,6 +252,8 @@ def main() -> None:
     projection = project(measured_from(run), latency_s=args.latency, fanout=args.fanout)
     print(f"one worker, compute only: {projection['single_worker_samples_per_s']:,.0f} samples/s")
     print(table(projection))
+    if args.out is not None:
+        write_results(args.out, {**header("scaling"), "source": SOURCE.name, "projection": projection})
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from typing import Any
 import distributed
 import torch
 
-from benchmarks._common import header, write_results
+from benchmarks._common import command_line, header, parse, shrink, write_results
 from dlscale.facade._graph import Partition
 
 REPEATS = 5
@@ -59,7 +59,14 @@ def time_transfers(client: distributed.Client, kind: str, payload: str) -> dict[
     return {"worker_to_worker_s": statistics.median(w2w), "worker_to_client_s": statistics.median(w2c)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    args = parse(command_line(__doc__.splitlines()[0]), argv, RESULTS)
+    if args.smoke:
+        shrink(
+            globals(),
+            REPEATS=1,
+            PAYLOADS={"1k (str, int) pairs": (pairs, 1000), "4 tensors of 16 KiB": (tensors, 4096)},
+        )
     results: dict[str, dict] = {}
     with distributed.LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None) as cluster:
         with distributed.Client(cluster) as client:
@@ -80,7 +87,7 @@ def main() -> None:
             f"| {r['Partition']['worker_to_client_s']:.3f} | {r['speedup_worker_to_client']:.1f}x |"
         )
     write_results(
-        RESULTS, {**header("transfer", distributed=distributed.__version__), "repeats": REPEATS, "results": results}
+        args.out, {**header("transfer", distributed=distributed.__version__), "repeats": REPEATS, "results": results}
     )
 
 
