@@ -36,12 +36,25 @@ import distributed
 import numpy as np
 import pyspark
 
-from benchmarks._common import Targets, header, targets_met, timing_report, write_results
+from benchmarks._common import (
+    Targets,
+    command_line,
+    header,
+    java_missing,
+    parse,
+    shrink,
+    targets_met,
+    timing_report,
+    unavailable,
+    write_results,
+)
 from dlscale import SparkContext
 
 WORKERS = 4
 MB = 2**20
 REPEATS = 3
+SIZE = 1.0  # of the values' sizes below
+PAUSE = 1  # seconds between repeats
 SAMPLE = 10_000  # the wrapped Dask scatter of a list or dict is timed on 1/SAMPLE of the value
 RESULTS = Path(__file__).resolve().parent / "results" / "broadcast.json"
 SYSTEMS = ("dlscale", "dask", "pyspark")
@@ -52,13 +65,13 @@ TARGETS: Targets = {
 
 
 def make_values() -> dict[str, Any]:
-    """About 100 MB each (the list and dict in pickled form; in memory they are larger)."""
+    """About 100 MB each (the list and dict in pickled form; in memory they are larger), times SIZE."""
     rng = np.random.default_rng(0)
     return {
-        "numpy": rng.random(100 * MB // 8),
-        "bytes": rng.bytes(100 * MB),
-        "list": list(range(10_000_000)),
-        "dict": {i: f"value-{i}" for i in range(2_500_000)},
+        "numpy": rng.random(int(SIZE * 100 * MB) // 8),
+        "bytes": rng.bytes(int(SIZE * 100 * MB)),
+        "list": list(range(int(SIZE * 10_000_000))),
+        "dict": {i: f"value-{i}" for i in range(int(SIZE * 2_500_000))},
     }
 
 
@@ -106,7 +119,7 @@ def repeat(run: Callable[[], float]) -> list[float]:
     for _ in range(REPEATS):
         gc.collect()
         times.append(run())
-        time.sleep(1)  # let the workers free the last value before the next
+        time.sleep(PAUSE)  # let the workers free the last value before the next
     return times
 
 
@@ -194,7 +207,12 @@ def markdown_table(report: dict[str, Any]) -> str:
     return "\n".join("| " + " | ".join(row) + " |" for row in rows)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    args = parse(command_line(__doc__.splitlines()[0]), argv, RESULTS)
+    if java_missing():
+        unavailable("broadcast", java_missing(), args.smoke)
+    if args.smoke:
+        shrink(globals(), SIZE=0.001, SAMPLE=100, REPEATS=1, PAUSE=0)
     start, load_start = time.perf_counter(), os.getloadavg()[0]
     print("building values", flush=True)
     values = make_values()
@@ -211,7 +229,7 @@ def main() -> None:
     report = build_report(times, java, run)
     print(markdown_table(report))
     print(f"targets: {json.dumps(report['targets'])}")
-    write_results(RESULTS, report)
+    write_results(args.out, report)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ Results go to ``benchmarks/results/elastic.json``.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import statistics
 import time
@@ -34,7 +33,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import accuracy, digits, header, write_results
+from benchmarks._common import accuracy, command_line, digits, header, parse, write_results
 from dlscale import SharedTrainingMaster, SparkContext, SparkNet
 from dlscale.data import DataSet
 from dlscale.demo import digits_cnn
@@ -111,15 +110,18 @@ def fit(way: str, seed: int, epochs: int, data: tuple[torch.Tensor, ...]) -> dic
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=3, help="fits of each way (default 3)")
-    parser.add_argument("--epochs", type=int, default=100, help="epochs a fit (default 100)")
-    args = parser.parse_args(argv)
+    parser = command_line(__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=None, help="fits of each way (default 3; smoke: 1)")
+    parser.add_argument("--epochs", type=int, default=None, help="epochs a fit (default 100; smoke: 8)")
+    args = parse(parser, argv, RESULTS)
+    args.seeds = args.seeds or (1 if args.smoke else 3)
+    args.epochs = args.epochs or (8 if args.smoke else 100)
     data = digits()
     report = header("elastic", epochs=args.epochs, batch=BATCH)
     report["fits"] = []
     for way in WAYS:
-        fit(way, 100, 2, data)  # the workers' first imports, unrecorded
+        if not args.smoke:
+            fit(way, 100, 2, data)  # the workers' first imports, unrecorded
         for seed in range(args.seeds):
             result = fit(way, seed, args.epochs, data)
             report["fits"].append(result)
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if way == "retires":
             share = f"(lost-trainer warnings: {s['lost_warnings']}, every minibatch once: {s['every_minibatch_once']})"
         print(f"{way:8} {s['examples_per_second']:10.0f} {s['seconds']:8.1f} {s['accuracy']:9.4f}  {share}")
-    write_results(RESULTS, report)
+    write_results(args.out, report)
     return report
 
 

@@ -36,7 +36,7 @@ import dask.array as da
 import torch
 from distributed import get_task_stream, wait
 
-from benchmarks._common import BATCH, export_paths, header, network, timed, write_results
+from benchmarks._common import BATCH, command_line, export_paths, header, network, parse, shrink, timed, write_results
 from dlscale import SparkContext, StorageLevel
 from dlscale.evaluation import Evaluation, ROCMultiClass, do_evaluation
 from dlscale.inference import feed_forward_with_key, predict
@@ -67,7 +67,10 @@ def single_process(module: torch.nn.Module, x: torch.Tensor, threads: int) -> fl
     return seconds
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    args = parse(command_line(__doc__.splitlines()[0]), argv, RESULTS)
+    if args.smoke:
+        shrink(globals(), EXAMPLES=64 * 8, REPEATS=1)
     x, y = make_data()
     net: Network = network()
     cores = os.cpu_count() or 1
@@ -168,7 +171,7 @@ def main() -> None:
         "met": all(r >= TARGET for r in measured.values()),
     }
     print(f"target: >= {TARGET}x one thread: " + ", ".join(f"{k} {v:.2f}x" for k, v in measured.items()))
-    write_results(RESULTS, report)
+    write_results(args.out, report)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,18 @@ import distributed
 import numpy as np
 import pyspark
 
-from benchmarks._common import Targets, header, targets_met, timing_report, write_results
+from benchmarks._common import (
+    Targets,
+    command_line,
+    header,
+    java_missing,
+    parse,
+    shrink,
+    targets_met,
+    timing_report,
+    unavailable,
+    write_results,
+)
 from dlscale import SparkContext
 
 # Sizes are multiples of PARTITIONS * 1024, so that PySpark's slicing of a list (in batches of
@@ -244,7 +255,12 @@ def markdown_table(report: dict[str, Any]) -> str:
     return "\n".join("| " + " | ".join(row) + " |" for row in rows)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    args = parse(command_line(__doc__.splitlines()[0]), argv, RESULTS)
+    if java_missing():
+        unavailable("facade", java_missing(), args.smoke)
+    if args.smoke:
+        shrink(globals(), N_INTS=PARTITIONS * 1024, N_LINES=PARTITIONS * 1024, N_FLOATS=PARTITIONS * 1024, REPEATS=1)
     # the inputs travel inside the task graph on purpose: that is what parallelize does
     warnings.filterwarnings("ignore", message="Sending large graph", category=UserWarning)
     start, load_start = time.perf_counter(), os.getloadavg()[0]
@@ -262,7 +278,7 @@ def main() -> None:
     report = build_report(dask_times, spark_times, java, run)
     print(markdown_table(report))
     print(f"targets: {json.dumps(report['targets'])}")
-    write_results(RESULTS, report)
+    write_results(args.out, report)
 
 
 if __name__ == "__main__":

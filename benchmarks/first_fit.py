@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import header, write_results
+from benchmarks._common import command_line, header, parse, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results" / "first_fit.json"
 WAYS = {"warm": None, "cold": "[]"}
@@ -79,10 +79,11 @@ def run(way: str) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3, help="driver processes per way (default 3)")
+    parser = command_line(__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=None, help="driver processes per way (default 3; smoke: 1)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = parse(parser, argv, RESULTS)
+    args.repeats = args.repeats or (1 if args.smoke else 3)
     if args.child:
         print(json.dumps(child()))
         return None
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         print(
             f"| {way} | {m['context_start']:.2f} | {m['first_fit']:.2f} | {m['second_fit']:.2f} | {m['script']:.2f} |"
         )
-    write_results(RESULTS, report)
+    write_results(args.out, report)
     return report
 
 

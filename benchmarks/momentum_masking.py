@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import accuracy, digits, header, mlp, write_results
+from benchmarks._common import accuracy, command_line, digits, header, mlp, parse, shrink, write_results
 from dlscale import SharedTrainingMaster, SparkContext, SparkNet
 from dlscale.data import DataSet
 from dlscale.encoding import AdaptiveThresholdAlgorithm, Dl4jCompressor, Layout, decode, encode
@@ -41,6 +41,7 @@ MODELS = {
     "small": {"sizes": [64, 32, 10], "lr": 0.05, "epochs": 10, "trainers_per_worker": 1},
     "slow": {"sizes": [64, 64, 10], "lr": 0.01, "epochs": 3, "trainers_per_worker": 2},
 }
+MASKING_REPEATS = 50
 SETTINGS = {  # name: (momentum_masking, small_message_elements)
     "dl4j": (False, 0),
     "small_messages": (False, 512),
@@ -117,7 +118,15 @@ def masking_cost(repeats: int = 50) -> dict[str, float]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    args = parse(command_line(__doc__.splitlines()[0]), argv, RESULTS)
+    if args.smoke:
+        shrink(
+            globals(),
+            SEEDS=(0,),
+            MODELS={name: {**model, "epochs": 1} for name, model in MODELS.items()},
+            MASKING_REPEATS=2,
+        )
     data = digits()
     report: dict[str, Any] = {
         **header("momentum_masking"),
@@ -149,13 +158,13 @@ def main() -> None:
                     flush=True,
                 )
             report["models"][name] = entry
-    report["cost"] = masking_cost()
+    report["cost"] = masking_cost(MASKING_REPEATS)
     cost = report["cost"]
     print(
         f"masking a {cost['sparsity']:.1%} message on {cost['parameters']:,} parameters: {cost['mask_ms']:.2f} ms "
         f"({cost['mask_ms'] / cost['dense_decode_ms']:.2f}x a dense decode, {cost['dense_decode_ms']:.2f} ms)"
     )
-    write_results(RESULTS, report, indent=1)
+    write_results(args.out, report, indent=1)
 
 
 if __name__ == "__main__":

@@ -32,13 +32,14 @@ import torch
 from benchmarks._common import (
     BATCH,
     SGD,
-    TEST,
-    TRAIN,
     accuracy,
+    command_line,
     export_paths,
     header,
     make_data,
     network,
+    parse,
+    shrink,
     train_epoch,
     write_results,
 )
@@ -89,9 +90,12 @@ def distributed(sc: SparkContext, paths: Any, frequency: int, epochs: int = EPOC
     return seconds, net, breakdown
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    args = parse(command_line(__doc__.splitlines()[0]), argv, RESULTS)
+    if args.smoke:
+        shrink(globals(), EPOCHS=1, FREQUENCIES=(5,), REPEATS=1)
     x, y, test_x, test_y = make_data()
-    samples = EPOCHS * TRAIN
+    samples = EPOCHS * len(x)
     cores = os.cpu_count() or 1
     report: dict[str, Any] = {
         **header("parameter_averaging"),
@@ -99,8 +103,8 @@ def main() -> None:
             "model": "MLP 784-2048-2048-10",
             "parameters": network().num_params(),
             "batch": BATCH,
-            "train_examples": TRAIN,
-            "test_examples": TEST,
+            "train_examples": len(x),
+            "test_examples": len(test_x),
             "epochs": EPOCHS,
             "optimizer": "SGD lr 0.01 momentum 0.9",
             "workers": 2,
@@ -163,7 +167,7 @@ def main() -> None:
     ratio = report["dlscale"]["averaging_frequency_5"]["ratio_vs_1_thread"]
     report["target"] = {"ratio_vs_1_thread_at_frequency_5": TARGET, "measured": ratio, "met": ratio >= TARGET}
     print(f"target: >= {TARGET}x at averaging frequency 5: {ratio:.2f}x ({'met' if ratio >= TARGET else 'not met'})")
-    write_results(RESULTS, report)
+    write_results(args.out, report)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import dask
 import torch
 
 from benchmarks import _ddp
-from benchmarks._common import accuracy, digits, export_paths, header, write_results
+from benchmarks._common import accuracy, command_line, digits, export_paths, header, parse, shrink, write_results
 from benchmarks.quality import digits_mlp
 from dlscale import ParameterAveragingTrainingMaster, SharedTrainingMaster, SparkContext, SparkNet, config
 from dlscale.nn import Network
@@ -122,7 +122,10 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {**ranked[len(ranked) // 2], "repeats": [r["examples_per_s"] for r in runs]}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    args = parse(command_line(__doc__.splitlines()[0]), argv, RESULTS)
+    if args.smoke:
+        shrink(globals(), EPOCHS=1, REPEATS=1, LEASES=(4,), AVERAGING_FREQUENCIES=(5,))
     data = digits()
     rows: dict[str, dict[str, Any]] = {
         "single": median_run([single(data) for _ in range(REPEATS)]),
@@ -167,7 +170,7 @@ def main() -> None:
         "runs": rows,
         "target": {"sharing_2_workers_vs_single": ratio, "bound": 1.0, "met": ratio >= 1.0},
     }
-    write_results(RESULTS, report)
+    write_results(args.out, report)
     for name, row in rows.items():
         rate, ratio, acc = row["examples_per_s"], row["vs_single"], row["accuracy"]
         print(f"{name:30s} {rate:9,.0f} examples/s  {ratio:.2f}x single  test accuracy {acc:.3f}")

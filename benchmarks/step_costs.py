@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import BATCH, SGD, header, make_data, mlp, network, write_results
+from benchmarks._common import BATCH, SGD, command_line, header, make_data, mlp, network, parse, shrink, write_results
 from dlscale.data import DataSet
 from dlscale.encoding import Difference, Layout, compressor
 from dlscale.training.sharing._trainer import _mask_momentum
@@ -165,7 +165,10 @@ def trainer(name: str, batches: list[DataSet]) -> dict[str, Any]:
     return {**phases, "message_bytes": statistics.median(sizes[WARMUP:])}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    args = parse(command_line(__doc__.splitlines()[0]), argv, RESULTS)
+    if args.smoke:
+        shrink(globals(), WARMUP=2, STEPS=3)
     torch.set_num_threads(1)
     batches = _batches()
     report: dict[str, Any] = {
@@ -203,7 +206,7 @@ def main() -> None:
             bound = 2 * alone / (r["fit"] + r["besides_fit"])
             report["two_trainers_bound"][r["run"]] = bound
             print(f"two {r['run']} trainers with nothing else on the machine: at most {bound:.2f}x one process")
-    write_results(RESULTS, report, indent=1)
+    write_results(args.out, report, indent=1)
 
 
 if __name__ == "__main__":
