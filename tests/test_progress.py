@@ -1,11 +1,14 @@
 """Training progress on the driver: a tqdm bar on a terminal (driven in a real pseudo-terminal of 80
-columns), a line per epoch through the ``dlscale`` logger elsewhere with each epoch's own figures,
-the training panel's address once per context, nothing when switched off."""
+columns), a line per epoch through the ``dlscale`` logger elsewhere with each epoch's own figures
+(a script's output in a file, by default), lines within a long epoch at most once per
+``dlscale.progress-interval`` with the time left, the training panel's address once per context,
+nothing when switched off."""
 
 from __future__ import annotations
 
 import fcntl
 import functools
+import io
 import logging
 import os
 import re
@@ -55,9 +58,9 @@ def test_each_epoch_line_has_the_epochs_own_loss_rate_and_time(monkeypatch, capl
     bar.advance(1, 1, 5, 1.0)
     bar.close()
     lines = [r.getMessage() for r in caplog.records if r.name == "dlscale"]
-    assert lines == [
-        "training: epoch 5/6, loss 2, 15 examples/s, 4.0 s",  # (40 + 80) / 60 examples, 60 from t=0 to t=4
-        "training: epoch 6/6, loss 7, 20 examples/s, 2.0 s",  # (270 + 5 + 5) / 40 examples, 40 from t=3 to t=5
+    assert lines == [  # loss (40 + 80) / 60 examples, 60 from t=0 to t=4; loss (270 + 5 + 5) / 40, 40 from t=3 to t=5
+        "training: epoch 5/6, 60 examples in 4.0 s, 15 examples/s, loss 2, elapsed 4.0 s",
+        "training: epoch 6/6, 40 examples in 2.0 s, 20 examples/s, loss 7, elapsed 5.0 s",
     ]
 
 
@@ -74,7 +77,63 @@ def test_rates_come_from_when_the_work_was_reported_not_when_it_was_read(monkeyp
         bar.advance(0, 1, 25, 1.0, at=101.0 + i)
     bar.close()
     lines = [r.getMessage() for r in caplog.records if r.name == "dlscale"]
-    assert lines == ["training: epoch 1/1, loss 1, 25 examples/s, 4.0 s"]  # 100 examples from t=0 to t=4
+    assert lines == ["training: epoch 1/1, 100 examples in 4.0 s, 25 examples/s, loss 1, elapsed 4.0 s"]  # t=0 to 4
+
+
+def _logged(
+    monkeypatch, caplog, per_epoch: int, epochs: int, reports: list[tuple[float, int]], **settings
+) -> list[str]:
+    """The lines of a fit whose standard error is a file, under ``settings`` (``dlscale.<key>``): one
+    minibatch of 10 examples done at each ``(seconds after the start, epoch)`` of ``reports``, its loss
+    those seconds, all read at the end (as a burst of gradient sharing's acknowledgements)."""
+    clock = Clock()
+    monkeypatch.setattr(progress.time, "time", clock)
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    caplog.set_level(logging.INFO, logger="dlscale")
+    with dask.config.set({f"dlscale.{k.replace('_', '-')}": v for k, v in settings.items()}):
+        bar = Progress("training", per_epoch=per_epoch, epochs=epochs)
+    clock.now += reports[-1][0]
+    for seconds, epoch in reports:
+        bar.advance(epoch, 1, 10, seconds, at=100.0 + seconds)
+    bar.close()
+    return [r.getMessage() for r in caplog.records if r.name == "dlscale"]
+
+
+def test_a_long_epoch_logs_a_line_per_interval_with_the_time_left(monkeypatch, caplog) -> None:
+    """Two epochs of 10 minibatches, one every 10 s: by default (one minute), a line within each epoch
+    at the first report a minute or more after the line before, none after the last epoch's."""
+    reports = [(10.0 * (i + 1), i // 10) for i in range(20)]
+    assert _logged(monkeypatch, caplog, 10, 2, reports) == [
+        # 6 minibatches in 60 s, loss (10 + ... + 60) / 6: 14 left at 0.1 a second
+        "training: epoch 1/2, fit 30% (60 examples), 1 examples/s, loss 35, elapsed 1m 00s, ETA 2m 20s",
+        "training: epoch 1/2, 100 examples in 1m 40s, 1 examples/s, loss 55, elapsed 1m 40s",
+        "training: epoch 2/2, fit 80% (160 examples), 1 examples/s, loss 135, elapsed 2m 40s, ETA 40.0 s",
+        "training: epoch 2/2, 100 examples in 1m 40s, 1 examples/s, loss 155, elapsed 3m 20s",
+    ]
+
+
+def test_interval_lines_keep_to_the_setting_and_a_short_fit_has_none(monkeypatch, caplog) -> None:
+    """At most one line per interval, counted from the line before (an epoch's too), only between
+    epoch lines, with the rate and loss since the line before; ``null`` leaves the epoch lines alone."""
+    reports = [(1.0, 0), (2.5, 0), (3.0, 0), (4.0, 0), (5.0, 1), (5.9, 1), (6.0, 1), (8.5, 1)]
+    assert _logged(monkeypatch, caplog, 4, 2, reports, progress_interval="2s") == [
+        # t=2.5, the first report 2 s or more after the start: 6 left at 0.8 a second
+        "training: epoch 1/2, fit 25% (20 examples), 8 examples/s, loss 1.75, elapsed 2.5 s, ETA 7.5 s",
+        "training: epoch 1/2, 40 examples in 4.0 s, 10 examples/s, loss 2.62, elapsed 4.0 s",
+        # t=6.0 (t=5.9 is 1.9 s after the epoch line): 3 minibatches since t=4, loss (5 + 5.9 + 6) / 3
+        "training: epoch 2/2, fit 87% (70 examples), 15 examples/s, loss 5.63, elapsed 6.0 s, ETA 0.7 s",
+        # t=8.5, 2.5 s after the line before, but the fit's last
+        "training: epoch 2/2, 40 examples in 4.5 s, 9 examples/s, loss 6.35, elapsed 8.5 s",
+    ]
+    caplog.clear()
+    lines = _logged(monkeypatch, caplog, 4, 2, reports, progress_interval=None)
+    assert [line.split(", ")[0] for line in lines] == ["training: epoch 1/2", "training: epoch 2/2"]
+    caplog.clear()
+    assert len(_logged(monkeypatch, caplog, 4, 2, reports)) == 2  # a fit shorter than the default minute
+    assert progress.interval() == 60
+    for setting, seconds in [("2s", 2), (0.5, 0.5), ("0", None), (0, None), (None, None), (False, None)]:
+        with dask.config.set({"dlscale.progress-interval": setting}):
+            assert progress.interval() == seconds, setting
 
 
 def test_the_setting_and_the_stream_choose_how_progress_shows(monkeypatch) -> None:
@@ -84,7 +143,7 @@ def test_the_setting_and_the_stream_choose_how_progress_shows(monkeypatch) -> No
             (terminal, "auto", "bar"),
             (terminal, True, "bar"),
             (terminal, False, None),
-            (file, "auto", None),
+            (file, "auto", "lines"),
             (file, True, "lines"),
             (file, False, None),
         ]:
@@ -118,7 +177,7 @@ from dlscale.data import DataSet
 from dlscale.nn import Network
 
 torch.manual_seed(0)
-x = torch.randn(3072, 20)
+x = torch.randn(int(sys.argv[2]), 20)
 y = (x[:, 0] > 0).long()
 net = Network(torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 2)),
               "cross_entropy", functools.partial(torch.optim.SGD, lr=0.1))
@@ -132,7 +191,7 @@ with SparkContext("local[2]") as sc:
 LOGGED = r"\d\d:\d\d:\d\d "  # how the dlscale logger's lines begin while the application configures no logging
 
 
-def _script(tmp_path: Path, fits: int) -> tuple[list[str], dict[str, str]]:
+def _script(tmp_path: Path, fits: int, examples: int = 3072) -> tuple[list[str], dict[str, str]]:
     (tmp_path / "fit.py").write_text(FIT)
     env = {
         **os.environ,
@@ -141,7 +200,8 @@ def _script(tmp_path: Path, fits: int) -> tuple[list[str], dict[str, str]]:
         "DASK_DLSCALE__LOCAL__DASHBOARD_ADDRESS": ":0",
         "DASK_LOGGING__DISTRIBUTED": "error",  # Dask's own warnings (a loaded machine's slow event loop) aside
     }
-    return [sys.executable, str(tmp_path / "fit.py"), str(fits)], env
+    env.pop("DASK_DLSCALE__PROGRESS", None)
+    return [sys.executable, str(tmp_path / "fit.py"), str(fits), str(examples)], env
 
 
 def _screen(output: str) -> list[str]:
@@ -199,5 +259,84 @@ def test_outside_a_terminal_a_line_per_epoch_and_the_panel_once(tmp_path: Path) 
     assert "\r" not in done.stderr
     panel = re.findall(LOGGED + r"training panel at http://127\.0\.0\.1:\d+/training\n", done.stderr)
     assert len(panel) == 1  # two fits, one context
-    epoch = LOGGED + r"gradient sharing: epoch (\d/\d), loss [\d.e-]+, [\d,]+ examples/s, [\d.]+ s\n"
+    epoch = LOGGED + r"gradient sharing: epoch (\d/\d), 3,072 examples in [\d.]+ s, [\d,]+ examples/s, loss [\d.e-]+, "
     assert re.findall(epoch, done.stderr) == ["1/3", "2/3", "3/3", "4/6", "5/6", "6/6"], done.stderr
+
+
+def _batch_job(tmp_path: Path, examples: int, **env: str) -> str:
+    """The output of a 3-epoch fit run as a batch job runs it: no terminal, standard output and
+    error in one file."""
+    argv, environ = _script(tmp_path, fits=1, examples=examples)
+    with open(tmp_path / "out.txt", "w") as out:
+        done = subprocess.run(
+            argv, env={**environ, **env}, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, timeout=300
+        )
+    output = (tmp_path / "out.txt").read_text()
+    assert done.returncode == 0, output
+    (fit,) = re.findall(r"fit begins\n(.*?)fit ends\n", output, re.S)
+    return fit
+
+
+def _seconds(duration: str) -> float:
+    """``12.3 s`` or ``4m 05s`` in seconds."""
+    if duration.endswith(" s"):
+        return float(duration[:-2])
+    minutes, seconds = re.fullmatch(r"(\d+)m (\d+)s", duration).groups()
+    return 60 * int(minutes) + int(seconds)
+
+
+ELAPSED = r"elapsed (\d+\.\d s|\d+m \d\ds)"
+
+
+@pytest.mark.slow
+def test_a_batch_job_logs_each_epoch_and_the_end_by_default(tmp_path: Path) -> None:
+    """``python fit.py > out.txt 2>&1 < /dev/null`` (SLURM, nohup, CI), ``dlscale.progress`` left at
+    ``auto``: a line per epoch with its examples (those of the data), rate, loss and the time, then the
+    fit's closing line; nothing within the epochs of a fit that short."""
+    fit = _batch_job(tmp_path, examples=3072)
+    assert "\r" not in fit
+    lines = [line for line in fit.splitlines() if re.match(LOGGED, line)]  # the dlscale logger's
+    assert re.fullmatch(LOGGED + r"training on 2 workers: .*", lines[0])
+    assert re.fullmatch(LOGGED + r"training panel at http://127\.0\.0\.1:\d+/training", lines[1])
+    epochs = [
+        re.fullmatch(
+            LOGGED + r"gradient sharing: epoch (\d)/3, 3,072 examples in ([\d.]+) s, [\d,]+ examples/s, "
+            r"loss [\d.e-]+, " + ELAPSED,
+            line,
+        )
+        for line in lines[2:5]
+    ]
+    assert [m and m[1] for m in epochs] == ["1", "2", "3"], fit
+    assert [_seconds(m[3]) for m in epochs] == sorted(_seconds(m[3]) for m in epochs)
+    assert re.fullmatch(LOGGED + r"gradient sharing: 576 minibatches in [\d.]+ s on 2 trainers", lines[5]), fit
+    assert len(lines) == 6, fit
+
+
+@pytest.mark.slow
+def test_a_batch_job_logs_within_long_epochs_at_most_once_per_interval(tmp_path: Path) -> None:
+    """With ``dlscale.progress-interval`` set shorter than an epoch (here from the environment), lines
+    with the time left come between the epoch lines, each at least the interval after the line before."""
+    fit = _batch_job(tmp_path, examples=16384, DASK_DLSCALE__PROGRESS_INTERVAL="0.5s")
+    lines = [line for line in fit.splitlines() if "gradient sharing: epoch" in line]
+    parsed = []
+    for line in lines:
+        within = re.fullmatch(
+            LOGGED + r"gradient sharing: epoch (\d)/3, fit (\d+)% \([\d,]+ examples\), [\d,]+ examples/s, "
+            r"loss [\d.e-]+, " + ELAPSED + r", ETA (\d+\.\d s|\d+m \d\ds)",
+            line,
+        )
+        end = re.fullmatch(
+            LOGGED + r"gradient sharing: epoch (\d)/3, 16,384 examples in [\d.]+ s, [\d,]+ examples/s, "
+            r"loss [\d.e-]+, " + ELAPSED,
+            line,
+        )
+        assert within or end, line
+        parsed.append((int((within or end)[1]), end is not None, _seconds((within or end)[3 if within else 2])))
+    assert [epoch for epoch, end, _ in parsed if end] == [1, 2, 3], fit
+    assert any(not end for _, end, _ in parsed), fit
+    epoch_done = 0
+    for (epoch, end, elapsed), (_, _, before) in zip(parsed, [(0, True, 0.0), *parsed[:-1]], strict=True):
+        assert epoch == epoch_done + 1, fit  # the lines of an epoch come after the line of the one before
+        epoch_done += end
+        if not end:
+            assert elapsed - before >= 0.5 - 0.1, fit  # at most one per interval (figures to 0.1 s)

@@ -1,8 +1,9 @@
-"""Training progress on the driver: one tqdm bar per fit, or a line per epoch in logs.
+"""Training progress on the driver: one tqdm bar per fit on a terminal, or lines in logs.
 
 Shown according to ``dlscale.progress``: ``auto`` (a bar when the driver's standard error is a
-terminal, else nothing), ``true`` (a bar on a terminal and a widget in a notebook, through
-``tqdm.auto``; elsewhere a line per epoch through the ``dlscale`` logger, as in logs) or ``false``.
+terminal, else lines), ``true`` (the same, and tqdm's widget in a notebook) or ``false``. Lines go
+through the ``dlscale`` logger at ``INFO``: one per epoch, and for a long epoch at most one per
+``dlscale.progress-interval`` in between, with the time left.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections import deque
 import tqdm.auto
 import tqdm.autonotebook
 import tqdm.std
+from dask.utils import parse_timedelta
 
 from dlscale import config
 
@@ -30,13 +32,29 @@ def mode() -> str | None:
     setting = config.get("progress")
     if setting not in ("auto", True, False):
         raise TypeError(f"dlscale.progress must be true, false or 'auto', got {setting!r}")
-    terminal = bool(getattr(sys.stderr, "isatty", lambda: False)())
-    if setting == "auto":
-        return "bar" if terminal else None
-    if not setting:
+    if setting is False:
         return None
-    notebook = tqdm.autonotebook.tqdm is not tqdm.std.tqdm
+    terminal = bool(getattr(sys.stderr, "isatty", lambda: False)())
+    notebook = setting is True and tqdm.autonotebook.tqdm is not tqdm.std.tqdm
     return "bar" if terminal or notebook else "lines"
+
+
+def interval() -> float | None:
+    """Seconds at least between two lines within an epoch, ``dlscale.progress-interval``; ``None``
+    (setting ``null``, ``false`` or 0) for none."""
+    setting = config.get("progress-interval")
+    seconds = parse_timedelta(setting) if setting not in (None, False) else None
+    return seconds if seconds else None
+
+
+def _duration(seconds: float) -> str:
+    """``12.3 s``, ``4m 05s`` or ``2h 07m``."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes = int(seconds // 60)
+    if minutes < 60:
+        return f"{minutes}m {int(seconds % 60):02d}s"
+    return f"{minutes // 60}h {minutes % 60:02d}m"
 
 
 class _Bar(tqdm.auto.tqdm):
@@ -62,9 +80,13 @@ class Progress:
         self.tally = [[0, 0, 0.0] for _ in range(epochs)]
         self.first_report: list[float | None] = [None] * epochs
         self.finished = 0  # epochs done, in order
-        self.epoch_end = time.time()  # of the latest finished epoch; the fit's start at first
+        self.start = self.epoch_end = time.time()  # epoch_end: of the latest finished epoch; the fit's start at first
+        self.interval = interval() if self.mode == "lines" else None
         self.loss: float | None = None  # the latest finished epoch's
         self.done = self.examples = 0
+        self.losses = 0.0  # the fit's sum of losses weighted by examples
+        # (time, minibatches, examples, losses) of the fit at its latest line; its start at first
+        self.logged = (self.start, 0, 0, 0.0)
         # (time, minibatches, examples) at the reports of the last RATE_WINDOW seconds and the one before
         # them; not the fit's start, whose first minibatch waits for the network to reach the workers
         self.window: deque[tuple[float, int, int]] = deque()
@@ -98,13 +120,21 @@ class Progress:
         tally[2] += mean_loss * examples
         self.done += minibatches
         self.examples += examples
+        self.losses += mean_loss * examples
         self.window.append((now, self.done, self.examples))
         while len(self.window) > 2 and self.window[1][0] <= now - RATE_WINDOW:
             self.window.popleft()  # the oldest point left is the window's start
+        finished = self.finished
         while self.finished < self.epochs and self.tally[self.finished][0] >= self.per_epoch:
             self._epoch_done(now)
         if self.bar is not None:
             self._draw(minibatches)
+        elif (
+            self.interval is not None
+            and self.finished == finished < self.epochs
+            and now - self.logged[0] >= self.interval
+        ):
+            self._log_interval(now)
 
     def close(self) -> None:
         """End the bar, leaving its last state on its own line."""
@@ -121,15 +151,40 @@ class Progress:
         self.epoch_end = now
         self.finished += 1
         if self.mode == "lines":
+            self.logged = (now, self.done, self.examples, self.losses)
             logger.info(
-                "%s: epoch %d/%d, loss %.3g, %s examples/s, %.1f s",
+                "%s: epoch %d/%d, %s examples in %s, %s examples/s, loss %.3g, elapsed %s",
                 self.label,
                 self.first_epoch + self.finished,
                 self.first_epoch + self.epochs,
-                self.loss,
+                f"{examples:,}",
+                _duration(seconds),
                 f"{examples / max(seconds, 1e-9):,.0f}",
-                seconds,
+                self.loss,
+                _duration(now - self.start),
             )
+
+    def _log_interval(self, now: float) -> None:
+        """A line within the earliest unfinished epoch, as the bar shows it: the share of the fit done,
+        its examples so far, and the rate and mean loss since the line before, by which rate the time
+        left is estimated."""
+        t0, done0, examples0, losses0 = self.logged
+        seconds, examples = max(now - t0, 1e-9), self.examples - examples0
+        rate = (self.done - done0) / seconds  # minibatches a second
+        total = self.per_epoch * self.epochs
+        self.logged = (now, self.done, self.examples, self.losses)
+        logger.info(
+            "%s: epoch %d/%d, fit %d%% (%s examples), %s examples/s, loss %.3g, elapsed %s, ETA %s",
+            self.label,
+            self.first_epoch + self.finished + 1,
+            self.first_epoch + self.epochs,
+            100 * self.done // total,
+            f"{self.examples:,}",
+            f"{examples / seconds:,.0f}",
+            (self.losses - losses0) / examples if examples else float("nan"),
+            _duration(now - self.start),
+            _duration((total - self.done) / rate) if rate > 0 else "unknown",
+        )
 
     def _desc(self) -> str:
         epoch = min(self.finished + 1, self.epochs)
