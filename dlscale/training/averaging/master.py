@@ -1,54 +1,72 @@
-"""Synchronous parameter averaging (DL4J's ``ParameterAveragingTrainingMaster``).
+"""Synchronous parameter averaging (DL4J's ``ParameterAveragingTrainingMaster``): local SGD, with DiLoCo's
+outer step as an option.
 
-Training runs in rounds. In each, the current state (parameters, buffers, optimizer state) goes to
-every worker once, each worker fits ``averaging_frequency`` minibatches of ``batch_size_per_worker``
-examples on its replica of the network, and the resulting states are averaged, weighted by
-examples, in a tree of depth ``aggregation_depth``. Rounds are ordinary Dask tasks chained by their
-states: an epoch's rounds are submitted at once, each state moves worker to worker, and the driver
-reads only a few numbers per round until the end.
+Training runs in rounds on resident trainers, one per worker, that stay for the whole fit: in each round
+every trainer fits ``averaging_frequency`` minibatches on its own replica, then the trainers average
+their states (parameters, buffers and, with ``save_updater``, the optimizer's state) weighted by
+examples, peer to peer (an allreduce over Dask's comms, ``_exchange``), never through the scheduler or
+the driver. The driver plans the rounds, opens a session on the scheduler (``_scheduler_plugin``) and
+follows the settled rounds' reports; at the end it takes the trainers' common state. A lost trainer's
+share goes to the others and the round completes with the survivors' states; a checkpoint due, or a
+worker that joined, ends a *segment* at a round's end: the driver takes the state there and goes on
+with a new session on the workers there are.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
-import math
+import logging
 import time
 import uuid
 import warnings
-from functools import partial
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import numpy as np
-from distributed import Future
+import torch
+from distributed import Future, wait
 
 from dlscale.errors import TrainerLostWarning
 from dlscale.monitor.stats import RoundStats, WorkerRound
 from dlscale.runtime.cluster import cluster_workers
-from dlscale.runtime.replicas import keep_newest_copied
+from dlscale.runtime.extensions import install
 from dlscale.runtime.retirement import retired
 from dlscale.runtime.tasks import check_count
 from dlscale.training import _sources, _worker
 from dlscale.training._driver import FitRun, workers
+from dlscale.training.averaging import _trainer
+from dlscale.training.averaging._exchange import DTYPES
+from dlscale.training.averaging._extension import AVERAGING
+from dlscale.training.averaging._rounds import plan_rounds
+from dlscale.training.averaging._worker_plugin import plugin
 from dlscale.training.master import TrainingMaster
+from dlscale.training.sharing._config import SharingConfig
+from dlscale.training.sharing._trainer import HeldMinibatch
 
-if TYPE_CHECKING:
-    from dlscale.nn.network import Network
+logger = logging.getLogger("dlscale.training.averaging")
 
 REPARTITION = ("always", "never", "num_partitions_workers_differs")
 
 
 @dataclasses.dataclass
 class ParameterAveragingTrainingMaster(TrainingMaster):
-    """Synchronous data-parallel training by periodic parameter averaging.
+    """Synchronous data-parallel training by periodic parameter averaging (local SGD).
 
-    Each worker fits ``averaging_frequency`` minibatches per round, reading ``worker_prefetch_num_batches``
-    ahead; the states (with the optimizer's when ``save_updater``) are averaged in a tree of depth
-    ``aggregation_depth``. ``repartition`` applies to ``rdd_training_approach="direct"``: "never" trains
-    every minibatch on the worker that holds it, "always" spreads the minibatches evenly over the
-    workers, and "num_partitions_workers_differs" does the latter only when the RDD does not have
-    exactly one partition per worker. Exported files are read by whichever worker trains them;
-    :meth:`delete_temp_files` removes them. The settings every master has are described on
-    :class:`~dlscale.training.master.TrainingMaster`.
+    Each worker's trainer fits ``averaging_frequency`` minibatches per round, reading
+    ``worker_prefetch_num_batches`` ahead; then the trainers average their states, weighted by examples
+    (with the optimizer's state when ``save_updater``; without, the optimizer starts afresh every
+    round). ``outer_optimizer`` (DiLoCo, arXiv 2311.08105) is a factory of a torch optimizer, such as
+    ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)``, stepped once a round
+    with the averaged change of the parameters, negated, as their gradient; ``None`` (the default) moves
+    them by the averaged change: plain averaging, DL4J's semantics. ``exchange_dtype`` ("float32",
+    "float16", "bfloat16") is the precision the states' parts travel in. ``repartition`` applies to
+    ``rdd_training_approach="direct"``: "never" trains every minibatch on the worker that holds it,
+    "always" spreads the minibatches evenly over the workers, and "num_partitions_workers_differs" does
+    the latter only when the RDD does not have exactly one partition per worker. Exported files are
+    read by whichever worker trains them; :meth:`delete_temp_files` removes them. The settings every
+    master has are described on :class:`~dlscale.training.master.TrainingMaster`.
     """
 
     approach: ClassVar[str] = "parameter averaging"
@@ -56,16 +74,23 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
     averaging_frequency: int = 5
     worker_prefetch_num_batches: int = 2
     save_updater: bool = True
-    aggregation_depth: int = 2
     repartition: str = "always"
+    outer_optimizer: Callable[..., torch.optim.Optimizer] | None = None
+    exchange_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_count("averaging_frequency", self.averaging_frequency)
         check_count("worker_prefetch_num_batches", self.worker_prefetch_num_batches, 0)
-        check_count("aggregation_depth", self.aggregation_depth)
         if self.repartition not in REPARTITION:
             raise ValueError(f"repartition must be one of {REPARTITION}, got {self.repartition!r}")
+        if self.exchange_dtype not in DTYPES:
+            raise ValueError(f"exchange_dtype must be one of {tuple(DTYPES)}, got {self.exchange_dtype!r}")
+        if self.outer_optimizer is not None and not callable(self.outer_optimizer):
+            raise TypeError(
+                "outer_optimizer must be a factory of a torch optimizer given the parameters, such as "
+                f"functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True), got {self.outer_optimizer!r}"
+            )
 
     def _train(
         self, run: FitRun, batches: _sources.Minibatches, *, partitions: int | None = None, probe: bool = False
@@ -74,51 +99,93 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
             self.repartition == "never"
             or (self.repartition == "num_partitions_workers_differs" and partitions == len(run.workers))
         )
-        _Rounds(self, run, batches, local).train(probe)
+        _Averaging(self, run, batches, local).train(probe)
 
 
-class _Rounds:
-    """One ``fit``'s rounds: the network sent once, then the rounds of every epoch.
+def _open_node(session: str, dask_worker: Any = None) -> None:
+    plugin(dask_worker).open(session)
 
-    The driver holds the states of the last rounds it has seen complete (its *checkpoints*) until a
-    newer one is on two workers; the next round's tasks copy a round's states to every worker they
-    run on, and the memory manager is kept from dropping those copies. A lost worker then costs only
-    the rounds since the newest checkpoint it did not take: Dask recomputes a lost state from the
-    tasks that made it, back to a checkpoint at most, and the tasks of a lost worker run on the others."""
+
+def _close_node(session: str, dask_worker: Any = None) -> None:
+    plugin(dask_worker).close(session)
+
+
+def _state(result: dict[str, Any]) -> dict[str, Any]:
+    return {k: result[k] for k in ("params", "buffers", "optimizer")}
+
+
+class _Averaging:
+    """One ``fit``'s rounds, in one or more segments (sessions)."""
 
     def __init__(
         self, master: ParameterAveragingTrainingMaster, run: FitRun, batches: _sources.Minibatches, local: bool
     ) -> None:
         self.master, self.run, self.batches, self.local = master, run, batches, local
-        self.client, self.workers, self.blob = run.client, run.workers, run.blob
-        self.key = run.replicas[0]
-        self.tag = uuid.uuid4().hex[:8]
-        self.checkpoints: list[list[Future]] = []  # oldest first
-        self.seen, self.lost = set(self.workers), set()  # the workers of the fit so far, and those that left
+        self.client = run.client
+        self.config = SharingConfig.from_dask()
+        self.fit = f"dlscale-averaging-{uuid.uuid4().hex[:12]}"
+        self.owner = dict(enumerate(batches.holders)) if local and batches.holders else None
+        self.held: dict[str, Future] = {}
+        if batches.holders is not None:  # minibatches in worker memory: published for the trainers, fetched by name
+            self.held = dict(zip(batches.names, batches.refs))
+            loader = HeldMinibatch(f"{self.fit}-minibatches", self.config.end_timeout)
+            self.batches = dataclasses.replace(batches, refs=list(batches.names), loader=loader)
+        self.seen, self.lost = set(run.workers), set()
+        self.n = len(batches.refs)
+        self.rounds_done: collections.Counter[int] = collections.Counter()  # rounds reported, by epoch of the fit
+        self.left: collections.Counter[int] = collections.Counter()  # items not yet reported, by epoch of the fit
+        self._fitted = 0  # minibatches reported in the current segment
+
+    def _order(self, start: int = 0) -> list[int]:
+        """Work items epoch after epoch from the fit's epoch ``start`` (item ``e * n + i``: minibatch ``i``
+        in epoch ``e``), each epoch in an order that depends on the seed and the epoch alone."""
+        n, seed, first = self.n, self.run.seed, self.run.first_epoch
+        return [
+            e * n + int(i)
+            for e in range(start, self.run.epochs)
+            for i in np.random.default_rng([seed, first + e]).permutation(n)
+        ]
+
+    def _remaining(self) -> list[int]:
+        resume = self.run.resume
+        if resume is None:
+            return self._order()
+        if resume.remaining is not None:
+            return [i for i in resume.remaining if i // self.n < self.run.epochs] + self._order(resume.epochs)
+        return self._order(resume.epoch)
 
     def train(self, probe: bool) -> None:
-        run = self.run
+        run, client = self.run, self.client
+        install(client, AVERAGING)
         if probe:
             run.probe()
-        state = _worker.state_of(run.network, self.master.save_updater)
-        states = self.client.scatter([state], broadcast=True, hash=False)  # every first task needs it
-        self._keep(states)
         run.show_progress()
+        remaining = self._remaining()
+        self.left.update(item // self.n for item in remaining)
         try:
-            start, skip = (run.resume.epoch, run.resume.rounds) if run.resume is not None else (0, 0)
-            for epoch in range(start, run.epochs):
-                self.workers = workers(self.client)  # a lost worker's share goes to those left
-                self._note_lost(self.workers)
-                states = self._epoch(states, epoch, skip if epoch == start else 0)
-            _worker.apply_state(run.network, _worker.average(*self.client.gather(states)))
+            if self.held:
+                client.publish_dataset(**{self.batches.loader.dataset: self.held})
+            segment = 0
+            while remaining:
+                if segment:  # the fit goes on from a round's end: the network and the workers there now
+                    run.reship()
+                workers_now = workers(client)
+                self._note_lost(workers_now)
+                remaining, due = self._segment(remaining, workers_now, f"{self.fit}-{segment}")
+                epoch = min(remaining) // self.n if remaining else run.epochs
+                run.write_checkpoint(due, run.position(epoch, remaining=tuple(remaining)), lambda network: None)
+                segment += 1
         except Exception as e:
-            lost = sorted(set(run.workers) - set(cluster_workers(self.client)))
+            lost = sorted(set(self.seen) - set(cluster_workers(client)))
             if lost:
                 e.add_note(f"worker(s) {', '.join(lost)} left the cluster during the fit")
             raise
+        finally:
+            if self.held:
+                client.unpublish_dataset(self.batches.loader.dataset)
 
     def _note_lost(self, alive: list[str]) -> None:
-        """Warn once about each worker of the fit that was lost (not retired): its tasks run on the others."""
+        """Warn once about each worker of the fit that was lost (not retired): the others train its share."""
         gone = set(self.seen) - set(alive) - self.lost
         self.seen.update(alive)
         self.lost.update(gone)
@@ -128,133 +195,213 @@ class _Rounds:
                 f"parameter averaging lost worker(s) {', '.join(gone)}; their minibatches are trained by the "
                 f"{len(alive)} worker(s) left",
                 TrainerLostWarning,
-                stacklevel=2,
+                stacklevel=4,
             )
 
-    def _apply_average(self, states: list[Future], network: Network) -> None:
-        """Set ``network`` to the average of ``states`` (a round's last level: the fit's state after it)."""
-        _worker.apply_state(network, _worker.average(*self.client.gather(states)))
+    def _stop_before(self, plan: list[dict[str, list[int]]]) -> int | None:
+        """The round of ``plan`` to stop before: after the first whose end a checkpoint listener wants (by
+        iterations or epochs, as the plan foretells them; one by time is seen as rounds settle)."""
+        if not self.run.checkpointers:
+            return None
+        iteration, left = self.run.network.iteration, collections.Counter(self.left)
+        done = self._epochs_done()
+        for k, shares in enumerate(plan):
+            iteration += max(len(s) for s in shares.values())
+            for s in shares.values():
+                for item in s:
+                    left[item // self.n] -= 1
+            now = next((e for e in range(self.run.epochs) if left[e] > 0), self.run.epochs)
+            epochs_done = self.run.first_epoch + now if now > done else None
+            done = now
+            if any(c.due(iteration, epochs_done) for c in self.run.checkpointers):
+                return k + 1
+        return None
 
-    def _keep(self, states: list[Future]) -> None:
-        """Add ``states`` to the checkpoints, and let go of those older than the newest on two workers."""
-        self.checkpoints.append(states)
-        del self.checkpoints[: keep_newest_copied(self.client, self.checkpoints, 2)]
-
-    def _epoch(self, states: list[Future], epoch: int, skip: int = 0) -> list[Future]:
-        """Submit every round of the fit's ``epoch``-th epoch after the first ``skip`` (done before the
-        checkpoint a fit resumes from), then follow them; returns the last level of the last round's
-        averaging tree (the states whose average is the network's new state)."""
-        rounds = self._plan(np.random.default_rng([self.run.seed, self.run.first_epoch + epoch]))
-        summaries, ends = [], []
-        for r, shares in enumerate(rounds):
-            if r < skip:
-                summaries.append([])
-                ends.append([])
-                continue
-            parts = [self._fit(states, worker, idx, epoch, r, j) for j, (worker, idx) in enumerate(shares)]
-            states = self._reduce(parts)
-            ends.append(states)
-            summaries.append([self.client.submit(_worker.summary, s, pure=False) for s in states])
-        last = time.perf_counter()
-        try:
-            for r, futures in enumerate(summaries):
-                if r < skip:
-                    continue
-                info = _worker.combine(self.client.gather(futures))
-                now = time.perf_counter()
-                self._done(epoch, r, info, now - last)
-                self._note_lost(list(cluster_workers(self.client)))
-                last = now
-                self._keep(ends[r])
-                done = r + 1 == len(rounds)
-                self.run.checkpoint(
-                    self.run.position(epoch + 1) if done else self.run.position(epoch, r + 1),
-                    partial(self._apply_average, ends[r]),
-                )
-                summaries[r] = ends[r] = []  # drop the futures: nothing waits on them any more
-        except BaseException as e:
-            self.client.cancel([f for futures in summaries for f in futures] + states)
-            if isinstance(e, Exception):
-                e.add_note(f"while training round {r} of epoch {self.run.first_epoch + epoch}")
-            raise
-        return states
-
-    def _plan(self, rng: np.random.Generator) -> list[list[tuple[str, list[int]]]]:
-        """Rounds, each a list of ``(worker, minibatch indices)``."""
-        n, per = len(self.batches.refs), self.master.averaging_frequency
-        if self.local:
-            own: dict[str, list[int]] = {w: [] for w in self.workers}
-            for i, holder in enumerate(self.batches.holders):
-                own[holder if holder in own else self.workers[i % len(self.workers)]].append(i)
-            for idx in own.values():
-                rng.shuffle(idx)
-            count = max(math.ceil(len(idx) / per) for idx in own.values())
-            return [
-                [(w, idx[r * per : (r + 1) * per]) for w, idx in own.items() if idx[r * per : (r + 1) * per]]
-                for r in range(count)
-            ]
-        order = rng.permutation(n).tolist()
-        step = per * len(self.workers)
-        rounds = []
-        for start in range(0, n, step):
-            chunk = order[start : start + step]
-            shares = np.array_split(np.array(chunk), min(len(self.workers), len(chunk)))
-            rounds.append([(self.workers[j], s.tolist()) for j, s in enumerate(shares)])
-        return rounds
-
-    def _fit(self, states: list[Future], worker: str, idx: list[int], epoch: int, r: int, j: int) -> Future:
-        b = self.batches
-        return self.client.submit(
-            _worker.fit_share,
-            self.key,
-            self.blob,
-            states,
-            [b.refs[i] for i in idx],
-            [b.names[i] for i in idx],
-            b.loader,
-            self.master.worker_prefetch_num_batches,
-            self.master.save_updater,
-            workers=[worker],
-            allow_other_workers=True,
-            pure=False,
-            key=f"dlscale-fit-{self.tag}-e{self.run.first_epoch + epoch}-r{r}-{j}",
+    def _segment(self, remaining: list[int], nodes: list[str], session: str) -> tuple[list[int], list[Any]]:
+        """Train ``remaining`` on the trainers of ``nodes`` until done or a segment's end; sets the driver's
+        network to their state. Returns the items left and the checkpoint listeners due."""
+        run, client, master = self.run, self.client, self.master
+        plan = plan_rounds(remaining, nodes, master.averaging_frequency, self.n, self.owner)
+        stop_at = self._stop_before(plan)
+        t0 = time.perf_counter()
+        client.sync(
+            client.scheduler.dlscale_averaging_open,
+            session=session,
+            plan=plan,
+            worker_of={w: w for w in nodes},
+            stop_at=stop_at,
+            fit=run.fit_id,
+            client=client.id,
         )
+        spec = _trainer.TrainerSpec(
+            master.save_updater,
+            master.worker_prefetch_num_batches,
+            master.outer_optimizer,
+            master.exchange_dtype,
+            self.config.poll_interval * 10,
+            self.config.end_timeout,
+        )
+        blob = run.blob
+        key = run.replicas[0]
+        futures: dict[str, Future] = {}
+        try:
+            client.run(_open_node, session, workers=nodes)
+            futures = {
+                w: client.submit(
+                    _trainer.run,
+                    session,
+                    w,
+                    key,
+                    blob,
+                    self.batches.refs,
+                    self.batches.names,
+                    self.batches.loader,
+                    spec,
+                    workers=[w],
+                    allow_other_workers=True,
+                    pure=False,
+                    key=f"{session}-trainer-{j}",
+                )
+                for j, w in enumerate(nodes)
+            }
+            due = self._follow(session, futures)
+            state = self._state(futures)
+        finally:
+            left = client.sync(client.scheduler.dlscale_averaging_close, session=session)
+            alive = set(cluster_workers(client))
+            client.run(_close_node, session, workers=[w for w in nodes if w in alive], on_error="ignore")
+        _worker.apply_state(run.network, state, copy=False)
+        logger.log(
+            logging.INFO if not left else logging.DEBUG,
+            "parameter averaging: %d minibatches in %.2f s on %d trainers",
+            self._fitted,
+            time.perf_counter() - t0,
+            len(nodes),
+        )
+        return left, due
 
-    def _reduce(self, parts: list[Future]) -> list[Future]:
-        """Average ``parts`` in a tree of depth ``aggregation_depth``, all but its last level: the next
-        round's tasks (or the driver, after the last) average that level themselves."""
-        fan_in = max(2, math.ceil(len(parts) ** (1 / self.master.aggregation_depth)))
-        while len(parts) > fan_in:
-            parts = [
-                self.client.submit(_worker.average, *parts[i : i + fan_in], pure=False)
-                if len(parts[i : i + fan_in]) > 1
-                else parts[i]
-                for i in range(0, len(parts), fan_in)
-            ]
-        return parts
+    def _state(self, futures: dict[str, Future]) -> dict[str, Any]:
+        """The trainers' common state, from one trainer that ended with it."""
+        for f in futures.values():
+            if f.status == "finished":
+                result = self.client.submit(_summary, f, pure=False).result()
+                if result:
+                    return _state(f.result())
+        raise RuntimeError("every parameter-averaging trainer was lost; the network is unchanged")
 
-    def _done(self, epoch: int, r: int, info: dict[str, Any], seconds: float) -> None:
-        shares = info["shares"]
+    def _follow(self, session: str, futures: dict[str, Future]) -> list[Any]:
+        """Report the settled rounds as they come, stop the session at a round's end when a checkpoint
+        by time is due or a worker joined, and fail when a trainer fails. Returns the checkpoint listeners due."""
+        client, run = self.client, self.run
+        pending = set(futures.values())
+        stopped = False
+        self._fitted = 0
+        due: list[Any] = []
+        last = time.perf_counter()
+        while True:
+            with contextlib.suppress(TimeoutError):
+                wait(pending, timeout=self.config.poll_interval * 5, return_when="FIRST_COMPLETED")
+            pending = {f for f in pending if not f.done()}
+            progress = client.sync(client.scheduler.dlscale_averaging_progress, session=session)
+            for report in progress["reports"]:
+                now = time.perf_counter()
+                done_before = self._epochs_done()
+                self._report(report["members"], now - last)
+                last = now
+                done_after = self._epochs_done()
+                due = run.checkpoints_due(done_after if done_after > done_before else None)
+            if progress["lost"]:
+                self._note_lost(list(cluster_workers(client)))
+            if not stopped and pending and (due or progress["newcomers"]):
+                client.sync(client.scheduler.dlscale_averaging_stop, session=session)
+                stopped = True
+            failed = [f for f in futures.values() if f.status == "error" and not _lost_worker(f)]
+            if failed or progress["failed"]:
+                if not failed:
+                    with contextlib.suppress(TimeoutError):
+                        wait(list(pending), timeout=self.config.end_timeout)
+                    failed = [f for f in futures.values() if f.status == "error" and not _lost_worker(f)]
+                self._abort(session, futures)
+                if failed:
+                    error = failed[0].exception()
+                    raise error.with_traceback(failed[0].traceback())
+                raise RuntimeError(f"parameter averaging stopped: {progress['failed']}")
+            if not pending:
+                return due
+
+    def _epochs_done(self) -> int:
+        return next((e for e in range(self.run.epochs) if self.left[e] > 0), self.run.epochs)
+
+    def _abort(self, session: str, futures: dict[str, Future]) -> None:
+        with contextlib.suppress(Exception):
+            self.client.sync(
+                self.client.scheduler.dlscale_averaging_fail,
+                session=session,
+                trainer="driver",
+                error="stopped by the driver",
+            )
+        with contextlib.suppress(TimeoutError):
+            wait(list(futures.values()), timeout=self.config.end_timeout)
+        self.client.cancel([f for f in futures.values() if not f.done()])
+
+    def _report(self, members: list[dict[str, Any]], seconds: float) -> None:
+        """A settled round: the run's step (progress, listeners, panel) and its statistics."""
+        items = [i for m in members for i in m["items"]]
+        if not items:
+            return
+        epoch = items[0] // self.n
+        for i in items:
+            self.left[i // self.n] -= 1
+        examples = sum(m["examples"] for m in members)
+        fitted = [m for m in members if m["examples"]]
+        score = sum(m["score"] * m["examples"] for m in fitted) / examples if examples else float("nan")
+        self._fitted += len(items)
         rows = [
             {
-                "row": s["worker"],
-                "worker": s["worker"],
-                "minibatches": len(s["batches"]),
-                "examples": s["examples"],
-                "loss": s["score"],
+                "row": m["worker"],
+                "worker": m["worker"],
+                "minibatches": len(m["items"]),
+                "examples": m["examples"],
+                "loss": m["score"],
             }
-            for s in shares
+            for m in fitted
         ]
-        minibatches = sum(len(s["batches"]) for s in shares)
-        self.run.step(epoch, minibatches, info["examples"], info["score"], iterations=info["batches"], rows=rows)
+        iterations = max(len(m["items"]) for m in members)
+        self.run.step(epoch, len(items), examples, score, iterations=iterations, rows=rows)
         if self.run.stats is not None:
+            r = self.rounds_done[epoch]
             self.run.stats.rounds.append(
                 RoundStats(
                     self.run.first_epoch + epoch,
                     r,
                     seconds,
-                    info["examples"],
-                    info["score"],
-                    [WorkerRound(**s) for s in shares],
+                    examples,
+                    score,
+                    [
+                        WorkerRound(
+                            m["worker"],
+                            [self.batches.names[i % self.n] for i in m["items"]],
+                            m["examples"],
+                            m["score"],
+                            m["fit_seconds"],
+                            m["wait_seconds"],
+                            m["start"],
+                            m["end"],
+                        )
+                        for m in fitted
+                    ],
                 )
             )
+        self.rounds_done[epoch] += 1
+
+
+def _summary(result: dict[str, Any]) -> bool:
+    """Whether a trainer's result holds the state (on the worker: the driver fetches one state only)."""
+    return "params" in result
+
+
+def _lost_worker(future: Future) -> bool:
+    """Whether ``future`` failed because its worker died rather than through its own error."""
+    from distributed.scheduler import KilledWorker
+
+    return isinstance(future.exception(), KilledWorker)

@@ -1,0 +1,302 @@
+"""A round's averaging among its trainers, peer to peer: the state as one flat vector, and an allreduce
+of it in two phases (a direct reduce-scatter, then an all-gather).
+
+The vector holds the change of the parameters since the round began (the same starting point on every
+trainer) and the values of the floating buffers (batch-norm statistics) and, with ``save_updater``,
+of the optimizer's floating state (momentum). With ``m`` members, member ``c`` owns the ``c``-th of
+``m`` chunks: every member sends each other owner its chunk with its weight (the examples it fitted),
+each owner averages its chunk, weighted, and sends the average to every other member. Each member sends
+and receives about twice the vector's bytes times ``(m - 1) / m`` whatever ``m``, in two hops. What a
+step keeps aside (step counts, integer buffers) is taken from the first member that fitted examples,
+as one process's averaging of states takes it from the first state. The chunks travel in
+``dtype`` (float32, or float16/bfloat16 to halve the bytes); an owner rounds its own average the same
+way, so every replica holds the same values.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from dlscale.nn.network import Network
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+# -- the state as a vector ---------------------------------------------------------------------------
+def _plain(value: Any) -> Any:
+    """A value set aside (a step count, an integer buffer) in plain form for the comms."""
+    if isinstance(value, torch.Tensor):
+        return {"tensor": value.detach().cpu().tolist(), "dtype": str(value.dtype).removeprefix("torch.")}
+    return value
+
+
+def _unplain(value: Any, device: torch.device) -> Any:
+    if isinstance(value, dict) and set(value) == {"tensor", "dtype"}:
+        return torch.tensor(value["tensor"], dtype=getattr(torch, value["dtype"]), device=device)
+    return value
+
+
+class FlatState:
+    """``network``'s state as one vector laid out as the module docstring says, read at a round's start
+    (:meth:`begin`) and at its end (:meth:`vector`), and set from an average (:meth:`apply`)."""
+
+    def __init__(self, network: Network, with_optimizer: bool) -> None:
+        self.network, self.with_optimizer = network, with_optimizer
+        self.params = network.params()
+        self.anchor = self.params.detach().clone()  # the parameters when the round began
+        self._buffer = torch.empty(0, dtype=torch.float32, device=self.params.device)
+
+    def begin(self) -> None:
+        """The round begins from the parameters as they are now."""
+        self.anchor.copy_(self.params)
+
+    def _parts(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
+        """The floating tensors after the parameters, by name, and the values set aside."""
+        tensors, kept = [], {}
+        for name, b in self.network.module.named_buffers():
+            if b.is_floating_point() and b.dim() > 0:
+                tensors.append((f"buffer/{name}", b))
+            else:
+                kept[f"buffer/{name}"] = _plain(b)
+        if self.with_optimizer:
+            optimizer = self.network.optimizer
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            for i, p in enumerate(params):
+                for key, v in sorted(optimizer.state.get(p, {}).items()):
+                    if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0:
+                        tensors.append((f"optimizer/{i}/{key}", v))
+                    else:
+                        kept[f"optimizer/{i}/{key}"] = _plain(v)
+        return tensors, kept
+
+    def vector(self) -> tuple[torch.Tensor, list[list[Any]], dict[str, Any]]:
+        """The vector now (a buffer reused from round to round), its layout (name and shape of each
+        tensor after the parameters) and the values set aside."""
+        tensors, kept = self._parts()
+        n = self.params.numel()
+        total = n + sum(t.numel() for _, t in tensors)
+        if self._buffer.numel() != total:
+            self._buffer = torch.empty(total, dtype=torch.float32, device=self.params.device)
+        v = self._buffer
+        torch.sub(self.params.detach(), self.anchor, out=v[:n])
+        offset = n
+        for _, t in tensors:
+            v[offset : offset + t.numel()].copy_(t.detach().reshape(-1))
+            offset += t.numel()
+        return v, [[name, list(t.shape)] for name, t in tensors], kept
+
+    def apply(
+        self,
+        average: torch.Tensor,
+        layout: list[list[Any]],
+        kept: dict[str, Any],
+        outer: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
+        """Set the state from ``average`` (laid out by ``layout``, with ``kept`` set aside): the
+        parameters move by the averaged change (or as ``outer``, given the parameters' averaged change,
+        moves them), the rest takes the averaged values."""
+        n = self.params.numel()
+        with torch.no_grad():
+            if outer is None:
+                torch.add(self.anchor, average[:n], out=self.params)
+            else:
+                outer(average[:n])
+            named = dict(self.network.module.named_buffers())
+            optimizer = self.network.optimizer
+            params = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else []
+            offset = n
+            for name, shape in layout:
+                size = int(np.prod(shape)) if shape else 1
+                value = average[offset : offset + size].view(shape)
+                offset += size
+                kind, _, rest = name.partition("/")
+                if kind == "buffer":
+                    named[rest].copy_(value)
+                else:
+                    index, _, key = rest.partition("/")
+                    state = optimizer.state[params[int(index)]]
+                    target = state.get(key)
+                    if isinstance(target, torch.Tensor) and target.shape == value.shape:
+                        target.copy_(value)
+                    else:
+                        state[key] = value.clone()
+            for name, value in kept.items():
+                kind, _, rest = name.partition("/")
+                value = _unplain(value, self.params.device)
+                if kind == "buffer":
+                    named[rest].copy_(value)
+                else:
+                    index, _, key = rest.partition("/")
+                    optimizer.state[params[int(index)]][key] = value
+
+
+def bounds(length: int, parts: int) -> list[int]:
+    """Where each of ``parts`` chunks of a vector of ``length`` starts, and the end."""
+    return [length * c // parts for c in range(parts + 1)]
+
+
+# -- the allreduce ---------------------------------------------------------------------------------------
+class Mailbox:
+    """The parts a trainer has received, by ``(round, attempt, phase)`` and sender; filled on the
+    worker's event loop, read from the trainer's thread."""
+
+    def __init__(self) -> None:
+        self._parts: dict[tuple[int, int, int], dict[str, tuple[dict[str, Any], Any]]] = {}
+        self._changed = threading.Condition()
+
+    def put(self, key: tuple[int, int, int], sender: str, header: dict[str, Any], payload: Any) -> None:
+        with self._changed:
+            self._parts.setdefault(key, {})[sender] = (header, payload)
+            self._changed.notify_all()
+
+    def wait(
+        self, key: tuple[int, int, int], senders: set[str], timeout: float
+    ) -> dict[str, tuple[dict[str, Any], Any]] | None:
+        """The parts of ``key`` from every one of ``senders``, or ``None`` after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                got = self._parts.get(key, {})
+                if senders <= set(got):
+                    return {s: got[s] for s in senders}
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._changed.wait(left)
+
+    def forget(self, before: int) -> None:
+        """Drop the parts of rounds before ``before``."""
+        with self._changed:
+            for key in [k for k in self._parts if k[0] < before]:
+                del self._parts[key]
+
+
+@dataclass
+class Contribution:
+    """What a member brings to a round's averaging: its vector (and layout, values set aside), its
+    weight (examples fitted) and what it reports of its share."""
+
+    vector: torch.Tensor
+    layout: list[list[Any]]
+    kept: dict[str, Any]
+    weight: int
+    report: dict[str, Any]
+
+
+class Exchange:
+    """One attempt of one round's allreduce for member ``me`` among ``members``; :meth:`run` advances it
+    as far as the parts received allow within a time limit, and can be called again."""
+
+    def __init__(
+        self,
+        me: str,
+        k: int,
+        attempt: int,
+        members: list[str],
+        mine: Contribution,
+        mailbox: Mailbox,
+        send: Callable[[str, tuple[int, int, int], dict[str, Any], Any], None],
+        dtype: torch.dtype,
+    ) -> None:
+        self.me, self.k, self.attempt, self.members = me, k, attempt, list(members)
+        self.mine, self.mailbox, self.send, self.dtype = mine, mailbox, send, dtype
+        self.rank = self.members.index(me)
+        self.others = set(self.members) - {me}
+        self.phase = 0
+        self.bytes_sent = 0
+        self.result: tuple[torch.Tensor, list[list[Any]], dict[str, Any]] | None = None
+        self.reports: list[dict[str, Any]] = []
+        self._out: torch.Tensor | None = None
+
+    def _wire(self, chunk: torch.Tensor) -> np.ndarray:
+        """A chunk as it travels: a CPU array in the exchange's dtype (bfloat16 as its 16 bits)."""
+        t = chunk.detach().to(self.dtype).cpu()
+        if self.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy()
+        return t.numpy()
+
+    def _unwire(self, array: Any, device: torch.device) -> torch.Tensor:
+        t = torch.from_numpy(np.asarray(array))
+        if self.dtype == torch.bfloat16:
+            t = t.view(torch.bfloat16)
+        return t.to(device=device, dtype=torch.float32)
+
+    def _emit(self, peer: str, phase: int, header: dict[str, Any], chunk: torch.Tensor | None) -> None:
+        payload = None if chunk is None else self._wire(chunk)
+        self.bytes_sent += 0 if payload is None else payload.nbytes
+        self.send(peer, (self.k, self.attempt, phase), header, payload)
+
+    def run(self, timeout: float) -> bool:
+        """Go on until the average is here (``True``, :attr:`result` set) or ``timeout`` seconds pass."""
+        mine, members, m = self.mine, self.members, len(self.members)
+        v = mine.vector
+        edges = bounds(v.numel(), m)
+        if self.phase == 0:  # send each owner its chunk
+            header = {"weight": mine.weight, "length": v.numel(), "report": mine.report}
+            for c, peer in enumerate(members):
+                if peer != self.me:
+                    self._emit(peer, 1, header, v[edges[c] : edges[c + 1]] if mine.weight else None)
+            self.phase = 1
+        if self.phase == 1:  # average the chunk this member owns
+            got = self.mailbox.wait((self.k, self.attempt, 1), self.others, timeout)
+            if got is None:
+                return False
+            parts = {self.me: ({"weight": mine.weight, "length": v.numel(), "report": mine.report}, None), **got}
+            self.reports = [parts[t][0]["report"] for t in members]
+            weights = {t: parts[t][0]["weight"] for t in members}
+            total = sum(weights.values())
+            lengths = {parts[t][0]["length"] for t in members if weights[t]}
+            if len(lengths) > 1:
+                raise RuntimeError(
+                    f"round {self.k}: the trainers' states differ in size ({sorted(lengths)} values): "
+                    "their networks or optimizers are not alike"
+                )
+            length = lengths.pop() if lengths else v.numel()
+            edges = bounds(length, m)
+            lo, hi = edges[self.rank], edges[self.rank + 1]
+            own = torch.zeros(hi - lo, dtype=torch.float32, device=v.device)
+            if total:
+                for t in members:  # in the members' order: every owner sums alike
+                    if not weights[t]:
+                        continue
+                    chunk = v[lo:hi] if t == self.me else self._unwire(parts[t][1], v.device)
+                    if t == self.me and self.dtype != torch.float32:
+                        chunk = chunk.to(self.dtype).float()
+                    own.add_(chunk, alpha=weights[t] / total)
+            else:  # nobody fitted anything: the state stays
+                own.copy_(v[lo:hi])
+            if self.dtype != torch.float32:
+                own = own.to(self.dtype).float()  # as the others receive it
+            leader = next((t for t in members if weights[t]), members[0])
+            self._leader = leader
+            header = {"length": length}
+            if leader == self.me:
+                header.update(layout=mine.layout, kept=mine.kept)
+            self._out = torch.empty(length, dtype=torch.float32, device=v.device)
+            self._out[lo:hi] = own
+            for peer in members:
+                if peer != self.me:
+                    self._emit(peer, 2, header, own)
+            self._own_header = header
+            self.phase = 2
+        if self.phase == 2:  # gather the others' averaged chunks
+            got = self.mailbox.wait((self.k, self.attempt, 2), self.others, timeout)
+            if got is None:
+                return False
+            out = self._out
+            length = out.numel()
+            edges = bounds(length, m)
+            for c, t in enumerate(members):
+                if t != self.me:
+                    out[edges[c] : edges[c + 1]] = self._unwire(got[t][1], out.device)
+            head = self._own_header if self._leader == self.me else got[self._leader][0]
+            self.result = (out, head["layout"], head["kept"])
+            self.phase = 3
+        return True

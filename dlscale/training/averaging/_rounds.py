@@ -1,0 +1,267 @@
+"""The control plane of parameter averaging as bookkeeping: the rounds of a session, the minibatches each
+trainer fits in each, who takes part in each round's averaging, and when a round is done.
+
+A plan is a list of rounds; a round gives each trainer a *share* of work items (item ``e * n + i`` is
+minibatch ``i`` in the fit's epoch ``e``), possibly none. Every live trainer of a round takes part in
+its averaging, with the examples it fitted as its weight (0 without a share). An *attempt* of a round's
+averaging has a fixed set of members; a round is *committed* when a trainer reports that it holds the
+average of one attempt (every member's state in it), and *settled* when every live trainer of the round
+holds that average: then, and only then, the round is reported to the driver, its items fitted.
+
+A trainer lost before its round is committed takes its share with it: the share goes to a round inserted
+after the open one, split among the others, its shares of later rounds are split among the others, and
+the open round's averaging starts again without it (a new attempt). If a trainer still completes an
+attempt the lost one took part in (the lost one's state is in that average), that attempt commits and
+the moved items are taken back from the later rounds: every item is fitted once. A committed round
+whose every holder is lost before it settled is open again (nobody alive has its average, so nobody has
+gone on from it).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dlscale.training.sharing._exceptions import SessionAbortedError, SessionClosedError, TrainerLostError
+
+__all__ = ["Round", "Rounds", "plan_rounds", "SessionAbortedError", "SessionClosedError", "TrainerLostError"]
+
+
+def plan_rounds(
+    items: Sequence[int],
+    trainers: Sequence[str],
+    per_trainer: int,
+    per_epoch: int,
+    owner: dict[int, str] | None = None,
+) -> list[dict[str, list[int]]]:
+    """Rounds of ``items`` (in order) for ``trainers``: consecutive items of one epoch, ``per_trainer`` for
+    each trainer a round, split in order (``np.array_split``, as even as can be). With ``owner`` (a
+    trainer for each minibatch index), each trainer fits the minibatches it owns, ``per_trainer`` a round."""
+    rounds: list[dict[str, list[int]]] = []
+    by_epoch: dict[int, list[int]] = collections.defaultdict(list)
+    for item in items:
+        by_epoch[item // per_epoch].append(item)
+    for epoch in sorted(by_epoch, key=lambda e: items.index(by_epoch[e][0])):
+        chunk_items = by_epoch[epoch]
+        if owner is not None:
+            own: dict[str, list[int]] = {t: [] for t in trainers}
+            for item in chunk_items:
+                holder = owner.get(item % per_epoch)
+                own[holder if holder in own else trainers[(item % per_epoch) % len(trainers)]].append(item)
+            count = max((len(v) + per_trainer - 1) // per_trainer for v in own.values())
+            for r in range(count):
+                rounds.append({t: v[r * per_trainer : (r + 1) * per_trainer] for t, v in own.items()})
+            continue
+        step = per_trainer * len(trainers)
+        for start in range(0, len(chunk_items), step):
+            chunk = chunk_items[start : start + step]
+            shares = np.array_split(np.array(chunk, dtype=np.int64), min(len(trainers), len(chunk)))
+            r = {t: [] for t in trainers}
+            for t, s in zip(trainers, shares):
+                r[t] = [int(i) for i in s]
+            rounds.append(r)
+    return rounds
+
+
+@dataclass
+class Round:
+    """One round: each trainer's ``shares``, its averaging's attempts (their members) and its state."""
+
+    shares: dict[str, list[int]]
+    attempt: int = 0
+    members: dict[int, tuple[str, ...]] = field(default_factory=dict)  # attempt -> its members
+    committed: int | None = None  # the attempt whose average the round took
+    holders: set[str] = field(default_factory=set)  # live trainers that hold the committed average
+    report: list[dict[str, Any]] = field(default_factory=list)  # the committed attempt's members' statistics
+    moved: dict[str, list[int]] = field(default_factory=dict)  # a lost member's share, moved to later rounds
+    settled: bool = False
+
+    def items(self) -> list[int]:
+        return [i for share in self.shares.values() for i in share]
+
+
+class Rounds:
+    """The rounds of one session for its trainers ``alive`` (see the module's docstring)."""
+
+    def __init__(self, name: str, plan: list[dict[str, list[int]]], alive: Collection[str]) -> None:
+        self.name = name
+        self.alive = set(alive)
+        self.rounds = [Round({t: list(s) for t, s in shares.items()}) for shares in plan]
+        for r in self.rounds:
+            r.members[0] = self._members(r)
+        self.stop_at: int | None = None  # rounds from this one on are not begun (a segment's end)
+        self.reports: list[dict[str, Any]] = []  # settled rounds, for the driver
+        self.failed: str | None = None
+        self.failed_by: str | None = None
+        self.joined: set[str] = set()
+        self.version = 0
+
+    # -- what the session is ----------------------------------------------------------------
+    def _members(self, r: Round) -> tuple[str, ...]:
+        return tuple(sorted(t for t in r.shares if t in self.alive))
+
+    def open_round(self) -> int:
+        """The index of the first round not committed (``len(rounds)`` when every one is)."""
+        return next((k for k, r in enumerate(self.rounds) if r.committed is None), len(self.rounds))
+
+    def settled(self) -> bool:
+        """Whether every round that is to be trained in this session has settled."""
+        end = len(self.rounds) if self.stop_at is None else min(self.stop_at, len(self.rounds))
+        return all(r.settled for r in self.rounds[:end])
+
+    def left(self) -> list[int]:
+        """The items of the rounds not committed, in order: what a next session trains."""
+        return [i for r in self.rounds if r.committed is None for i in r.items()]
+
+    # -- the trainers' calls -------------------------------------------------------------------
+    def begin(self, trainer: str, k: int) -> dict[str, Any]:
+        """``trainer``'s share of round ``k`` (after it holds round ``k - 1``'s average), or the end."""
+        self._check(trainer)
+        if k >= len(self.rounds) or (self.stop_at is not None and k >= self.stop_at):
+            return {"end": True, "items": [], "next_items": []}
+        r = self.rounds[k]
+        nxt = self.rounds[k + 1].shares.get(trainer, []) if k + 1 < len(self.rounds) else []
+        return {"end": False, "items": list(r.shares.get(trainer, [])), "next_items": list(nxt)}
+
+    def sync(self, trainer: str, k: int) -> dict[str, Any]:
+        """Round ``k``'s averaging as ``trainer`` is to take part in it now."""
+        self._check(trainer)
+        r = self.rounds[k]
+        return {
+            "attempt": r.attempt,
+            "members": list(r.members[r.attempt]),
+            "committed": r.committed,
+            "holders": sorted(r.holders & self.alive),
+        }
+
+    def commit(self, trainer: str, k: int, attempt: int, report: list[dict[str, Any]]) -> dict[str, Any]:
+        """``trainer`` holds the average of round ``k``'s ``attempt`` (``report``: what each member fitted).
+        Returns ``{"adopt": holders}`` when the round took another attempt's average (the trainer takes
+        that from a holder, then commits it), else its share of round ``k + 1`` (:meth:`begin`)."""
+        self._check(trainer)
+        r = self.rounds[k]
+        if r.committed is None:
+            r.committed, r.report = attempt, report
+            members = r.members[attempt]
+            # a lost member's state is in this average: its items were fitted, not to be fitted again
+            for t in [t for t in r.moved if t in members]:
+                r.shares[t] = r.moved.pop(t)
+                self._take_back(k, set(r.shares[t]))
+            for t in list(r.moved):  # the others' states are not: their items stay where they went
+                r.shares.pop(t, None)
+            r.moved.clear()
+            for t in [t for t in r.shares if t not in members]:
+                r.shares.pop(t)  # a member lost from an earlier attempt, its items gone on
+        elif r.committed != attempt:
+            return {"adopt": sorted(r.holders & self.alive)}
+        r.holders.add(trainer)
+        self._settle(k)
+        return self.begin(trainer, k + 1)
+
+    def join(self, trainer: str) -> None:
+        """A trainer starting; one lost before it started, or started a second time (its task rerun
+        elsewhere after its worker was lost), is refused."""
+        self._check(trainer)
+        if trainer in self.joined:
+            raise TrainerLostError(f"trainer {trainer} of session {self.name} started a second time")
+        self.joined.add(trainer)
+
+    def leave(self, trainer: str, k: int) -> str:
+        """``trainer``, whose worker retires, leaves before round ``k`` (it holds round ``k - 1``'s average):
+        ``"left"``; ``"stay"`` when it is the last live trainer, ``"later"`` while another live trainer
+        still needs round ``k - 1``'s average, which it may have to take from this one."""
+        self._check(trainer)
+        if len(self.alive) <= 1:
+            return "stay"
+        if k > 0 and not self.rounds[k - 1].settled:
+            return "later"
+        self._drop(trainer)
+        return "left"
+
+    def fail(self, who: str, error: str) -> None:
+        if self.failed is None:
+            self.failed, self.failed_by = f"{who}: {error}", who
+
+    # -- the cluster's events ---------------------------------------------------------------------
+    def lose(self, trainer: str) -> bool:
+        """``trainer``'s worker was removed; returns whether it was alive."""
+        if trainer not in self.alive:
+            return False
+        self._drop(trainer)
+        return True
+
+    def _drop(self, trainer: str) -> None:
+        self.alive.discard(trainer)
+        self.version += 1
+        k = self.open_round()
+        # a committed round that no live trainer holds (its holders lost before it settled) opens again
+        if 0 < k and not self.rounds[k - 1].settled and not (self.rounds[k - 1].holders & self.alive):
+            k -= 1
+            self._reopen(k)
+        for j in range(k, len(self.rounds)):
+            r = self.rounds[j]
+            share = r.shares.pop(trainer, None)
+            if j == k and share:
+                r.moved[trainer] = share
+                self._insert_after(k, share)
+            elif share:
+                self._spread(r, share)
+            if trainer in r.members.get(r.attempt, ()):
+                r.attempt += 1
+                r.members[r.attempt] = self._members(r)
+        for j in range(max(0, k - 1), len(self.rounds)):
+            self._settle(j)
+
+    def _reopen(self, k: int) -> None:
+        r = self.rounds[k]
+        r.committed, r.report, r.holders = None, [], set()
+        r.attempt += 1
+        r.members[r.attempt] = self._members(r)
+
+    def _insert_after(self, k: int, items: list[int]) -> None:
+        survivors = sorted(t for t in self.rounds[k].shares if t in self.alive) or sorted(self.alive)
+        if not survivors:
+            return
+        inserted = Round({t: [] for t in survivors})
+        for t, s in zip(survivors, np.array_split(np.array(items, dtype=np.int64), len(survivors))):
+            inserted.shares[t] = [int(i) for i in s]
+        inserted.members[0] = self._members(inserted)
+        self.rounds.insert(k + 1, inserted)
+
+    def _spread(self, r: Round, items: list[int]) -> None:
+        survivors = sorted(t for t in r.shares if t in self.alive) or sorted(self.alive)
+        for t, s in zip(survivors, np.array_split(np.array(items, dtype=np.int64), len(survivors))):
+            r.shares.setdefault(t, []).extend(int(i) for i in s)
+        if r.attempt in r.members:
+            r.members[r.attempt] = self._members(r)
+
+    def _take_back(self, k: int, items: set[int]) -> None:
+        """Remove ``items`` from the rounds after ``k`` (they were moved there from round ``k``)."""
+        for r in self.rounds[k + 1 :]:
+            for t in r.shares:
+                r.shares[t] = [i for i in r.shares[t] if i not in items]
+        self.rounds[k + 1 :] = [r for r in self.rounds[k + 1 :] if r.items() or r.committed is not None]
+
+    def _settle(self, k: int) -> None:
+        if k >= len(self.rounds):
+            return
+        r = self.rounds[k]
+        if r.committed is None or r.settled:
+            return
+        if {t for t in r.shares if t in self.alive} <= r.holders:
+            r.settled = True
+            self.reports.append({"round": k, "members": r.report})
+
+    def _check(self, trainer: str) -> None:
+        if self.failed is not None:
+            raise SessionAbortedError(f"session {self.name} stopped: {self.failed}")
+        if trainer not in self.alive:
+            raise TrainerLostError(f"trainer {trainer} is not a member of session {self.name}")
+
+    def __repr__(self) -> str:
+        return f"Rounds({self.name!r}, {[dataclasses.asdict(r) for r in self.rounds]!r})"

@@ -1,0 +1,298 @@
+"""One parameter-averaging trainer: a long-lived task that fits its share of each round and then averages
+its state with the other trainers', peer to peer, until the session's rounds are done.
+
+A round: the trainer asks the scheduler for its share (with the commit of the round before: one call a
+round), fits it, reading ahead (``prefetch``), and takes part in the round's allreduce
+(``_exchange``) with the members the scheduler names. When the allreduce has every part, the trainer
+commits the round on the scheduler and takes the average: the parameters move by the averaged change,
+or as the outer optimizer (DiLoCo) moves them given it; the buffers and the optimizer's state take the
+averaged values. A trainer alone fits as one process does, its state untouched. While parts are
+missing the trainer asks the scheduler every ``poll`` seconds how the round stands: a member lost
+means a new attempt without it; a round committed with another attempt (or a part lost in flight)
+means taking the average from a trainer that holds it. A trainer whose worker retires leaves between
+rounds. At the end each trainer returns its state (every trainer holds the same), the driver takes
+one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from distributed import get_client, get_worker, secede
+from distributed.utils import sync
+
+from dlscale.data.loaders import prefetch
+from dlscale.runtime.retirement import LEAVING
+from dlscale.runtime.tasks import match_threads
+from dlscale.training._heap import training_heap
+from dlscale.training._worker import check_finite, replica, state_of
+from dlscale.training.averaging._exchange import DTYPES, Contribution, Exchange, FlatState
+from dlscale.training.averaging._worker_plugin import plugin
+from dlscale.training.sharing._exceptions import SessionAbortedError, SessionClosedError, SessionStoppedError
+from dlscale.training.sharing._messages import unwrap
+from dlscale.training.sharing._trainer import HeldMinibatch
+
+logger = logging.getLogger("dlscale.training.averaging")
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    """What every trainer of a session is told."""
+
+    save_updater: bool
+    prefetch: int
+    outer_optimizer: Callable[..., torch.optim.Optimizer] | None
+    dtype: str
+    poll: float  # seconds between a waiting trainer's calls to the scheduler
+    timeout: float  # seconds a trainer waits for a round's average to be taken from a peer
+
+
+class _Control:
+    """Calls to the scheduler's ``dlscale_averaging_*`` handlers from the trainer's thread."""
+
+    def __init__(self, worker: Any, session: str, trainer: str) -> None:
+        self.worker, self.session, self.trainer = worker, session, trainer
+
+    def __call__(self, op: str, **kwargs: Any) -> dict[str, Any]:
+        method = getattr(self.worker.scheduler, f"dlscale_averaging_{op}")
+        return unwrap(sync(self.worker.loop, method, session=self.session, trainer=self.trainer, **kwargs))
+
+
+def run(
+    session: str,
+    trainer: str,
+    key: str,
+    blob: Any,
+    refs: list[Any],
+    names: list[str],
+    loader: Callable[[Any], Any],
+    spec: TrainerSpec,
+) -> dict[str, Any]:
+    """The task of one trainer; returns its state and statistics, or ``{"lost": True}`` for a trainer
+    whose worker was lost (the task then runs again elsewhere and stops at once), ``{"aborted": True}``
+    for one stopped by another's failure, ``{"retired": True}`` for one that left as its worker retired."""
+    worker = get_worker()
+    control = _Control(worker, session, trainer)
+    try:
+        control("join")
+    except SessionStoppedError as e:
+        return _stopped(trainer, e)
+    if isinstance(loader, HeldMinibatch):
+        loader = loader.bind(get_client())
+    secede()  # a trainer runs for the whole fit: it does not hold one of the worker's task slots
+    try:
+        with training_heap():
+            return _Trainer(worker, control, key, blob, refs, names, loader, spec).train()
+    except SessionStoppedError as e:
+        return _stopped(trainer, e)
+    except BaseException as e:
+        with contextlib.suppress(Exception):  # the original error matters, not this one
+            control("fail", error=f"{type(e).__name__}: {e}")
+        e.add_note(f"in parameter-averaging trainer {trainer} on worker {worker.address}")
+        raise
+
+
+def _stopped(trainer: str, error: SessionStoppedError) -> dict[str, Any]:
+    aborted = isinstance(error, SessionAbortedError)
+    return {"trainer": trainer, "lost": not aborted and not isinstance(error, SessionClosedError), "aborted": aborted}
+
+
+class _Trainer:
+    def __init__(
+        self,
+        worker: Any,
+        control: _Control,
+        key: str,
+        blob: Any,
+        refs: list[Any],
+        names: list[str],
+        loader: Callable[[Any], Any],
+        spec: TrainerSpec,
+    ) -> None:
+        self.worker, self.control, self.spec = worker, control, spec
+        self.name, self.session = control.trainer, control.session
+        self.plugin = plugin(worker)
+        self.mailbox = self.plugin.mailboxes[self.session]  # opened by the driver before any trainer started
+        self.network, _ = replica(key, blob)
+        self.refs, self.names, self.loader = refs, names, loader
+        self.dtype = DTYPES[spec.dtype]
+        self.stats = {"trainer": self.name, "worker": worker.address, "minibatches": 0, "examples": 0}
+        self.bytes_sent = 0
+
+    def _send(self, peer: str, key: tuple[int, int, int], header: dict[str, Any], payload: Any) -> None:
+        self.plugin.send(self.session, peer, key, header, payload)
+
+    def train(self) -> dict[str, Any]:
+        match_threads()
+        net, spec = self.network, self.spec
+        flat = FlatState(net, spec.save_updater)
+        outer = _Outer(spec.outer_optimizer, flat) if spec.outer_optimizer is not None else None
+        n = len(self.refs)
+        reply, k = self.control("begin", round=0), 0
+        staying = False
+        while not reply["end"]:
+            if not staying and self.worker.status in LEAVING:
+                outcome = self.control("leave", round=k, stats=self.stats)["outcome"]
+                if outcome == "left":
+                    logger.info(
+                        "trainer %s left its session: worker %s is %s",
+                        self.name,
+                        self.worker.address,
+                        self.worker.status,
+                    )
+                    return {"trainer": self.name, "retired": True}
+                staying = outcome == "stay"
+                if staying:
+                    logger.warning(
+                        "trainer %s stays while worker %s retires: no other trainer would train the rest",
+                        self.name,
+                        self.worker.address,
+                    )
+            items = reply["items"]
+            if not spec.save_updater:
+                net.optimizer.state.clear()  # DL4J without save_updater: the updater starts afresh each round
+            flat.begin()
+            start, t0 = time.time(), time.perf_counter()
+            examples, score, waited = 0, float("nan"), 0.0
+            batches = prefetch([self.refs[i % n] for i in items], self.loader, spec.prefetch)
+            try:
+                for item in items:
+                    w = time.perf_counter()
+                    batch = next(batches)
+                    waited += time.perf_counter() - w
+                    name = self.names[item % n]
+                    try:
+                        score = net.fit_batch(batch)
+                    except Exception as e:
+                        e.add_note(f"while fitting minibatch {name}")
+                        raise
+                    check_finite(net, score, name)
+                    examples += batch.num_examples()
+            except Exception as e:
+                e.add_note(
+                    f"while training round {k} of the session (epoch {items[0] // n if items else '?'} of the fit)"
+                )
+                raise
+            finally:
+                batches.close()
+            fitted = time.perf_counter()
+            report = {
+                "trainer": self.name,
+                "worker": self.worker.address,
+                "items": list(items),
+                "examples": examples,
+                "score": score,
+                "fit_seconds": fitted - t0,
+                "wait_seconds": waited,
+                "start": start,
+                "end": time.time(),
+            }
+            reply = self._average(k, flat, outer, report)
+            report["exchange_seconds"] = time.perf_counter() - fitted
+            self.stats["minibatches"] += len(items)
+            self.stats["examples"] += examples
+            self.mailbox.forget(k)
+            k += 1
+        state = state_of(net, with_optimizer=spec.save_updater)
+        return {**state, "trainer": self.name, "stats": {**self.stats, "bytes_sent": self.bytes_sent}}
+
+    def _average(self, k: int, flat: FlatState, outer: _Outer | None, report: dict[str, Any]) -> dict[str, Any]:
+        """Round ``k``'s averaging; returns the scheduler's reply to its commit (the next round's share)."""
+        status = self.control("sync", round=k)
+        exchange: Exchange | None = None
+        contribution: Contribution | None = None
+        while True:
+            committed = status["committed"]
+            if committed is not None:  # a peer committed: this trainer's own attempt may be about to end too
+                if exchange is not None and exchange.attempt == committed and exchange.run(self.spec.poll):
+                    self.bytes_sent += exchange.bytes_sent
+                    return self._commit(k, committed, exchange.reports, flat, outer, exchange.result)
+                return self._adopt(k, committed, status["holders"], flat, outer)
+            members = status["members"]
+            if members == [self.name]:  # alone: its state is the round's
+                return self._commit(k, status["attempt"], [report], flat, outer, None)
+            if exchange is None or exchange.attempt != status["attempt"]:
+                if contribution is None:
+                    vector, layout, kept = flat.vector()
+                    contribution = Contribution(vector, layout, kept, report["examples"], report)
+                exchange = Exchange(
+                    self.name, k, status["attempt"], members, contribution, self.mailbox, self._send, self.dtype
+                )
+            if exchange.run(self.spec.poll):
+                self.bytes_sent += exchange.bytes_sent
+                return self._commit(k, exchange.attempt, exchange.reports, flat, outer, exchange.result)
+            self.bytes_sent += exchange.bytes_sent
+            exchange.bytes_sent = 0
+            status = self.control("sync", round=k)
+
+    def _commit(
+        self,
+        k: int,
+        attempt: int,
+        reports: list[dict[str, Any]],
+        flat: FlatState,
+        outer: _Outer | None,
+        result: tuple[torch.Tensor, list[list[Any]], dict[str, Any]] | None,
+    ) -> dict[str, Any]:
+        reply = self.control("commit", round=k, attempt=attempt, report=reports)
+        if "adopt" in reply:  # the round took another attempt's average
+            status = self.control("sync", round=k)
+            return self._adopt(k, status["committed"], status["holders"], flat, outer)
+        if result is not None:
+            average, layout, kept = result
+            flat.apply(average, layout, kept, None if outer is None else outer.step)
+            self.plugin.keep(self.session, k, attempt, {"layout": layout, "kept": kept}, average.cpu().numpy())
+        return reply
+
+    def _adopt(self, k: int, attempt: int, holders: list[str], flat: FlatState, outer: _Outer | None) -> dict[str, Any]:
+        """Take round ``k``'s average (of ``attempt``) from one of ``holders``, and commit it."""
+        deadline = time.monotonic() + self.spec.timeout
+        while True:
+            for holder in holders:
+                with contextlib.suppress(Exception):
+                    got = sync(
+                        self.worker.loop,
+                        self.worker.rpc(holder).dlscale_averaging_result,
+                        session=self.session,
+                        round=k,
+                        callback_timeout=self.spec.timeout,
+                    )
+                    if got is not None and got["attempt"] == attempt:
+                        average = torch.from_numpy(np.asarray(got["payload"]).copy()).to(flat.params.device)
+                        header = got["header"]
+                        reply = self.control("commit", round=k, attempt=attempt, report=[])
+                        flat.apply(average, header["layout"], header["kept"], None if outer is None else outer.step)
+                        self.plugin.keep(self.session, k, attempt, header, average.cpu().numpy())
+                        logger.info("trainer %s took round %d's average from %s", self.name, k, holder)
+                        return reply
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"trainer {self.name} could not take round {k}'s average from any of {holders} "
+                    f"within {self.spec.timeout:g} s (dlscale.sharing.end-timeout)"
+                )
+            time.sleep(self.spec.poll)
+            status = self.control("sync", round=k)
+            attempt, holders = status["committed"], status["holders"]
+
+
+class _Outer:
+    """DiLoCo's outer step: the optimizer made by ``factory`` over the parameters at the round's start,
+    stepped with the averaged change, negated, as their gradient (a pseudo-gradient)."""
+
+    def __init__(self, factory: Callable[..., torch.optim.Optimizer], flat: FlatState) -> None:
+        self.flat = flat
+        self.optimizer = factory([flat.anchor])
+
+    def step(self, change: torch.Tensor) -> None:
+        anchor = self.flat.anchor
+        anchor.grad = -change
+        self.optimizer.step()
+        anchor.grad = None
+        self.flat.params.copy_(anchor)

@@ -1,0 +1,99 @@
+"""The data plane of parameter averaging on every worker: the ``dlscale_averaging_part`` handler that
+puts a peer's part of a round's allreduce in the trainer's mailbox, the ``dlscale_averaging_result``
+handler that hands a round's average to a peer that missed part of it, and the sends to peers.
+
+Sends are made on the worker's event loop through ``worker.rpc`` (Dask's pooled connections, TLS
+included), the arrays as Dask-serialised frames (no copy into a message); the trainer does not wait
+for them: a part that does not arrive shows as a round that does not complete, which the trainer
+resolves with the scheduler (``_trainer``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from distributed.diagnostics.plugin import WorkerPlugin
+from distributed.protocol import to_serialize
+
+from dlscale.training.averaging._exchange import Mailbox
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
+logger = logging.getLogger("dlscale.training.averaging")
+
+NAME = "dlscale-averaging"
+
+
+class AveragingWorkerPlugin(WorkerPlugin):
+    """Adds the handlers to a worker and keeps its sessions' mailboxes and last averages."""
+
+    name = NAME
+    idempotent = True
+
+    def __init__(self) -> None:
+        self.mailboxes: dict[str, Mailbox] = {}
+        self.results: dict[str, tuple[int, int, dict[str, Any], Any]] = {}  # session: (round, attempt, header, array)
+
+    def setup(self, worker: Worker) -> None:
+        self.worker = worker
+        worker.handlers["dlscale_averaging_part"] = self.part
+        worker.handlers["dlscale_averaging_result"] = self.result
+
+    def part(self, session: str, sender: str, key: list[int], header: dict[str, Any], payload: Any = None) -> None:
+        """A peer's part of a round's allreduce; parts for a session not open here are dropped."""
+        box = self.mailboxes.get(session)
+        if box is not None:
+            box.put((key[0], key[1], key[2]), sender, header, payload)
+
+    def result(self, session: str, round: int) -> dict[str, Any] | None:
+        """This worker's trainer's average of ``round``, if it still holds it."""
+        kept = self.results.get(session)
+        if kept is None or kept[0] != round:
+            return None
+        _, attempt, header, array = kept
+        return {"attempt": attempt, "header": header, "payload": to_serialize(array)}
+
+    def open(self, session: str) -> Mailbox:
+        box = self.mailboxes[session] = Mailbox()
+        return box
+
+    def close(self, session: str) -> None:
+        self.mailboxes.pop(session, None)
+        self.results.pop(session, None)
+
+    def keep(self, session: str, round: int, attempt: int, header: dict[str, Any], array: Any) -> None:
+        """Hold round ``round``'s average for peers that missed part of it (until the next round's)."""
+        self.results[session] = (round, attempt, header, array)
+
+    def send(self, session: str, peer: str, key: tuple[int, int, int], header: dict[str, Any], payload: Any) -> None:
+        """Send a part to ``peer`` from any thread, without waiting."""
+        self.worker.loop.add_callback(self._send, session, peer, key, header, payload)
+
+    async def _send(
+        self, session: str, peer: str, key: tuple[int, int, int], header: dict[str, Any], payload: Any
+    ) -> None:
+        try:
+            await self.worker.rpc(peer).dlscale_averaging_part(
+                session=session,
+                sender=self.worker.address,
+                key=list(key),
+                header=header,
+                payload=None if payload is None else to_serialize(payload),
+            )
+        except Exception as e:  # noqa: BLE001 - a peer lost: the round goes on without it
+            logger.info(
+                "parameter averaging session %s: a part for %s was not delivered (%s: %s)",
+                session,
+                peer,
+                type(e).__name__,
+                e,
+            )
+
+
+def plugin(worker: Worker) -> AveragingWorkerPlugin:
+    found = worker.plugins.get(NAME)
+    if found is None:
+        raise RuntimeError(f"worker {worker.address} has no dlscale parameter-averaging plugin")
+    return found
