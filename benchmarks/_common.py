@@ -164,11 +164,16 @@ def command_line(description: str | None) -> argparse.ArgumentParser:
     return parser
 
 
-def parse(parser: argparse.ArgumentParser, argv: list[str] | None, results: Path | None) -> argparse.Namespace:
+def parse(
+    parser: argparse.ArgumentParser, argv: list[str] | None, results: Path | None, **smoke_defaults: Any
+) -> argparse.Namespace:
     """``parser``'s arguments, with ``args.out`` the results file: ``--out``, else ``results`` (None: the
     benchmark writes none unless asked), else in a smoke run a file of ``results``' name in :data:`SCRATCH`.
-    A smoke run (``--smoke``, or a process that a smoke run started) refuses an ``--out`` under
-    ``benchmarks/results/`` and sets :data:`SMOKE_ENV` for the processes it starts."""
+    A smoke run (``--smoke``, or a process that a smoke run started) takes ``smoke_defaults`` as the
+    defaults of those options (``seeds=1``: one seed unless ``--seeds`` says otherwise), refuses an
+    ``--out`` under ``benchmarks/results/`` and sets :data:`SMOKE_ENV` for the processes it starts."""
+    if smoke_defaults and (SMOKE or parser.parse_known_args(argv)[0].smoke):
+        parser.set_defaults(**smoke_defaults)
     args = parser.parse_args(argv)
     args.smoke = args.smoke or SMOKE
     if args.smoke:

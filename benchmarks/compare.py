@@ -52,7 +52,20 @@ import psutil
 import torch
 
 from benchmarks import _ddp, _links
-from benchmarks._common import BATCH, SGD, accuracy, export_paths, header, make_data, mlp, train_epoch, write_results
+from benchmarks._common import (
+    BATCH,
+    SGD,
+    accuracy,
+    command_line,
+    export_paths,
+    header,
+    make_data,
+    mlp,
+    parse,
+    shrink,
+    train_epoch,
+    write_results,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "compare.json"
@@ -88,6 +101,7 @@ DEVICE_RUNNERS = ("single", "ceiling", "averaging", "sharing")  # those that run
 # train one epoch of a part of the data, enough for a steady samples/s but not for time to accuracy.
 SHORT = {"100mbit": (("ddp", "torch_distributor", "averaging"), 6400)}
 LINKS = ("loopback", "1gbit", "100mbit")
+SMOKE_RUNNERS = "single,ceiling,ddp,sharing"  # a smoke run's default
 
 
 # -- measuring a run --------------------------------------------------------------------------------
@@ -571,13 +585,14 @@ def write_report(
     date: str,
     runners: tuple[str, ...] = RUNNERS,
     device: str = "cpu",
+    out: Path | None = None,
 ) -> None:
-    """Ratios, targets, plots and the scaling projection of ``runs``; written to :data:`RESULTS`, or
-    for a part of the runners, another device or a quick run to a file of their own
+    """Ratios, targets, plots and the scaling projection of ``runs``; written to ``out``, else to
+    :data:`RESULTS`, or for a part of the runners, another device or a quick run to a file of their own
     (``compare-[quick-][DEVICE-]RUNNERS.json``), without plots or projection."""
     complete = runners == RUNNERS and device == "cpu" and not quick
     prefix = ("quick-" if quick else "") + (f"{device}-" if device != "cpu" else "")
-    results = RESULTS if complete else RESULTS.with_name(f"compare-{prefix}{'-'.join(runners)}.json")
+    results = out or (RESULTS if complete else RESULTS.with_name(f"compare-{prefix}{'-'.join(runners)}.json"))
     targets = summarise(runs)
     gpu = {"gpu": torch.cuda.get_device_name(0)} if device == "cuda" else {}
     report = {
@@ -619,7 +634,7 @@ def write_report(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = command_line(__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small data, one epoch, loopback only")
     parser.add_argument("--links", default=",".join(LINKS), help="comma-separated links to measure")
     parser.add_argument(
@@ -637,7 +652,11 @@ def main(argv: list[str] | None = None) -> None:
         help=f"where every run trains (cuda: the runners {', '.join(DEVICE_RUNNERS)}, on the machine's GPU)",
     )
     parser.add_argument("--inner", nargs=4, metavar=("LINK", "WORKLOAD", "RUNNER", "WORKERS"), help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = parse(parser, argv, None, quick=True, runners=SMOKE_RUNNERS)
+    if args.smoke:  # one workload; loopback, in a namespace of its own where they can be made
+        shrink(globals(), WORKLOADS={"mlp": WORKLOADS["mlp"]})
+        if args.report:
+            parser.error("--report redoes the recorded run's report: not in a smoke run")
     if args.inner:
         link, workload, runner, workers = args.inner
         print(json.dumps(inner(link, workload, runner, int(workers), args.quick, args.device)))
@@ -683,6 +702,7 @@ def main(argv: list[str] | None = None) -> None:
         datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         runners,
         args.device,
+        args.out,
     )
 
 

@@ -111,11 +111,9 @@ def fit(way: str, seed: int, epochs: int, data: tuple[torch.Tensor, ...]) -> dic
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = command_line(__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=None, help="fits of each way (default 3; smoke: 1)")
-    parser.add_argument("--epochs", type=int, default=None, help="epochs a fit (default 100; smoke: 8)")
-    args = parse(parser, argv, RESULTS)
-    args.seeds = args.seeds or (1 if args.smoke else 3)
-    args.epochs = args.epochs or (8 if args.smoke else 100)
+    parser.add_argument("--seeds", type=int, default=3, help="fits of each way (default 3)")
+    parser.add_argument("--epochs", type=int, default=100, help="epochs a fit (default 100)")
+    args = parse(parser, argv, RESULTS, seeds=1, epochs=8)
     data = digits()
     report = header("elastic", epochs=args.epochs, batch=BATCH)
     report["fits"] = []

@@ -22,7 +22,6 @@ the persisted RDD still holds every example afterwards. Targets: every faulted f
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import json
@@ -40,7 +39,7 @@ from typing import Any
 import dask
 import torch
 
-from benchmarks._common import accuracy, digits, header, write_results
+from benchmarks._common import accuracy, command_line, digits, header, parse, shrink, write_results
 from dlscale import (
     ParameterAveragingTrainingMaster,
     SharedTrainingMaster,
@@ -216,8 +215,8 @@ def _table(summaries: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = command_line(__doc__.split("\n\n")[0])
     parser.add_argument("--fits", type=int, default=20, help="faulted fits per master and approach (default 20)")
     parser.add_argument(
         "--baseline", type=int, default=3, help="of those, how many seeds also fit without a fault (default 3)"
@@ -230,11 +229,13 @@ def main() -> None:
         help="the masters and approaches to run (default all four); the others' results already in "
         "the results file are kept",
     )
-    args = parser.parse_args()
+    args = parse(parser, argv, RESULTS, fits=1, baseline=1, configs=["averaging:export", "sharing:direct"])
+    if args.smoke:
+        shrink(globals(), EPOCHS=2)
     configs = [tuple(c.split(":")) for c in args.configs]
     kept = []
-    if RESULTS.exists() and len(configs) < len(CONFIGS):
-        earlier = json.loads(RESULTS.read_text())
+    if args.out.exists() and len(configs) < len(CONFIGS):
+        earlier = json.loads(args.out.read_text())
         for c in earlier["configs"]:
             if f"{c['master']}:{c['approach']}" not in args.configs:
                 kept.append({**c, "date": c.get("date", earlier["date"])})
@@ -293,7 +294,7 @@ def main() -> None:
             summaries.append(summary)
             report["configs"].append({**summary, "unfaulted_runs": unfaulted, "faulted_runs": faulted})
             report["table"] = _table(summaries)
-            write_results(RESULTS, report, indent=1)  # after each master and approach: a long run
+            write_results(args.out, report, indent=1)  # after each master and approach: a long run
         rdd.unpersist()
     print(report["table"])
 

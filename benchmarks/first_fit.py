@@ -80,10 +80,9 @@ def run(way: str) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser = command_line(__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=None, help="driver processes per way (default 3; smoke: 1)")
+    parser.add_argument("--repeats", type=int, default=3, help="driver processes per way (default 3)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = parse(parser, argv, RESULTS)
-    args.repeats = args.repeats or (1 if args.smoke else 3)
+    args = parse(parser, argv, RESULTS, repeats=1)
     if args.child:
         print(json.dumps(child()))
         return None

@@ -19,25 +19,27 @@ single process on both links. Results go to ``benchmarks/results/gradient_sharin
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks import _ddp, _links
+from benchmarks import _common, _ddp, _links
 from benchmarks._common import (
     BATCH,
     SGD,
-    TRAIN,
     accuracy,
+    command_line,
     export_paths,
     header,
     make_data,
     mlp,
     network,
+    parse,
+    shrink,
     timed,
     write_results,
 )
@@ -103,9 +105,14 @@ def inner(link: str) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
-    if sys.argv[1:2] == ["--inner"]:
-        print(json.dumps(inner(sys.argv[2])))
+def main(argv: list[str] | None = None) -> None:
+    parser = command_line(__doc__.split("\n\n")[0])
+    parser.add_argument("--inner", metavar="LINK", help=argparse.SUPPRESS)
+    args = parse(parser, argv, RESULTS)
+    if args.smoke:  # loopback, in a namespace of its own where they can be made (as every link is)
+        shrink(globals(), LINKS=("loopback",))
+    if args.inner:
+        print(json.dumps(inner(args.inner)))
         return
     reason = _links.available()
     report: dict[str, Any] = {
@@ -113,7 +120,7 @@ def main() -> None:
         "setup": {
             "model": "MLP 784-2048-2048-10",
             "batch": BATCH,
-            "train_examples": TRAIN,
+            "train_examples": _common.TRAIN,
             "epochs": 1,
             "workers": 2,
             "threads_per_worker": 1,
@@ -142,7 +149,7 @@ def main() -> None:
             f"({d['compression']:.0f}x compression), accuracy {d['test_accuracy']:.4f} vs "
             f"{result['single_process']['test_accuracy']:.4f}"
         )
-    write_results(RESULTS, report, indent=1)
+    write_results(args.out, report, indent=1)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from benchmarks._common import command_line, java_missing, parse, unavailable
+
 RESULTS = Path(__file__).resolve().parent / "results" / "pyspark_tests.json"
 SYSTEMS = ("pyspark", "dlscale")
 OUTCOMES = ("pass", "fail", "error", "skip", "timeout", "crash", "expected_failure", "unexpected_success")
@@ -93,6 +95,32 @@ BOUND_MODULES = (
 )
 
 Record = dict[str, Any]
+
+# A smoke run without --spark-tests runs this module, written in the way of Spark's tests, on both systems.
+STAND_IN = '''"""A stand-in for Spark's test modules in a smoke run: PySpark's own test base class, a few tests."""
+
+import unittest
+from operator import add
+
+from pyspark.testing.utils import ReusedPySparkTestCase
+
+
+class StandInTests(ReusedPySparkTestCase):
+    def test_count(self):
+        self.assertEqual(self.sc.parallelize(range(100), 4).count(), 100)
+
+    def test_reduce_by_key(self):
+        pairs = self.sc.parallelize([("a", 1), ("b", 2), ("a", 3)], 2)
+        self.assertEqual(sorted(pairs.reduceByKey(add).collect()), [("a", 4), ("b", 2)])
+
+    @unittest.skip("a skipped test is recorded as such")
+    def test_skipped(self):
+        pass
+
+
+if __name__ == "__main__":
+    unittest.main()
+'''
 
 
 # -- in the subprocess: bind, import, run -------------------------------------------------------
@@ -512,25 +540,34 @@ def print_report(report: Record) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--spark-tests", type=Path, help="folder of Spark's test modules (test_*.py)")
+    parser = command_line(__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--spark-tests",
+        type=Path,
+        help="folder of Spark's test modules (test_*.py); a smoke run without it runs a stand-in module of its own",
+    )
     parser.add_argument(
         "--only", help="run only the tests whose id (module.Class.test) matches this glob or contains it"
     )
-    parser.add_argument("--out", type=Path, default=RESULTS, help=f"results file (default {RESULTS})")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds per test (default 120)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated: pyspark,dlscale")
     parser.add_argument("--logs", type=Path, help="keep each subprocess's output in this folder")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = parse(parser, argv, RESULTS)
     if args.child:
         run_child(args.child)
         return
+    stand_in = None
+    if args.smoke and args.spark_tests is None:
+        stand_in = args.spark_tests = Path(tempfile.mkdtemp(prefix="pyspark_tests-stand-in."))
+        (stand_in / "test_stand_in.py").write_text(STAND_IN)
     if args.spark_tests is None or not args.spark_tests.is_dir():
         parser.error("--spark-tests DIR: a folder of Spark's python/pyspark/tests modules")
     systems = [s for s in args.systems.split(",") if s]
     if not set(systems) <= set(SYSTEMS):
         parser.error(f"--systems: of {', '.join(SYSTEMS)}")
+    if "pyspark" in systems and java_missing():
+        unavailable("pyspark_tests", java_missing(), args.smoke)
     modules = sorted(args.spark_tests.resolve().glob("test_*.py"))
     with tempfile.TemporaryDirectory(prefix="pyspark_tests.") as tmp:
         work = Path(tmp)
@@ -560,6 +597,10 @@ def main(argv: list[str] | None = None) -> None:
         if args.logs is None:
             shutil.rmtree(logs, ignore_errors=True)
     report = portable(build_report(reports, settings), places(args.spark_tests))
+    if args.smoke:
+        report = {"benchmark": report.pop("benchmark"), "smoke": True, **report}
+    if stand_in is not None:
+        shutil.rmtree(stand_in, ignore_errors=True)
     print_report(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")

@@ -53,7 +53,7 @@ import torch
 from sklearn.datasets import load_digits
 
 from benchmarks import _ddp, compare
-from benchmarks._common import accuracy, header, make_data, mlp, write_results
+from benchmarks._common import accuracy, command_line, header, make_data, mlp, parse, write_results
 from dlscale import SharedTrainingMaster, SparkContext, SparkNet
 from dlscale.data import DataSet, export_minibatches
 from dlscale.encoding.compressors import COMPRESSORS, DEFAULT
@@ -348,7 +348,7 @@ def _names(value: str, known: tuple[str, ...], what: str, parser: argparse.Argum
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = command_line(__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one seed, 2 workers, few epochs, less data")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated models")
     parser.add_argument("--workers", default=None, help="comma-separated worker counts (default 2,4; quick: 2)")
@@ -369,9 +369,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--peers", default=",".join(PEERS), help="comma-separated peers to run beside (empty: none)")
     parser.add_argument("--report", action="store_true", help="the table again from the last results")
-    args = parser.parse_args(argv)
+    args = parse(parser, argv, RESULTS, quick=True, models="digits_mlp", compressors=DEFAULT, peers="ddp")
     if args.report:
-        write_report(RESULTS, json.loads(RESULTS.read_text()))
+        write_report(args.out, json.loads(RESULTS.read_text()))
         return
     models = _names(args.models, tuple(MODELS), "models", parser)
     compressors = _names(args.compressors, tuple(COMPRESSORS), "compressors", parser) if args.compressors else ()
@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
     peers = _names(args.peers, tuple(PEERS), "peers", parser) if args.peers else ()
     workers = tuple(int(w) for w in (args.workers or ("2" if args.quick else ",".join(map(str, WORKERS)))).split(","))
     seeds = tuple(int(s) for s in (args.seeds or ("0" if args.quick else ",".join(map(str, SEEDS)))).split(","))
-    path = RESULTS.with_name("quality-quick.json") if args.quick else RESULTS
+    path = RESULTS.with_name("quality-quick.json") if args.quick and args.out == RESULTS else args.out
     report: dict[str, Any] = {**header("quality"), "quick": args.quick, "runs": []}
     if not args.quick and path.exists():
         mine = {(m, "single", None, 1, s) for m in models for s in seeds}
