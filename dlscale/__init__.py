@@ -31,6 +31,8 @@ _EXPORTS = {
     "Accumulator": "dlscale.facade.accumulators",
     "AccumulatorParam": "dlscale.facade.accumulators",
     "StatCounter": "dlscale.facade.statcounter",
+    "InheritableThread": "dlscale.facade.threads",
+    "inheritable_thread_target": "dlscale.facade.threads",
     "SparkNet": "dlscale.training.sparknet",
     "ParameterAveragingTrainingMaster": "dlscale.training.averaging",
     "TrainingMaster": "dlscale.training.master",

@@ -108,3 +108,44 @@ def test_added_files_go_with_their_context(tmp_path) -> None:
         assert copies not in sys.path and not os.path.exists(copies)
     finally:
         sys.modules.pop(name, None)
+
+
+@pytest.mark.pyspark
+def test_listed_and_found_as_an_added_file_as_pyspark(sc, spark, tmp_path) -> None:
+    """PySpark's addPyFile adds the file as addFile does (the example of its ``SparkFiles.get``): listFiles
+    lists it beside the files added before, tasks and the driver find it with ``SparkFiles.get``, and it is
+    importable in tasks. The same program on both."""
+    from pyspark import SparkFiles as PySparkFiles
+
+    from dlscale import SparkFiles
+
+    stem = f"listed_{uuid.uuid4().hex[:8]}"
+    text, module = tmp_path / f"{stem}.txt", tmp_path / f"{stem}.py"
+    text.write_text("100")
+    module.write_text("VALUE = 42\n")
+
+    def program(c, files) -> tuple:
+        def ours() -> list[str]:
+            return sorted(u.replace(f"file:{tmp_path}", "") for u in c.listFiles if u.startswith(f"file:{tmp_path}/"))
+
+        def in_task(_) -> list:
+            path = files.get(module.name)
+            assert path.startswith(files.getRootDirectory())
+            return [(os.path.basename(path), Path(path).read_text(), importlib.import_module(stem).VALUE)]
+
+        c.addFile(str(text))
+        before = ours()
+        c.addPyFile(str(module))
+        c.addPyFile(str(module))  # again: listed once
+        listed = ours()
+        found = sorted(set(c.parallelize(range(4), 4).mapPartitions(in_task).collect()))
+        return before, listed, found, Path(files.get(module.name)).read_text()
+
+    try:
+        expected = program(spark, PySparkFiles)
+        sys.modules.pop(stem, None)
+        got = program(sc, SparkFiles)
+    finally:
+        sys.modules.pop(stem, None)
+    assert got == expected
+    assert got[1] == [f"/{stem}.py", f"/{stem}.txt"]

@@ -576,24 +576,24 @@ class SparkContext:
         """Make a ``.py`` module or a ``.zip`` / ``.egg`` of packages importable on every worker, those
         that join later included (Dask's upload plugin), and on the driver until this context stops (as
         PySpark: the driver imports a copy, put on its ``sys.path``). ``path`` is a local file or a URL
-        with a protocol (``s3://...``)."""
+        with a protocol (``s3://...``). As in PySpark, the file is also added as ``addFile`` adds it:
+        ``listFiles`` lists it and ``SparkFiles.get(name)`` finds it."""
         name = os.path.basename(path.rstrip("/"))
         if not name.endswith((".py", ".zip", ".egg")):
             raise ValueError(f"addPyFile takes a .py, .zip or .egg file, got {path!r}")
         client = self.client
-        if self._py_files is None:
-            self._py_files = tempfile.mkdtemp(prefix=f"dlscale-pyfiles-{self.applicationId}-")
-        local = os.path.join(self._py_files, name)
         if storage.has_protocol(path):
             fs, remote = storage.open_fs(path, storage_options)
             if not fs.isfile(remote):
                 raise FileNotFoundError(f"addPyFile: no such file {path!r}")
-            fs.get_file(remote, local)
-        else:
-            source = os.path.expanduser(path)
-            if not os.path.isfile(source):
-                raise FileNotFoundError(f"addPyFile: no such file {path!r}")
-            shutil.copyfile(source, local)
+        elif not os.path.isfile(os.path.expanduser(path)):
+            raise FileNotFoundError(f"addPyFile: no such file {path!r}")
+        # PySpark's addPyFile is addFile first: the same checks (another file of the same name is refused)
+        self._files.add(client, path, archive=False, storage_options=storage_options)
+        if self._py_files is None:
+            self._py_files = tempfile.mkdtemp(prefix=f"dlscale-pyfiles-{self.applicationId}-")
+        local = os.path.join(self._py_files, name)
+        shutil.copyfile(os.path.join(self._files.root(), name), local)  # addFile's driver copy
         # the workers' plugin only: Dask's upload_file would also import the file in the scheduler, which
         # for local[N] is the driver's process, and leave it there after this context stops
         client.register_plugin(UploadFile(local), name=f"dlscale-pyfile-{name}-{uuid.uuid4().hex[:8]}")
@@ -617,7 +617,7 @@ class SparkContext:
 
     @property
     def listFiles(self) -> list[str]:
-        """The files and directories added with ``addFile``, as URLs (``file:/path``)."""
+        """The files and directories added with ``addFile`` and ``addPyFile``, as URLs (``file:/path``)."""
         return list(self._files.files)
 
     @property

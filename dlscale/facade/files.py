@@ -1,4 +1,5 @@
-"""Files for every task: ``SparkContext.addFile`` / ``addArchive`` and ``SparkFiles``.
+"""Files for every task: ``SparkContext.addFile`` / ``addArchive`` (and ``addPyFile``, which adds its file
+as ``addFile`` does) and ``SparkFiles``.
 
 An added file, directory or archive travels to the workers in a worker plugin of its own, Dask's way to
 give every worker something, those that join later included: the plugin writes it into the context's
@@ -270,8 +271,8 @@ class Files:
 
 
 class SparkFiles:
-    """Where the files added with ``SparkContext.addFile`` and ``addArchive`` are: in a task, on its worker;
-    elsewhere, the driver's copies of the newest running context."""
+    """Where the files added with ``SparkContext.addFile``, ``addPyFile`` and ``addArchive`` are: in a task,
+    on its worker; elsewhere, the driver's copies of the newest running context."""
 
     def __init__(self) -> None:
         raise NotImplementedError("Do not construct SparkFiles objects")

@@ -2,12 +2,14 @@
 
 Every action runs as one job: its graph is submitted, and the thread that started it waits for the
 results. Local properties (the job group, the description, the tags, anything set with
-``setLocalProperty``) belong to the thread that sets them, as in PySpark without ``InheritableThread``,
-and the job takes those of its thread. Cancelling a job (``cancelJobGroup``, ``cancelJobsWithTag``,
-``cancelAllJobs``, from any thread) cancels its futures, so that its waiting tasks never start and the
-thread waiting for it raises :class:`~dlscale.errors.JobCancelledError`, and interrupts its running tasks:
-each worker raises an exception in the threads running the job's tasks, which stops them at their next
-Python instruction (a call that blocks in native code, such as a sleep or a read, returns first).
+``setLocalProperty``) belong to the thread that sets them, as in PySpark: a thread starts with none,
+unless it is an ``InheritableThread`` or runs a target wrapped by ``inheritable_thread_target`` (see
+:mod:`dlscale.facade.threads`), and the job takes those of its thread. Cancelling a job
+(``cancelJobGroup``, ``cancelJobsWithTag``, ``cancelAllJobs``, from any thread) cancels its futures, so
+that its waiting tasks never start and the thread waiting for it raises
+:class:`~dlscale.errors.JobCancelledError`, and interrupts its running tasks: each worker raises an
+exception in the threads running the job's tasks, which stops them at their next Python instruction (a
+call that blocks in native code, such as a sleep or a read, returns first).
 
 The jobs keep a record for :class:`~dlscale.facade.status.StatusTracker`: every running job and the last
 ``retained`` finished ones (Spark's ``spark.ui.retainedJobs``), with their group, tags, stages (as Spark's
@@ -199,6 +201,10 @@ class Jobs:
         if props is None:
             props = self._local.properties = {}
         return props
+
+    def set_properties(self, props: dict[str, str]) -> None:
+        """Make ``props`` (the dict itself) this thread's local properties, as Spark's ``setLocalProperties``."""
+        self._local.properties = props
 
     def set_property(self, key: str, value: str | None) -> None:
         if not isinstance(key, str):
