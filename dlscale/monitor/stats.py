@@ -95,6 +95,7 @@ class TrainingStats:
     rounds: list[RoundStats] = field(default_factory=list)
     trainers: list[TrainerStats] = field(default_factory=list)
     dense_bytes: int = 0
+    averaging_frequency: int | None = None  # parameter averaging's, as "auto" chose it
 
     def extend(self, later: TrainingStats) -> None:
         """Append the statistics of a later ``fit`` of the same network."""
@@ -102,6 +103,7 @@ class TrainingStats:
         self.rounds.extend(later.rounds)
         self.trainers.extend(later.trainers)
         self.dense_bytes = later.dense_bytes or self.dense_bytes
+        self.averaging_frequency = later.averaging_frequency or self.averaging_frequency
 
     def overview(self) -> dict[str, Any]:
         """The figures of the whole record, ``None`` where unknown: training ``seconds`` (rounds' times for

@@ -52,10 +52,15 @@ class FlatState:
         self.params = network.params()
         self.anchor = self.params.detach().clone()  # the parameters when the round began
         self._buffer = torch.empty(0, dtype=torch.float32, device=self.params.device)
+        # where rounds' averages are assembled, in turn: the last round's stays whole for peers that
+        # missed part of it while the next is assembled
+        self._averages = [torch.empty(0, dtype=torch.float32, device=self.params.device) for _ in range(2)]
+        self._turn = 0
 
     def begin(self) -> None:
         """The round begins from the parameters as they are now."""
         self.anchor.copy_(self.params)
+        self._turn ^= 1
 
     def _parts(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
         """The floating tensors after the parameters, by name, and the values set aside."""
@@ -91,6 +96,13 @@ class FlatState:
             v[offset : offset + t.numel()].copy_(t.detach().reshape(-1))
             offset += t.numel()
         return v, [[name, list(t.shape)] for name, t in tensors], kept
+
+    def average_buffer(self, length: int) -> torch.Tensor:
+        """A buffer of ``length`` for this round's average (the same for every attempt; reused every
+        other round)."""
+        if self._averages[self._turn].numel() != length:
+            self._averages[self._turn] = torch.empty(length, dtype=torch.float32, device=self.params.device)
+        return self._averages[self._turn]
 
     def apply(
         self,
@@ -188,6 +200,7 @@ class Contribution:
     kept: dict[str, Any]
     weight: int
     report: dict[str, Any]
+    average: Callable[[int], torch.Tensor] | None = None  # a buffer for the average, given its length
 
 
 class Exchange:
@@ -279,7 +292,10 @@ class Exchange:
             header = {"length": length}
             if leader == self.me:
                 header.update(layout=mine.layout, kept=mine.kept)
-            self._out = torch.empty(length, dtype=torch.float32, device=v.device)
+            if mine.average is not None:
+                self._out = mine.average(length)
+            else:
+                self._out = torch.empty(length, dtype=torch.float32, device=v.device)
             self._out[lo:hi] = own
             for peer in members:
                 if peer != self.me:

@@ -183,6 +183,17 @@ class Rounds:
         self._drop(trainer)
         return "left"
 
+    def replan(self, per_trainer: int, per_epoch: int, owner: dict[int, str] | None = None) -> None:
+        """Plan the rounds after the next one again with ``per_trainer`` items a trainer a round (no
+        trainer can have begun them: the open round is not committed)."""
+        k = self.open_round() + 1
+        items = [i for r in self.rounds[k:] for i in r.items()]
+        plan = plan_rounds(items, sorted(self.alive), per_trainer, per_epoch, owner)
+        rounds = [Round(shares) for shares in plan]
+        for r in rounds:
+            r.members[0] = self._members(r)
+        self.rounds[k:] = rounds
+
     def fail(self, who: str, error: str) -> None:
         if self.failed is None:
             self.failed, self.failed_by = f"{who}: {error}", who
@@ -203,8 +214,7 @@ class Rounds:
         if 0 < k and not self.rounds[k - 1].settled and not (self.rounds[k - 1].holders & self.alive):
             k -= 1
             self._reopen(k)
-        for j in range(k, len(self.rounds)):
-            r = self.rounds[j]
+        for j, r in enumerate(list(self.rounds[k:]), start=k):  # the rounds as they are, before any insertion
             share = r.shares.pop(trainer, None)
             if j == k and share:
                 r.moved[trainer] = share

@@ -79,6 +79,7 @@ class AveragingSchedulerPlugin(SchedulerPlugin):
                 "dlscale_averaging_close": self.close_session,
                 "dlscale_averaging_progress": self.progress,
                 "dlscale_averaging_stop": self.stop,
+                "dlscale_averaging_replan": self.replan,
                 "dlscale_averaging_fail": self.fail,
                 "dlscale_averaging_join": self.join,
                 "dlscale_averaging_begin": self.begin,
@@ -126,6 +127,11 @@ class AveragingSchedulerPlugin(SchedulerPlugin):
         s = self.sessions[session]
         at = s.open_round() + 1
         s.stop_at = at if s.stop_at is None else min(s.stop_at, at)
+
+    def replan(self, session: str, per_trainer: int, per_epoch: int, owner: dict[int, str] | None = None) -> None:
+        """Rounds of ``per_trainer`` minibatches a trainer from the round after the next on."""
+        owner = None if owner is None else {int(i): w for i, w in owner.items()}
+        self.sessions[session].replan(per_trainer, per_epoch, owner)
 
     def fail(self, session: str, trainer: str, error: str) -> None:
         s = self.sessions.get(session)

@@ -136,7 +136,7 @@ class _Trainer:
         outer = _Outer(spec.outer_optimizer, flat) if spec.outer_optimizer is not None else None
         n = len(self.refs)
         reply, k = self.control("begin", round=0), 0
-        staying = False
+        staying, last_exchange = False, float("nan")
         while not reply["end"]:
             if not staying and self.worker.status in LEAVING:
                 outcome = self.control("leave", round=k, stats=self.stats)["outcome"]
@@ -193,9 +193,10 @@ class _Trainer:
                 "wait_seconds": waited,
                 "start": start,
                 "end": time.time(),
+                "last_exchange_seconds": last_exchange,  # the averaging that ended its previous round
             }
             reply = self._average(k, flat, outer, report)
-            report["exchange_seconds"] = time.perf_counter() - fitted
+            last_exchange = time.perf_counter() - fitted
             self.stats["minibatches"] += len(items)
             self.stats["examples"] += examples
             self.mailbox.forget(k)
@@ -221,7 +222,7 @@ class _Trainer:
             if exchange is None or exchange.attempt != status["attempt"]:
                 if contribution is None:
                     vector, layout, kept = flat.vector()
-                    contribution = Contribution(vector, layout, kept, report["examples"], report)
+                    contribution = Contribution(vector, layout, kept, report["examples"], report, flat.average_buffer)
                 exchange = Exchange(
                     self.name, k, status["attempt"], members, contribution, self.mailbox, self._send, self.dtype
                 )

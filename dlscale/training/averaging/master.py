@@ -18,6 +18,7 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 import uuid
 import warnings
@@ -48,6 +49,8 @@ from dlscale.training.sharing._trainer import HeldMinibatch
 logger = logging.getLogger("dlscale.training.averaging")
 
 REPARTITION = ("always", "never", "num_partitions_workers_differs")
+AUTO_START = 10  # the frequency "auto" starts with, before the averaging is measured
+AUTO_SHARE = 0.05  # the share of a round's fitting that "auto" lets its averaging cost
 
 
 @dataclasses.dataclass
@@ -57,7 +60,10 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
     Each worker's trainer fits ``averaging_frequency`` minibatches per round, reading
     ``worker_prefetch_num_batches`` ahead; then the trainers average their states, weighted by examples
     (with the optimizer's state when ``save_updater``; without, the optimizer starts afresh every
-    round). ``outer_optimizer`` (DiLoCo, arXiv 2311.08105) is a factory of a torch optimizer, such as
+    round). ``averaging_frequency="auto"`` starts at :data:`AUTO_START` and, once the trainers have
+    averaged twice, takes the smallest frequency whose averaging costs at most :data:`AUTO_SHARE` of a
+    round's fitting, as measured (recorded as ``TrainingStats.averaging_frequency``).
+    ``outer_optimizer`` (DiLoCo, arXiv 2311.08105) is a factory of a torch optimizer, such as
     ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)``, stepped once a round
     with the averaged change of the parameters, negated, as their gradient; ``None`` (the default) moves
     them by the averaged change: plain averaging, DL4J's semantics. ``exchange_dtype`` ("float32",
@@ -71,7 +77,7 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
 
     approach: ClassVar[str] = "parameter averaging"
 
-    averaging_frequency: int = 5
+    averaging_frequency: int | str = 5
     worker_prefetch_num_batches: int = 2
     save_updater: bool = True
     repartition: str = "always"
@@ -80,7 +86,8 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_count("averaging_frequency", self.averaging_frequency)
+        if self.averaging_frequency != "auto":
+            check_count("averaging_frequency", self.averaging_frequency)
         check_count("worker_prefetch_num_batches", self.worker_prefetch_num_batches, 0)
         if self.repartition not in REPARTITION:
             raise ValueError(f"repartition must be one of {REPARTITION}, got {self.repartition!r}")
@@ -135,6 +142,9 @@ class _Averaging:
         self.rounds_done: collections.Counter[int] = collections.Counter()  # rounds reported, by epoch of the fit
         self.left: collections.Counter[int] = collections.Counter()  # items not yet reported, by epoch of the fit
         self._fitted = 0  # minibatches reported in the current segment
+        auto = master.averaging_frequency == "auto"
+        self.frequency: int = AUTO_START if auto else master.averaging_frequency
+        self.measuring = auto  # "auto": the frequency is chosen from the first rounds' measures
 
     def _order(self, start: int = 0) -> list[int]:
         """Work items epoch after epoch from the fit's epoch ``start`` (item ``e * n + i``: minibatch ``i``
@@ -221,7 +231,7 @@ class _Averaging:
         """Train ``remaining`` on the trainers of ``nodes`` until done or a segment's end; sets the driver's
         network to their state. Returns the items left and the checkpoint listeners due."""
         run, client, master = self.run, self.client, self.master
-        plan = plan_rounds(remaining, nodes, master.averaging_frequency, self.n, self.owner)
+        plan = plan_rounds(remaining, nodes, self.frequency, self.n, self.owner)
         stop_at = self._stop_before(plan)
         t0 = time.perf_counter()
         client.sync(
@@ -304,6 +314,8 @@ class _Averaging:
             pending = {f for f in pending if not f.done()}
             progress = client.sync(client.scheduler.dlscale_averaging_progress, session=session)
             for report in progress["reports"]:
+                if self.measuring and not stopped:
+                    self._choose_frequency(session, report["members"])
                 now = time.perf_counter()
                 done_before = self._epochs_done()
                 self._report(report["members"], now - last)
@@ -328,6 +340,35 @@ class _Averaging:
                 raise RuntimeError(f"parameter averaging stopped: {progress['failed']}")
             if not pending:
                 return due
+
+    def _choose_frequency(self, session: str, members: list[dict[str, Any]]) -> None:
+        """``averaging_frequency="auto"``: once a round's members report their last averaging's time, the
+        smallest frequency whose averaging costs at most :data:`AUTO_SHARE` of a round's fitting. The
+        averaging is timed by the member that came to it last (the others' times include waiting for it)."""
+        fitted = [m for m in members if m["items"]]
+        times = [m["last_exchange_seconds"] for m in members]
+        if len(members) < 2 or not fitted or not all(t == t for t in times):  # NaN before a first averaging
+            return
+        step = sorted(m["fit_seconds"] / len(m["items"]) for m in fitted)[len(fitted) // 2]
+        frequency = max(1, min(math.ceil(min(times) / (AUTO_SHARE * step)), math.ceil(self.n / len(members))))
+        self.measuring = False
+        self.frequency = frequency
+        if self.run.stats is not None:
+            self.run.stats.averaging_frequency = frequency
+        logger.info(
+            "parameter averaging: averaging every %d minibatches (a step %.3g s, an averaging %.3g s)",
+            frequency,
+            step,
+            min(times),
+        )
+        owner = None if self.owner is None else {str(i): w for i, w in self.owner.items()}
+        self.client.sync(
+            self.client.scheduler.dlscale_averaging_replan,
+            session=session,
+            per_trainer=frequency,
+            per_epoch=self.n,
+            owner=owner,
+        )
 
     def _epochs_done(self) -> int:
         return next((e for e in range(self.run.epochs) if self.left[e] > 0), self.run.epochs)

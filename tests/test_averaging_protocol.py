@@ -1,0 +1,207 @@
+"""Parameter averaging's protocol without a cluster: the scheduler's bookkeeping of rounds (``_rounds``)
+under losses and late commits, and the allreduce (``_exchange``) among trainers in threads, against
+the example-weighted mean of states that one process computes (``_worker.average``)."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+
+from dlscale.nn import Network
+from dlscale.training import _worker
+from dlscale.training.averaging._exchange import Contribution, Exchange, FlatState, Mailbox, bounds
+from dlscale.training.averaging._rounds import Rounds, TrainerLostError, plan_rounds
+
+T = ["a", "b", "c"]
+
+
+def test_plans_rounds_of_consecutive_items_per_epoch_split_evenly() -> None:
+    items = [3, 0, 4, 1, 2, 5 + 2, 5 + 0, 5 + 1, 5 + 4, 5 + 3]  # two epochs of 5
+    plan = plan_rounds(items, ["a", "b"], 2, 5)
+    assert plan == [
+        {"a": [3, 0], "b": [4, 1]},
+        {"a": [2], "b": []},
+        {"a": [7, 5], "b": [6, 9]},
+        {"a": [8], "b": []},
+    ]
+    owned = plan_rounds(list(range(6)), ["a", "b"], 2, 6, owner={0: "b", 1: "b", 2: "b", 3: "a", 4: "b", 5: "a"})
+    assert owned == [{"a": [3, 5], "b": [0, 1]}, {"a": [], "b": [2, 4]}]
+
+
+def _report(t: str, items: list[int]) -> dict[str, Any]:
+    return {"trainer": t, "items": items, "examples": 8 * len(items)}
+
+
+def _fitted(rounds: Rounds) -> Counter[int]:
+    return Counter(i for r in rounds.reports for m in r["members"] for i in m["items"])
+
+
+def _run_round(s: Rounds, k: int, attempt: int = 0) -> None:
+    members = s.sync(s.rounds[k].members[attempt][0], k)["members"]
+    report = [_report(t, s.rounds[k].shares.get(t, [])) for t in members]
+    for t in members:
+        s.commit(t, k, attempt, report)
+
+
+def test_a_round_settles_when_every_live_trainer_holds_its_average() -> None:
+    s = Rounds("s", plan_rounds(list(range(12)), T, 2, 12), T)
+    assert s.begin("a", 0) == {"end": False, "items": [0, 1], "next_items": [6, 7]}
+    report = [_report(t, s.rounds[0].shares[t]) for t in T]
+    s.commit("a", 0, 0, report)
+    assert s.rounds[0].committed == 0 and not s.reports  # b and c do not hold it yet
+    s.commit("b", 0, 0, report)
+    assert s.commit("c", 0, 0, report)["items"] == [10, 11]
+    assert [r["round"] for r in s.reports] == [0]
+    _run_round(s, 1)
+    assert s.begin("a", 2)["end"] and s.settled() and _fitted(s) == Counter(range(12))
+
+
+def test_a_lost_trainer_s_share_goes_to_the_others_and_every_item_is_fitted_once() -> None:
+    s = Rounds("s", plan_rounds(list(range(18)), T, 2, 18), T)
+    _run_round(s, 0)
+    assert s.lose("c")
+    # c's share of the open round goes to a round inserted after it, its later shares to the others
+    assert s.rounds[1].members[s.rounds[1].attempt] == ("a", "b")
+    assert s.rounds[2].shares == {"a": [10], "b": [11]}
+    assert all("c" not in r.shares and "c" not in r.members[r.attempt] for r in s.rounds[1:])  # the last too
+    for k in range(1, len(s.rounds)):
+        _run_round(s, k, s.rounds[k].attempt)
+    assert s.settled() and _fitted(s) == Counter(range(18))
+    with pytest.raises(TrainerLostError):
+        s.begin("c", 1)
+
+
+def test_an_attempt_a_lost_trainer_took_part_in_commits_with_its_items() -> None:
+    """c's state reached a's average before c was lost: the round takes that attempt, c's moved items
+    are taken back, and b, which did not complete it, adopts it."""
+    s = Rounds("s", plan_rounds(list(range(6)), T, 2, 6), T)
+    report = [_report(t, s.rounds[0].shares[t]) for t in T]
+    s.lose("c")
+    assert s.rounds[0].attempt == 1 and len(s.rounds) == 2  # c's share moved to an inserted round
+    s.commit("a", 0, 0, report)  # a completed attempt 0, with c in it
+    assert s.commit("b", 0, 1, report) == {"adopt": ["a"]}
+    s.commit("b", 0, 0, [])
+    assert len(s.rounds) == 1 and s.settled() and _fitted(s) == Counter(range(6))
+
+
+def test_a_committed_round_nobody_alive_holds_opens_again() -> None:
+    s = Rounds("s", plan_rounds(list(range(6)), T, 2, 6), T)
+    report = [_report(t, s.rounds[0].shares[t]) for t in T]
+    s.commit("c", 0, 0, report)
+    s.lose("c")  # the only holder: a and b never got the average
+    r = s.rounds[0]
+    assert r.committed is None and r.members[r.attempt] == ("a", "b")
+    _run_round(s, 0, r.attempt)
+    _run_round(s, 1)
+    assert s.settled() and _fitted(s) == Counter(range(6))
+
+
+def test_a_retiring_trainer_leaves_between_settled_rounds_unless_it_is_the_last() -> None:
+    s = Rounds("s", plan_rounds(list(range(8)), ["a", "b"], 2, 8), ["a", "b"])
+    assert s.leave("b", 0) == "left"
+    assert s.rounds[0].shares == {"a": [0, 1]} and s.rounds[1].shares["a"] == [2, 3]
+    assert s.leave("a", 0) == "stay"
+
+
+# -- the allreduce -----------------------------------------------------------------------------------
+def _net(seed: int, norm: bool = True) -> Network:
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(5, 7)] + ([torch.nn.BatchNorm1d(7)] if norm else []) + [torch.nn.Linear(7, 2)]
+    return Network(
+        torch.nn.Sequential(*layers), "cross_entropy", functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    )
+
+
+def _step(net: Network, seed: int, n: int) -> int:
+    from dlscale.data import DataSet
+
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        x = torch.randn(8, 5, generator=g)
+        net.fit_batch(DataSet(x, (x[:, 0] > 0).long()))
+    return 8 * n
+
+
+def _allreduce(nets: list[Network], weights: list[int], flats: list[FlatState], dtype=torch.float32):
+    names = [f"t{i}" for i in range(len(nets))]
+    boxes = {t: Mailbox() for t in names}
+
+    def run(i: int) -> None:
+        v, layout, kept = flats[i].vector()
+        mine = Contribution(v, layout, kept, weights[i], {"trainer": names[i]})
+
+        def send(peer: str, key: tuple[int, int, int], header: dict[str, Any], payload: Any) -> None:
+            boxes[peer].put(key, names[i], header, payload)
+
+        ex = Exchange(names[i], 0, 0, names, mine, boxes[names[i]], send, dtype)
+        assert ex.run(10.0)
+        results[i] = ex.result
+
+    results: list[Any] = [None] * len(nets)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(nets))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for flat, (average, layout, kept) in zip(flats, results, strict=True):
+        flat.apply(average, layout, kept)
+
+
+@pytest.mark.parametrize("members", [2, 3, 4])
+def test_the_allreduce_is_the_example_weighted_mean_of_the_states(members: int) -> None:
+    nets = [_net(0) for _ in range(members)]
+    flats = [FlatState(n, True) for n in nets]
+    weights = [_step(n, seed=10 + i, n=1 + i % 2) for i, n in enumerate(nets)]
+    states = [
+        {**_worker.state_of(n, True), "examples": w, "batches": 1, "score": 0.0, "shares": []}
+        for n, w in zip(nets, weights)
+    ]
+    expected = _worker.average(*states)
+    _allreduce(nets, weights, flats)
+    for n in nets:  # every replica holds the same state: the weighted mean
+        torch.testing.assert_close(n.params(), expected["params"], rtol=0, atol=1e-6)
+        bn = n.module[1]
+        torch.testing.assert_close(bn.running_mean, expected["buffers"]["1.running_mean"], rtol=0, atol=1e-6)
+        momentum = n.optimizer_state()["state"][0]["momentum_buffer"]
+        torch.testing.assert_close(momentum, expected["optimizer"]["state"][0]["momentum_buffer"], rtol=0, atol=1e-6)
+        # what is not averaged comes from the first state, as one process takes it
+        assert int(bn.num_batches_tracked) == int(expected["buffers"]["1.num_batches_tracked"])
+    assert all(torch.equal(nets[0].params(), n.params()) for n in nets[1:])
+
+
+def test_a_member_without_examples_takes_the_others_state_and_its_optimizer_layout() -> None:
+    nets = [_net(0), _net(0)]
+    flats = [FlatState(n, True) for n in nets]
+    w = _step(nets[0], seed=1, n=2)  # the second never stepped: no momentum buffers
+    expected = _worker.state_of(nets[0], True)
+    _allreduce(nets, [w, 0], flats)
+    torch.testing.assert_close(nets[1].params(), expected["params"], rtol=0, atol=1e-6)
+    assert nets[1].optimizer_state()["state"][4]["momentum_buffer"].shape == (2, 7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_exchange_leaves_every_replica_alike_and_near_the_mean(dtype: torch.dtype) -> None:
+    nets = [_net(0, norm=False) for _ in range(3)]
+    flats = [FlatState(n, True) for n in nets]
+    weights = [_step(n, seed=20 + i, n=2) for i, n in enumerate(nets)]
+    states = [
+        {**_worker.state_of(n, True), "examples": w, "batches": 1, "score": 0.0, "shares": []}
+        for n, w in zip(nets, weights)
+    ]
+    expected = _worker.average(*states)
+    _allreduce(nets, weights, flats, dtype)
+    assert all(torch.equal(nets[0].params(), n.params()) for n in nets[1:])
+    # the change since the round began travels in 16 bits: its rounding, not the parameters'
+    change = (expected["params"] - flats[0].anchor).abs().max()
+    tolerance = float(change) * (2**-8 if dtype == torch.bfloat16 else 2**-11) * 2
+    torch.testing.assert_close(nets[0].params(), expected["params"], rtol=0, atol=tolerance)
+
+
+def test_chunk_bounds_cover_the_vector() -> None:
+    assert bounds(10, 3) == [0, 3, 6, 10]
+    assert bounds(2, 4) == [0, 0, 1, 1, 2]
