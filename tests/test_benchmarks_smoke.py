@@ -10,10 +10,12 @@ PySpark) prints ``not run here: ...`` and ends with status 0; its test is skippe
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -48,22 +50,27 @@ def test_smoke(module: str, tmp_path: Path) -> None:
     out = tmp_path / "results" / f"{module}.json"
     before = snapshot()
     env = {k: v for k, v in os.environ.items() if k != "DLSCALE_BENCHMARK_SMOKE"}  # the flag says it
-    try:
-        ran = subprocess.run(
-            [sys.executable, "-m", f"benchmarks.{module}", "--smoke", "--out", str(out)],
-            cwd=ROOT,
-            env={**env, "PYTHONUNBUFFERED": "1"},
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT,
-            check=False,
-        )
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"benchmarks.{module} --smoke ran past {TIMEOUT} s:\n{(e.stdout or b'')[-5000:]!r}")
-    output = f"stdout:\n{ran.stdout[-6000:]}\nstderr:\n{ran.stderr[-6000:]}"
+    argv = [sys.executable, "-m", f"benchmarks.{module}", "--smoke", "--out", str(out)]
+    with subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        env={**env, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # on a timeout, its whole process group goes: workers, ranks, JVMs
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            pytest.fail(f"benchmarks.{module} --smoke ran past {TIMEOUT} s:\n{stdout[-5000:]}\n{stderr[-5000:]}")
+    output = f"stdout:\n{stdout[-6000:]}\nstderr:\n{stderr[-6000:]}"
     assert snapshot() == before, f"benchmarks.{module} --smoke changed benchmarks/results/ or docs/images/"
-    assert ran.returncode == 0, f"benchmarks.{module} --smoke ended with status {ran.returncode}\n{output}"
-    skipped = NOT_RUN.search(ran.stdout)
+    assert proc.returncode == 0, f"benchmarks.{module} --smoke ended with status {proc.returncode}\n{output}"
+    skipped = NOT_RUN.search(stdout)
     if skipped and not out.exists():
         pytest.skip(skipped["reason"])
     assert out.is_file(), f"benchmarks.{module} --smoke wrote no {out}\n{output}"
