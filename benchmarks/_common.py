@@ -48,9 +48,11 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SCRATCH = Path(tempfile.gettempdir()) / "dlscale-benchmarks-smoke"
 """Where a smoke run's results go when no ``--out`` is given."""
 
+SMOKE_TRAIN, SMOKE_TEST = 64 * 8, 512  # a smoke run's workload: 8 minibatches an epoch
+
 BATCH = 64
-TRAIN = 64 * 8 if SMOKE else 64 * 400  # 25,600 examples: 400 minibatches an epoch (a smoke run: 8)
-TEST = 512 if SMOKE else 4096
+TRAIN = SMOKE_TRAIN if SMOKE else 64 * 400  # 25,600 examples: 400 minibatches an epoch
+TEST = SMOKE_TEST if SMOKE else 4096
 SGD = functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9)
 
 
@@ -191,7 +193,7 @@ def parse(
 def _smoke_workload() -> None:
     """The shared workload of a smoke run, in this process too (a flag given on the command line)."""
     global SMOKE, TRAIN, TEST
-    SMOKE, TRAIN, TEST = True, 64 * 8, 512
+    SMOKE, TRAIN, TEST = True, SMOKE_TRAIN, SMOKE_TEST
 
 
 def shrink(namespace: dict[str, Any], **sizes: Any) -> None:
