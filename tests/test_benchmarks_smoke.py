@@ -58,7 +58,7 @@ def test_smoke(module: str, tmp_path: Path) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        start_new_session=True,  # on a timeout, its whole process group goes: workers, ranks, JVMs
+        process_group=0,  # on a timeout, its whole process group goes: workers, ranks, JVMs
     ) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=TIMEOUT)
