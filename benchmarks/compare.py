@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import multiprocessing
 import os
@@ -71,6 +72,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "compare.json"
 IMAGES = ROOT / "docs" / "images"
 TARGETS = {"loopback": 1.8, "1gbit": 1.8, "vs_ddp_1gbit": 5.0, "accuracy_points": 1.0}
+AVERAGING_TARGETS = {"mlp": 1.7, "cnn": 1.5}  # parameter averaging on 2 workers against the single process
 ACCURACY_SHARE = 0.95  # time to accuracy: to this share of the single process's final test accuracy
 
 
@@ -95,11 +97,22 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "mlp": {"title": "MLP 784-2048-2048-10", "module": mlp, "epochs": 2},
     "cnn": {"title": "CNN conv16-conv32-linear", "module": cnn, "epochs": 3},
 }
-RUNNERS = ("single", "ceiling", "ddp", "ddp_powersgd", "torch_distributor", "averaging", "sharing")
-DEVICE_RUNNERS = ("single", "ceiling", "averaging", "sharing")  # those that run on one shared GPU
+AVERAGING = (
+    "averaging_f10",
+    "averaging_f50",
+    "averaging_f50_fp16",
+    "diloco_f50",
+    "averaging_auto",
+    "averaging_f50_rdd",
+)
+"""dlscale's parameter averaging: every 10 or 50 minibatches, the states exchanged in 16 bits, DiLoCo's
+Nesterov outer step (lr 0.7, momentum 0.9), "auto", and ``fit(rdd)`` (the default export, its first
+epoch exporting) in place of ``fit_paths``."""
+RUNNERS = ("single", "ceiling", "ddp", "ddp_powersgd", "torch_distributor", *AVERAGING, "sharing")
+DEVICE_RUNNERS = ("single", "ceiling", *AVERAGING, "sharing")  # those that run on one shared GPU
 # Runs that move dense tensors every step or round take minutes a epoch at 100 Mbit/s: there they
 # train one epoch of a part of the data, enough for a steady samples/s but not for time to accuracy.
-SHORT = {"100mbit": (("ddp", "torch_distributor", "averaging"), 6400)}
+SHORT = {"100mbit": (("ddp", "torch_distributor", *AVERAGING), 6400)}
 LINKS = ("loopback", "1gbit", "100mbit")
 SMOKE_RUNNERS = "single,ceiling,ddp,sharing"  # a smoke run's default
 
@@ -299,17 +312,18 @@ def run_dlscale(
         SparkContext,
         SparkNet,
     )
+    from dlscale.data import DataSet
     from dlscale.nn import Network
 
     x, y, tx, ty = data
     os.environ["DLSCALE_DEVICE"] = device  # the workers' environment is this process's
 
     def master() -> Any:
-        if master_name == "averaging":
-            return ParameterAveragingTrainingMaster(
-                BATCH, averaging_frequency=5, rng_seed=0, collect_training_stats=True
-            )
-        return SharedTrainingMaster(BATCH, rng_seed=0, collect_training_stats=True)
+        if master_name == "sharing":
+            return SharedTrainingMaster(BATCH, rng_seed=0, collect_training_stats=True)
+        return ParameterAveragingTrainingMaster(
+            BATCH, rng_seed=0, collect_training_stats=True, **averaging(master_name)
+        )
 
     with tempfile.TemporaryDirectory() as tmp, SparkContext(f"local[{workers}]", f"compare-{master_name}") as sc:
         paths = export_paths(sc, x, y, f"{tmp}/train")
@@ -318,10 +332,14 @@ def run_dlscale(
         net = Network(workload["module"](), "cross_entropy", SGD)
         spark_net = SparkNet(sc, net, master())
         elapsed, curve, edges = 0.0, [], []
+        rdd = sc.parallelize(DataSet(x, y).batch_by(BATCH), workers) if master_name.endswith("_rdd") else None
         with measured(out):
             for _ in range(epochs):
                 start, wall = time.perf_counter(), time.time()
-                spark_net.fit_paths(paths)
+                if rdd is None:
+                    spark_net.fit_paths(paths)
+                else:
+                    spark_net.fit(rdd)
                 elapsed += time.perf_counter() - start
                 edges.append(_edges(spark_net.training_stats, wall, time.time()))
                 curve.append((elapsed, accuracy(net.module, tx, ty)))
@@ -343,8 +361,25 @@ def run_dlscale(
         out.update(bytes_per_minibatch=sent / steps * (workers - 1), bytes_sent_per_step=sent / steps)
         if sent:  # a lone trainer sends nothing
             out["compression"] = dense * steps / sent
-    else:  # each worker's state (parameters and momentum) goes to a peer once a round of 5 minibatches
-        out.update(bytes_per_minibatch=2 * dense / 5 if workers > 1 else 0)
+    else:  # a round's allreduce: each worker sends 2 (W - 1) / W times its state (parameters and momentum)
+        frequency = stats.averaging_frequency or averaging(master_name).get("averaging_frequency")
+        width = 2 if master_name.endswith("fp16") else 4
+        state = 2 * width * net.num_params()
+        out.update(
+            averaging_frequency=frequency,
+            bytes_per_minibatch=2 * (workers - 1) / workers * state / frequency if workers > 1 else 0,
+        )
+
+
+def averaging(runner: str) -> dict[str, Any]:
+    """The ``ParameterAveragingTrainingMaster`` settings of an averaging runner (see :data:`AVERAGING`)."""
+    parts = runner.split("_")
+    settings: dict[str, Any] = {"averaging_frequency": "auto" if parts[1] == "auto" else int(parts[1][1:])}
+    if "fp16" in parts:
+        settings["exchange_dtype"] = "float16"
+    if parts[0] == "diloco":
+        settings["outer_optimizer"] = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+    return settings
 
 
 def _edges(stats: Any, start: float, end: float) -> list[float]:
@@ -484,6 +519,42 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "measured": ratio,
             "met": ratio >= TARGETS["vs_ddp_1gbit"],
         }
+    for link in ("loopback", "1gbit"):
+        for workload, bound in AVERAGING_TARGETS.items():
+            near = [  # parameter averaging's runs within the accuracy target of the single process
+                r
+                for r in runs
+                if (r["link"], r["workload"], r["workers"]) == (link, workload, 2)
+                and r["runner"] in AVERAGING
+                and "vs_single" in r
+                and -r["accuracy_vs_single_points"] <= TARGETS["accuracy_points"]
+            ]
+            if not near:
+                continue
+            best = max(near, key=lambda r: r["vs_single"])
+            targets[f"averaging_vs_single_{workload}_{link}"] = {
+                "target": bound,
+                "measured": best["vs_single"],
+                "runner": best["runner"],
+                "met": best["vs_single"] >= bound,
+            }
+            peer = {"loopback": ("ddp", 1.4), "1gbit": ("ddp_powersgd", 3.0)}[link]
+            d = next(
+                (
+                    r
+                    for r in runs
+                    if (r["link"], r["workload"], r["runner"], r["workers"]) == (link, workload, peer[0], 2)
+                    and "error" not in r
+                ),
+                None,
+            )
+            if d is not None and workload == "mlp":
+                ratio = best["samples_per_s"] / d["samples_per_s"]
+                targets[f"averaging_vs_{peer[0]}_{link}"] = {
+                    "target": peer[1],
+                    "measured": ratio,
+                    "met": ratio >= peer[1],
+                }
     r = find("loopback", "sharing")
     if r is not None and "accuracy_vs_single_points" in r:
         gap = -r["accuracy_vs_single_points"]

@@ -12,9 +12,10 @@ synthetic 10-class problem of MNIST's shape. Measured in this same script:
 - **accuracy** on held-out examples after the same number of epochs, for every run.
 
 Every configuration runs twice, in ABBA order (this machine's speed drifts), and the median is
-reported. Samples/s count the training examples of the timed epochs. Target: at averaging frequency 5, two
-workers reach at least 1.6x the one-thread baseline. Results go to
-``benchmarks/results/parameter_averaging.json``.
+reported. Samples/s count the training examples of the timed epochs, the whole ``fit_paths`` timed (the
+network sent, the trainers started and their state taken back included). Target: at the best frequency
+whose test accuracy is within a point of the one-thread baseline's, two workers reach at least 1.7x the
+one-thread baseline. Results go to ``benchmarks/results/parameter_averaging.json``.
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ from dlscale.nn import Network
 
 RESULTS = Path(__file__).resolve().parent / "results" / "parameter_averaging.json"
 EPOCHS = 2
-FREQUENCIES = (1, 5, 10)
+FREQUENCIES = (1, 5, 10, 20, 50, "auto")
 REPEATS = 2
-TARGET = 1.6
+TARGET = 1.7
+ACCURACY_POINTS = 1.0  # how far below the baseline's test accuracy a frequency may be to count for the target
 
 
 def single_process(x: torch.Tensor, y: torch.Tensor, threads: int, seed: int = 0) -> tuple[float, torch.nn.Module]:
@@ -68,7 +70,9 @@ def single_process(x: torch.Tensor, y: torch.Tensor, threads: int, seed: int = 0
     return seconds, module
 
 
-def distributed(sc: SparkContext, paths: Any, frequency: int, epochs: int = EPOCHS) -> tuple[float, Network, dict]:
+def distributed(
+    sc: SparkContext, paths: Any, frequency: int | str, epochs: int = EPOCHS
+) -> tuple[float, Network, dict]:
     net = network()
     master = ParameterAveragingTrainingMaster(
         BATCH, averaging_frequency=frequency, collect_training_stats=True, rng_seed=0
@@ -86,6 +90,7 @@ def distributed(sc: SparkContext, paths: Any, frequency: int, epochs: int = EPOC
         "worker_busy_share": sum(w.fit_seconds for w in shares) / (2 * sum(r.seconds for r in stats.rounds)),
         "data_wait_share_of_fit": sum(w.wait_seconds for w in shares) / sum(w.fit_seconds for w in shares),
         "worker_ms_per_minibatch": 1000 * sum(w.fit_seconds for w in shares) / sum(len(w.batches) for w in shares),
+        "averaging_frequency": stats.averaging_frequency or frequency,
     }
     return seconds, net, breakdown
 
@@ -127,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         ]
         for frequency in FREQUENCIES:
 
-            def run(frequency: int = frequency) -> tuple[float, float]:
+            def run(frequency: int | str = frequency) -> tuple[float, float]:
                 seconds, net, breakdown = distributed(sc, paths, frequency)
                 report["dlscale"].setdefault(f"averaging_frequency_{frequency}", {}).update(breakdown)
                 return samples / seconds, accuracy(net.module, test_x, test_y)
@@ -164,9 +169,13 @@ def main(argv: list[str] | None = None) -> None:
                 f"{cores} threads, test accuracy {entry['test_accuracy']:.4f} "
                 f"(single process {report['baselines']['pytorch_1_thread']['test_accuracy']:.4f})"
             )
-    ratio = report["dlscale"]["averaging_frequency_5"]["ratio_vs_1_thread"]
-    report["target"] = {"ratio_vs_1_thread_at_frequency_5": TARGET, "measured": ratio, "met": ratio >= TARGET}
-    print(f"target: >= {TARGET}x at averaging frequency 5: {ratio:.2f}x ({'met' if ratio >= TARGET else 'not met'})")
+    floor = report["baselines"]["pytorch_1_thread"]["test_accuracy"] - ACCURACY_POINTS / 100
+    near = {k: v for k, v in report["dlscale"].items() if v["test_accuracy"] >= floor}
+    best = max(near, key=lambda k: near[k]["ratio_vs_1_thread"]) if near else None
+    ratio = near[best]["ratio_vs_1_thread"] if best else 0.0
+    report["target"] = {"ratio_vs_1_thread": TARGET, "run": best, "measured": ratio, "met": ratio >= TARGET}
+    verdict = "met" if ratio >= TARGET else "not met"
+    print(f"target: >= {TARGET}x within a point of one thread's accuracy: {ratio:.2f}x at {best} ({verdict})")
     write_results(args.out, report)
 
 

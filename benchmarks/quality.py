@@ -12,6 +12,7 @@ Run from the repository root::
     python -m benchmarks.quality --compressors topk --peers ""   # no DDP rows
     python -m benchmarks.quality --compressors "" --workers 2    # DDP rows alone
     python -m benchmarks.quality --compressors topk --masking off   # without momentum masking
+    python -m benchmarks.quality --averaging 5,20,auto --compressors "" --peers ""   # parameter averaging
     python -m benchmarks.quality --report     # the table again from the last results
 
 Models (``MODELS``): scikit-learn's digits (1,200 training and 597 test images) with an MLP, a
@@ -54,7 +55,7 @@ from sklearn.datasets import load_digits
 
 from benchmarks import _ddp, compare
 from benchmarks._common import accuracy, command_line, header, make_data, mlp, parse, write_results
-from dlscale import SharedTrainingMaster, SparkContext, SparkNet
+from dlscale import ParameterAveragingTrainingMaster, SharedTrainingMaster, SparkContext, SparkNet
 from dlscale.data import DataSet, export_minibatches
 from dlscale.encoding.compressors import COMPRESSORS, DEFAULT
 from dlscale.nn import Network
@@ -220,6 +221,45 @@ def shared(
     }
 
 
+def averaged(
+    sc: SparkContext,
+    model: Model,
+    paths: list[str],
+    test: tuple[torch.Tensor, torch.Tensor],
+    seed: int,
+    epochs: int,
+    frequency: int | str,
+) -> dict[str, Any]:
+    """Test accuracy after parameter averaging on ``sc``'s workers every ``frequency`` minibatches, and
+    the bytes its allreduces sent (each trainer 2 (W - 1) / W times its state, parameters and momentum,
+    a round)."""
+    net = Network(model.module(seed), "cross_entropy", model.optimizer)
+    master = ParameterAveragingTrainingMaster(
+        model.batch, averaging_frequency=frequency, rng_seed=seed, collect_training_stats=True
+    )
+    spark_net = SparkNet(sc, net, master)
+    start = time.perf_counter()
+    spark_net.fit_paths(sc.parallelize(paths, len(paths)), epochs=epochs)
+    seconds = time.perf_counter() - start
+    stats = spark_net.training_stats
+    workers = len(sc.client.scheduler_info(n_workers=-1)["workers"])
+    state = 2 * 4 * net.num_params()
+    sent = len(stats.rounds) * 2 * (workers - 1) * state  # by all trainers
+    steps = sum(len(w.batches) for r in stats.rounds for w in r.workers)
+    return {
+        "accuracy": accuracy(net.module, *test),
+        "seconds": seconds,
+        "trainers": workers,
+        "minibatches": steps,
+        "averaging_frequency": stats.averaging_frequency or frequency,
+        "messages_sent": len(stats.rounds),
+        "bytes_sent": sent,
+        "dense_bytes": 4 * net.num_params() * steps,  # one dense update a minibatch
+        "bytes_sent_per_trainer": sent / workers,
+        "compression": 4 * net.num_params() * steps / max(sent, 1),
+    }
+
+
 def peer(
     model: Model,
     x: torch.Tensor,
@@ -368,6 +408,12 @@ def main(argv: list[str] | None = None) -> None:
         f"'<compressor>{UNMASKED}')",
     )
     parser.add_argument("--peers", default=",".join(PEERS), help="comma-separated peers to run beside (empty: none)")
+    parser.add_argument(
+        "--averaging",
+        default="5",
+        help="comma-separated frequencies of parameter averaging to run (rows 'averaging f<frequency>'; "
+        "'auto' too; empty: none; default 5, the master's own)",
+    )
     parser.add_argument("--report", action="store_true", help="the table again from the last results")
     args = parse(parser, argv, RESULTS, quick=True, models="digits_mlp", compressors=DEFAULT, peers="ddp")
     if args.report:
@@ -378,6 +424,7 @@ def main(argv: list[str] | None = None) -> None:
     aggregations = _names(args.aggregations, AGGREGATIONS, "aggregations", parser)
     maskings = tuple(m == "on" for m in _names(args.masking, ("on", "off"), "masking", parser))
     peers = _names(args.peers, tuple(PEERS), "peers", parser) if args.peers else ()
+    frequencies = tuple(f if f == "auto" else int(f) for f in args.averaging.split(",")) if args.averaging else ()
     workers = tuple(int(w) for w in (args.workers or ("2" if args.quick else ",".join(map(str, WORKERS)))).split(","))
     seeds = tuple(int(s) for s in (args.seeds or ("0" if args.quick else ",".join(map(str, SEEDS)))).split(","))
     path = RESULTS.with_name("quality-quick.json") if args.quick and args.out == RESULTS else args.out
@@ -395,6 +442,9 @@ def main(argv: list[str] | None = None) -> None:
             for s in seeds
         }
         mine |= {(m, p, None, w, s) for m in models for p in peers for w in workers for s in seeds}
+        mine |= {
+            (m, f"averaging f{f}", None, w, s) for m in models for f in frequencies for w in workers for s in seeds
+        }
         report["runs"] = [r for r in json.loads(path.read_text())["runs"] if _key(r) not in mine]
     report["setup"] = {
         "optimizer": "SGD momentum 0.9",
@@ -461,12 +511,21 @@ def main(argv: list[str] | None = None) -> None:
                             "accuracy": acc,
                         }
                     )
-        for w in workers if compressors else ():
+        for w in workers if compressors or frequencies else ():
             with SparkContext(f"local[{w}]", f"quality-{w}") as sc:
                 for name in models:
                     model = MODELS[name]
                     _, paths, test = exported[name]
                     epochs = model.quick_epochs if args.quick else model.epochs
+                    for frequency, seed in itertools.product(frequencies, seeds):
+                        r = averaged(sc, model, paths, test, seed, epochs, frequency)
+                        method = f"averaging f{frequency}"
+                        print(
+                            f"{name:14s} {method:13s} {w} workers seed {seed}: accuracy {r['accuracy']:.3f} "
+                            f"({r['seconds']:.0f} s)",
+                            flush=True,
+                        )
+                        record({"model": name, "method": method, "aggregation": None, "workers": w, "seed": seed, **r})
                     for compressor, masking, aggregation, seed in itertools.product(
                         compressors, maskings, aggregations, seeds
                     ):

@@ -16,7 +16,6 @@ import functools
 import time
 from typing import Any
 
-import dask
 import torch
 
 from dlscale import CheckpointListener, SharedTrainingMaster, SparkConf, SparkContext, SparkNet, storage
@@ -106,13 +105,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         spark_net = SparkNet(sc, network, master)
         spark_net.set_listeners(checkpoints)
         t0 = time.perf_counter()
-        with dask.config.set({"dlscale.progress": True}):  # a line per epoch, a live bar on a terminal
-            spark_net.fit_paths(
-                list_paths(sc, f"{base}/train"),
-                epochs=args.epochs,
-                resume_from=None if resume is None else resume.url,
-                storage_options=options,
-            )
+        spark_net.fit_paths(  # a live bar on a terminal, a line per epoch in a log
+            list_paths(sc, f"{base}/train"),
+            epochs=args.epochs,
+            resume_from=None if resume is None else resume.url,
+            storage_options=options,
+        )
         train_seconds = time.perf_counter() - t0
 
         test_paths = list_paths(sc, f"{base}/test")

@@ -50,7 +50,14 @@ def _run_round(s: Rounds, k: int, attempt: int = 0) -> None:
 
 def test_a_round_settles_when_every_live_trainer_holds_its_average() -> None:
     s = Rounds("s", plan_rounds(list(range(12)), T, 2, 12), T)
-    assert s.begin("a", 0) == {"end": False, "items": [0, 1], "next_items": [6, 7]}
+    assert s.begin("a", 0) == {
+        "end": False,
+        "items": [0, 1],
+        "attempt": 0,
+        "members": T,
+        "committed": None,
+        "holders": [],
+    }
     report = [_report(t, s.rounds[0].shares[t]) for t in T]
     s.commit("a", 0, 0, report)
     assert s.rounds[0].committed == 0 and not s.reports  # b and c do not hold it yet

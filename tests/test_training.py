@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import subprocess
@@ -213,6 +214,60 @@ def test_buffers_and_optimizer_state_are_averaged_by_examples(sc, tmp_path, one_
     momentum = net.optimizer_state()["state"][0]["momentum_buffer"]
     expected = mean([r.optimizer_state()["state"][0]["momentum_buffer"] for r in replicas])
     torch.testing.assert_close(momentum, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("outer", ["nesterov", "plain"])
+def test_diloco_s_outer_step_moves_the_parameters_by_the_averaged_change(sc, tmp_path, one_thread, outer) -> None:
+    """With ``outer_optimizer`` the trainers step an optimizer over the round's starting parameters with
+    the averaged change, negated, as their gradient (DiLoCo): checked against the same rounds replayed
+    in this process; an outer SGD of lr 1 without momentum is plain averaging."""
+    factory = (
+        functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+        if outer == "nesterov"
+        else functools.partial(torch.optim.SGD, lr=1.0)
+    )
+    rdd = rdd_of(sc, 160, 10, 2)
+    master = ParameterAveragingTrainingMaster(
+        10,
+        averaging_frequency=2,
+        outer_optimizer=factory,
+        collect_training_stats=True,
+        rng_seed=3,
+        export_directory=str(tmp_path / "export"),
+    )
+    spark_net = SparkNet(sc, mlp_network(MOMENTUM), master)
+    spark_net.fit(rdd, epochs=2)
+
+    start = mlp_network(MOMENTUM)
+    anchor = start.params().clone()
+    outer_optimizer = factory([anchor])
+    state = _worker.state_of(start, True)
+    for shares in trained_order(spark_net.training_stats):
+        states = []
+        for share in shares:
+            replica = mlp_network(MOMENTUM)
+            _worker.apply_state(replica, state)
+            for path in share:
+                replica.fit_batch(load(path))
+            states.append(
+                {
+                    **_worker.state_of(replica, True),
+                    "examples": 10 * len(share),
+                    "batches": 1,
+                    "score": 0.0,
+                    "shares": [],
+                }
+            )
+        average = _worker.average(*states)
+        anchor.grad = anchor - average["params"]  # the averaged change, negated
+        outer_optimizer.step()
+        state = {**average, "params": anchor.detach().clone()}
+    torch.testing.assert_close(spark_net.network.params(), state["params"], rtol=0, atol=1e-5)
+    if outer == "plain":  # plain averaging, the default, by the same rounds
+        again = dataclasses.replace(master, outer_optimizer=None, export_directory=str(tmp_path / "again"))
+        plain = SparkNet(sc, mlp_network(MOMENTUM), again)
+        plain.fit(rdd, epochs=2)
+        torch.testing.assert_close(plain.network.params(), spark_net.network.params(), rtol=0, atol=1e-5)
 
 
 def test_direct_trains_like_export_and_never_moves_minibatches(sc, tmp_path) -> None:

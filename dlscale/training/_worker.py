@@ -1,6 +1,6 @@
 """What runs on the workers while training: each worker's replica of the network (pinned in the
-worker's network cache, :mod:`dlscale.nn.shipping`), fitting one share of minibatches from a given
-state, and averaging the states that shares produce.
+worker's network cache, :mod:`dlscale.nn.shipping`), states and their example-weighted average, and
+the check that a step left the network finite.
 
 A *state* is a plain dict: ``params`` (the flat parameter vector), ``buffers`` (the module's buffers,
 such as BatchNorm's running statistics, which are not parameters), ``optimizer`` (the optimizer's
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,8 +23,6 @@ from dlscale.data.loaders import prefetch
 from dlscale.errors import NonFiniteUpdateError
 from dlscale.nn import shipping
 from dlscale.nn.network import Network, cpu_copy
-from dlscale.runtime.tasks import match_threads, worker_address
-from dlscale.training._heap import training_heap
 
 
 def replica(key: str, blob: bytes, local: int = 0, per_worker: int = 1) -> tuple[Network, threading.Semaphore]:
@@ -68,54 +65,6 @@ def apply_state(network: Network, state: dict[str, Any], copy: bool = True) -> N
 def decode(ref: Any) -> DataSet | MultiDataSet:
     """A minibatch held in memory: ``.dlb`` bytes, or the minibatch itself."""
     return from_bytes(ref, "a minibatch held in memory") if isinstance(ref, (bytes, bytearray, memoryview)) else ref
-
-
-def fit_share(
-    key: str,
-    blob: bytes,
-    states: Sequence[dict[str, Any]],
-    refs: Sequence[Any],
-    names: Sequence[str],
-    loader: Callable[[Any], DataSet | MultiDataSet],
-    depth: int,
-    with_optimizer: bool,
-) -> dict[str, Any]:
-    """Start from the average of ``states`` (the last level of the previous round's tree, averaged
-    here so the result needs no trip of its own), fit the minibatches ``refs`` (loaded by ``loader``,
-    ``depth`` ahead) in order, and return the resulting state."""
-    start, t0 = time.time(), time.perf_counter()
-    network, lock = replica(key, blob)
-    with lock, training_heap():
-        match_threads()
-        apply_state(network, average(*states), copy=len(states) == 1)
-        examples, score, wait = 0, float("nan"), 0.0
-        batches = prefetch(refs, loader, depth)
-        try:
-            for name in names:
-                w = time.perf_counter()
-                batch = next(batches)
-                wait += time.perf_counter() - w
-                try:
-                    score = network.fit_batch(batch)
-                except Exception as e:
-                    e.add_note(f"while fitting minibatch {name}")
-                    raise
-                check_finite(network, score, name)
-                examples += batch.num_examples()
-        finally:
-            batches.close()
-        out = state_of(network, with_optimizer)
-    share = {
-        "worker": worker_address(),
-        "batches": list(names),
-        "examples": examples,
-        "score": score,
-        "fit_seconds": time.perf_counter() - t0,
-        "wait_seconds": wait,
-        "start": start,
-        "end": time.time(),
-    }
-    return {**out, "examples": examples, "batches": len(refs), "score": score, "shares": [share]}
 
 
 def check_finite(network: Network, score: float, name: str) -> None:
@@ -164,11 +113,6 @@ def average(*states: dict[str, Any]) -> dict[str, Any]:
         else _weighted_mean([s["optimizer"] for s in states], weights),
         **combine(states),
     }
-
-
-def summary(state: dict[str, Any]) -> dict[str, Any]:
-    """The small part of a state the driver reads after every round."""
-    return {k: state[k] for k in ("examples", "batches", "score", "shares")}
 
 
 def combine(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:

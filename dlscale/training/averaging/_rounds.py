@@ -120,13 +120,13 @@ class Rounds:
 
     # -- the trainers' calls -------------------------------------------------------------------
     def begin(self, trainer: str, k: int) -> dict[str, Any]:
-        """``trainer``'s share of round ``k`` (after it holds round ``k - 1``'s average), or the end."""
+        """``trainer``'s share of round ``k`` (after it holds round ``k - 1``'s average) and the round's
+        averaging as it stands (:meth:`sync`), or the end."""
         self._check(trainer)
         if k >= len(self.rounds) or (self.stop_at is not None and k >= self.stop_at):
             return {"end": True, "items": [], "next_items": []}
         r = self.rounds[k]
-        nxt = self.rounds[k + 1].shares.get(trainer, []) if k + 1 < len(self.rounds) else []
-        return {"end": False, "items": list(r.shares.get(trainer, [])), "next_items": list(nxt)}
+        return {"end": False, "items": list(r.shares.get(trainer, [])), **self.sync(trainer, k)}
 
     def sync(self, trainer: str, k: int) -> dict[str, Any]:
         """Round ``k``'s averaging as ``trainer`` is to take part in it now."""

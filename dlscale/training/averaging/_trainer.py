@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -130,6 +131,13 @@ class _Trainer:
         self.plugin.send(self.session, peer, key, header, payload)
 
     def train(self) -> dict[str, Any]:
+        self.plugin.busy.add(self.session)
+        try:
+            return self._train()
+        finally:
+            self.plugin.busy.discard(self.session)
+
+    def _train(self) -> dict[str, Any]:
         match_threads()
         net, spec = self.network, self.spec
         flat = FlatState(net, spec.save_updater)
@@ -173,8 +181,11 @@ class _Trainer:
                     except Exception as e:
                         e.add_note(f"while fitting minibatch {name}")
                         raise
-                    check_finite(net, score, name)
+                    if not math.isfinite(score):
+                        check_finite(net, score, name)  # raises, naming the minibatch
                     examples += batch.num_examples()
+                if items:  # a step that left a parameter non-finite with a finite loss: seen once a round
+                    check_finite(net, score, " or ".join(self.names[i % n] for i in items))
             except Exception as e:
                 e.add_note(
                     f"while training round {k} of the session (epoch {items[0] // n if items else '?'} of the fit)"
@@ -195,7 +206,7 @@ class _Trainer:
                 "end": time.time(),
                 "last_exchange_seconds": last_exchange,  # the averaging that ended its previous round
             }
-            reply = self._average(k, flat, outer, report)
+            reply = self._average(k, flat, outer, report, reply)
             last_exchange = time.perf_counter() - fitted
             self.stats["minibatches"] += len(items)
             self.stats["examples"] += examples
@@ -204,9 +215,12 @@ class _Trainer:
         state = state_of(net, with_optimizer=spec.save_updater)
         return {**state, "trainer": self.name, "stats": {**self.stats, "bytes_sent": self.bytes_sent}}
 
-    def _average(self, k: int, flat: FlatState, outer: _Outer | None, report: dict[str, Any]) -> dict[str, Any]:
-        """Round ``k``'s averaging; returns the scheduler's reply to its commit (the next round's share)."""
-        status = self.control("sync", round=k)
+    def _average(
+        self, k: int, flat: FlatState, outer: _Outer | None, report: dict[str, Any], status: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Round ``k``'s averaging, among the members that ``status`` (the scheduler's reply as the round
+        began) names unless that changed since; returns the scheduler's reply to its commit (the next
+        round's share)."""
         exchange: Exchange | None = None
         contribution: Contribution | None = None
         while True:

@@ -10,12 +10,15 @@ resolves with the scheduler (``_trainer``).
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import to_serialize
 
+from dlscale.runtime.retirement import retire_timeout
 from dlscale.training.averaging._exchange import Mailbox
 
 if TYPE_CHECKING:
@@ -35,11 +38,19 @@ class AveragingWorkerPlugin(WorkerPlugin):
     def __init__(self) -> None:
         self.mailboxes: dict[str, Mailbox] = {}
         self.results: dict[str, tuple[int, int, dict[str, Any], Any]] = {}  # session: (round, attempt, header, array)
+        self.busy: set[str] = set()  # sessions whose trainer here is at work: a closing worker waits for it to leave
 
     def setup(self, worker: Worker) -> None:
         self.worker = worker
         worker.handlers["dlscale_averaging_part"] = self.part
         worker.handlers["dlscale_averaging_result"] = self.result
+
+    async def teardown(self, worker: Worker) -> None:
+        """A worker closing lets its trainer leave its session at its round's end first (it sees the
+        worker closing: see ``_trainer``), at most ``dlscale.worker.retire-timeout``."""
+        deadline = time.monotonic() + retire_timeout()
+        while self.busy and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
 
     def part(self, session: str, sender: str, key: list[int], header: dict[str, Any], payload: Any = None) -> None:
         """A peer's part of a round's allreduce; parts for a session not open here are dropped."""
@@ -83,7 +94,7 @@ class AveragingWorkerPlugin(WorkerPlugin):
                 payload=None if payload is None else to_serialize(payload),
             )
         except Exception as e:  # noqa: BLE001 - a peer lost: the round goes on without it
-            logger.info(
+            logger.debug(
                 "parameter averaging session %s: a part for %s was not delivered (%s: %s)",
                 session,
                 peer,
