@@ -713,6 +713,7 @@ def main(argv: list[str] | None = None) -> None:
         default=",".join(RUNNERS),
         help="comma-separated runners to measure (single always runs: it is the baseline)",
     )
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated workloads to measure")
     parser.add_argument(
         "--report", action="store_true", help="redo the table, plots and projection from the runs of the last results"
     )
@@ -747,6 +748,11 @@ def main(argv: list[str] | None = None) -> None:
         )
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no GPU here")
+    workloads = set(args.workloads.split(","))
+    if workloads - set(WORKLOADS):
+        parser.error(
+            f"--workloads: unknown {', '.join(sorted(workloads - set(WORKLOADS)))}; known: {', '.join(WORKLOADS)}"
+        )
     reason = _links.available()
     links = ("loopback",) if args.quick else tuple(args.links.split(","))
     if reason is not None and links != ("loopback",):
@@ -756,7 +762,7 @@ def main(argv: list[str] | None = None) -> None:
     for link in links:
         with _links.limited_namespace(_links.LINKS[link]) if reason is None else _nothing() as ns:
             for _, workload, runner, workers in [
-                p for p in plan(args.quick, links) if p[0] == link and p[2] in runners
+                p for p in plan(args.quick, links) if p[0] == link and p[2] in runners and p[1] in workloads
             ]:
                 t0 = time.perf_counter()
                 r = _one(ns, link, workload, runner, workers, args.quick, args.device)
