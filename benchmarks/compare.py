@@ -63,7 +63,6 @@ from benchmarks._common import (
     make_data,
     mlp,
     parse,
-    shrink,
     train_epoch,
     write_results,
 )
@@ -724,11 +723,10 @@ def main(argv: list[str] | None = None) -> None:
         help=f"where every run trains (cuda: the runners {', '.join(DEVICE_RUNNERS)}, on the machine's GPU)",
     )
     parser.add_argument("--inner", nargs=4, metavar=("LINK", "WORKLOAD", "RUNNER", "WORKERS"), help=argparse.SUPPRESS)
-    args = parse(parser, argv, None, quick=True, runners=SMOKE_RUNNERS)
-    if args.smoke:  # one workload; loopback, in a namespace of its own where they can be made
-        shrink(globals(), WORKLOADS={"mlp": WORKLOADS["mlp"]})
-        if args.report:
-            parser.error("--report redoes the recorded run's report: not in a smoke run")
+    # a smoke run: quick (loopback, in a namespace of its own where they can be made), the MLP alone
+    args = parse(parser, argv, None, quick=True, runners=SMOKE_RUNNERS, workloads="mlp")
+    if args.smoke and args.report:
+        parser.error("--report redoes the recorded run's report: not in a smoke run")
     if args.inner:
         link, workload, runner, workers = args.inner
         print(json.dumps(inner(link, workload, runner, int(workers), args.quick, args.device)))
