@@ -478,7 +478,8 @@ def _one(
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Ratios against the single process, time to accuracy, and the issue's targets."""
+    """Ratios against the single process, time to accuracy, and the targets: gradient sharing's and
+    parameter averaging's against the single process and the peers."""
     single = {r["workload"]: r for r in runs if r["runner"] == "single" and "error" not in r}
     for r in runs:
         base = single.get(r["workload"])

@@ -49,7 +49,7 @@ from dlscale.nn import Network
 
 RESULTS = Path(__file__).resolve().parent / "results" / "parameter_averaging.json"
 EPOCHS = 2
-FREQUENCIES = (1, 5, 10, 20, 50, "auto")
+FREQUENCIES = (5, 10, 20, 50, "auto")
 REPEATS = 2
 TARGET = 1.7
 ACCURACY_POINTS = 1.0  # how far below the baseline's test accuracy a frequency may be to count for the target
