@@ -109,7 +109,7 @@ def test_masters_are_driven_through_a_fit_context(sc, tmp_path) -> None:
 
 def test_shared_settings_are_keywords() -> None:
     with pytest.raises(TypeError):
-        ParameterAveragingTrainingMaster(8, 5, 2, True, 2, "always", "direct")
+        ParameterAveragingTrainingMaster(8, 5, 2, True, "always", None, "float32", "direct")
     master = SharedTrainingMaster(8, rdd_training_approach="direct", rng_seed=1)
     assert master.rdd_training_approach == "direct" and master.rng_seed == 1
 
