@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from dlscale.monitor import panel
 from dlscale.training.averaging._rounds import Rounds
 from dlscale.training.sharing._exceptions import SessionClosedError, SessionStoppedError
 from dlscale.training.sharing._messages import OK, refusal
@@ -100,19 +99,11 @@ class AveragingSchedulerPlugin(SchedulerPlugin):
         client: str | None = None,
     ) -> None:
         """Start a session: its rounds, its trainers (by worker), the round it stops before (a checkpoint
-        due then), the panel record of its ``fit`` and the driver's ``client``."""
+        due then), the fit it is part of and the driver's ``client``. The driver, which hears of every
+        settled round, writes the training page's rows."""
         s = AveragingSession(session, plan, worker_of, self.scheduler.workers, fit or session, client)
         s.stop_at = stop_at
         self.sessions[session] = s
-        live = panel.in_scheduler(self.scheduler)
-        if live is not None:
-            live.record(
-                s.fit,
-                [
-                    {"row": t, "worker": w, "minibatches": 0, "examples": 0, "loss": float("nan")}
-                    for t, w in sorted(worker_of.items())
-                ],
-            )
 
     def close_session(self, session: str) -> list[int]:
         """End a session; returns the items of its rounds not committed, in order."""
@@ -151,14 +142,7 @@ class AveragingSchedulerPlugin(SchedulerPlugin):
     def commit(
         self, session: str, trainer: str, round: int, attempt: int, report: list[dict[str, Any]]
     ) -> dict[str, Any]:
-        def call(s: AveragingSession) -> dict[str, Any]:
-            settled = len(s.reports)
-            reply = s.commit(trainer, round, attempt, report)
-            for settled_round in s.reports[settled:]:
-                self._to_panel(s, settled_round["members"])
-            return reply
-
-        return self._reply(session, call)
+        return self._reply(session, lambda s: s.commit(trainer, round, attempt, report))
 
     def leave(self, session: str, trainer: str, round: int, stats: dict[str, Any]) -> dict[str, Any]:
         def call(s: AveragingSession) -> dict[str, Any]:
@@ -177,24 +161,6 @@ class AveragingSchedulerPlugin(SchedulerPlugin):
             return {"status": OK, **call(s)}
         except SessionStoppedError as e:
             return refusal(e)
-
-    def _to_panel(self, s: AveragingSession, members: list[dict[str, Any]]) -> None:
-        live = panel.in_scheduler(self.scheduler)
-        if live is None:
-            return
-        live.record(
-            s.fit,
-            [
-                {
-                    "row": m["trainer"],
-                    "worker": s.worker_of.get(m["trainer"], m["trainer"]),
-                    "minibatches": len(m["items"]),
-                    "examples": m["examples"],
-                    "loss": m["score"],
-                }
-                for m in members
-            ],
-        )
 
     # -- the cluster's events ------------------------------------------------------------
     def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str, **kwargs: Any) -> None:
