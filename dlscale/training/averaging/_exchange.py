@@ -223,10 +223,14 @@ class Exchange:
         self.rank = self.members.index(me)
         self.others = set(self.members) - {me}
         self.phase = 0
-        self.bytes_sent = 0
         self.result: tuple[torch.Tensor, list[list[Any]], dict[str, Any]] | None = None
         self.reports: list[dict[str, Any]] = []
+        self._header = {"weight": mine.weight, "length": mine.vector.numel(), "report": mine.report}
+        # set as the chunk this member owns is averaged (phase 2): the average, the first member
+        # that fitted examples, and what this member's averaged chunk travels with
         self._out: torch.Tensor | None = None
+        self._leader = ""
+        self._average_header: dict[str, Any] = {}
 
     def _wire(self, chunk: torch.Tensor) -> np.ndarray:
         """A chunk as it travels: a CPU array in the exchange's dtype (bfloat16 as its 16 bits)."""
@@ -243,76 +247,85 @@ class Exchange:
 
     def _emit(self, peer: str, phase: int, header: dict[str, Any], chunk: torch.Tensor | None) -> None:
         payload = None if chunk is None else self._wire(chunk)
-        self.bytes_sent += 0 if payload is None else payload.nbytes
         self.send(peer, (self.k, self.attempt, phase), header, payload)
 
     def run(self, timeout: float) -> bool:
         """Go on until the average is here (``True``, :attr:`result` set) or ``timeout`` seconds pass."""
-        mine, members, m = self.mine, self.members, len(self.members)
-        v = mine.vector
-        edges = bounds(v.numel(), m)
-        if self.phase == 0:  # send each owner its chunk
-            header = {"weight": mine.weight, "length": v.numel(), "report": mine.report}
-            for c, peer in enumerate(members):
-                if peer != self.me:
-                    self._emit(peer, 1, header, v[edges[c] : edges[c + 1]] if mine.weight else None)
-            self.phase = 1
-        if self.phase == 1:  # average the chunk this member owns
+        if self.phase == 0:
+            self._scatter()
+        if self.phase == 1:
             got = self.mailbox.wait((self.k, self.attempt, 1), self.others, timeout)
             if got is None:
                 return False
-            parts = {self.me: ({"weight": mine.weight, "length": v.numel(), "report": mine.report}, None), **got}
-            self.reports = [parts[t][0]["report"] for t in members]
-            weights = {t: parts[t][0]["weight"] for t in members}
-            total = sum(weights.values())
-            lengths = {parts[t][0]["length"] for t in members if weights[t]}
-            if len(lengths) > 1:
-                raise RuntimeError(
-                    f"round {self.k}: the trainers' states differ in size ({sorted(lengths)} values): "
-                    "their networks or optimizers are not alike"
-                )
-            length = lengths.pop() if lengths else v.numel()
-            edges = bounds(length, m)
-            lo, hi = edges[self.rank], edges[self.rank + 1]
-            own = torch.zeros(hi - lo, dtype=torch.float32, device=v.device)
-            if total:
-                for t in members:  # in the members' order: every owner sums alike
-                    if not weights[t]:
-                        continue
-                    chunk = v[lo:hi] if t == self.me else self._unwire(parts[t][1], v.device)
-                    if t == self.me and self.dtype != torch.float32:
-                        chunk = chunk.to(self.dtype).float()
-                    own.add_(chunk, alpha=weights[t] / total)
-            else:  # nobody fitted anything: the state stays
-                own.copy_(v[lo:hi])
-            if self.dtype != torch.float32:
-                own = own.to(self.dtype).float()  # as the others receive it
-            leader = next((t for t in members if weights[t]), members[0])
-            self._leader = leader
-            header = {"length": length}
-            if leader == self.me:
-                header.update(layout=mine.layout, kept=mine.kept)
-            if mine.average is not None:
-                self._out = mine.average(length)
-            else:
-                self._out = torch.empty(length, dtype=torch.float32, device=v.device)
-            self._out[lo:hi] = own
-            for peer in members:
-                if peer != self.me:
-                    self._emit(peer, 2, header, own)
-            self._own_header = header
-            self.phase = 2
-        if self.phase == 2:  # gather the others' averaged chunks
+            self._reduce(got)
+        if self.phase == 2:
             got = self.mailbox.wait((self.k, self.attempt, 2), self.others, timeout)
             if got is None:
                 return False
-            out = self._out
-            length = out.numel()
-            edges = bounds(length, m)
-            for c, t in enumerate(members):
-                if t != self.me:
-                    out[edges[c] : edges[c + 1]] = self._unwire(got[t][1], out.device)
-            head = self._own_header if self._leader == self.me else got[self._leader][0]
-            self.result = (out, head["layout"], head["kept"])
-            self.phase = 3
+            self._gather(got)
         return True
+
+    def _scatter(self) -> None:
+        """Phase 1: send each other owner its chunk of this member's vector, with its weight."""
+        v, m = self.mine.vector, len(self.members)
+        edges = bounds(v.numel(), m)
+        for c, peer in enumerate(self.members):
+            if peer != self.me:
+                self._emit(peer, 1, self._header, v[edges[c] : edges[c + 1]] if self.mine.weight else None)
+        self.phase = 1
+
+    def _reduce(self, got: dict[str, tuple[dict[str, Any], Any]]) -> None:
+        """Average the chunk this member owns from every member's part, weighted, and send the average
+        to every other member (phase 2); the first member that fitted examples adds its layout and the
+        values set aside."""
+        mine, members, v = self.mine, self.members, self.mine.vector
+        parts = {self.me: (self._header, None), **got}
+        self.reports = [parts[t][0]["report"] for t in members]
+        weights = {t: parts[t][0]["weight"] for t in members}
+        total = sum(weights.values())
+        lengths = {parts[t][0]["length"] for t in members if weights[t]}
+        if len(lengths) > 1:
+            raise RuntimeError(
+                f"round {self.k}: the trainers' states differ in size ({sorted(lengths)} values): "
+                "their networks or optimizers are not alike"
+            )
+        length = lengths.pop() if lengths else v.numel()
+        edges = bounds(length, len(members))
+        lo, hi = edges[self.rank], edges[self.rank + 1]
+        own = torch.zeros(hi - lo, dtype=torch.float32, device=v.device)
+        if total:
+            for t in members:  # in the members' order: every owner sums alike
+                if not weights[t]:
+                    continue
+                chunk = v[lo:hi] if t == self.me else self._unwire(parts[t][1], v.device)
+                if t == self.me and self.dtype != torch.float32:
+                    chunk = chunk.to(self.dtype).float()
+                own.add_(chunk, alpha=weights[t] / total)
+        else:  # nobody fitted anything: the state stays
+            own.copy_(v[lo:hi])
+        if self.dtype != torch.float32:
+            own = own.to(self.dtype).float()  # as the others receive it
+        self._leader = next((t for t in members if weights[t]), members[0])
+        self._average_header = {"length": length}
+        if self._leader == self.me:
+            self._average_header.update(layout=mine.layout, kept=mine.kept)
+        if mine.average is not None:
+            self._out = mine.average(length)
+        else:
+            self._out = torch.empty(length, dtype=torch.float32, device=v.device)
+        self._out[lo:hi] = own
+        for peer in members:
+            if peer != self.me:
+                self._emit(peer, 2, self._average_header, own)
+        self.phase = 2
+
+    def _gather(self, got: dict[str, tuple[dict[str, Any], Any]]) -> None:
+        """Assemble the average from the other owners' averaged chunks."""
+        out = self._out
+        edges = bounds(out.numel(), len(self.members))
+        for c, t in enumerate(self.members):
+            if t != self.me:
+                out[edges[c] : edges[c + 1]] = self._unwire(got[t][1], out.device)
+        head = self._average_header if self._leader == self.me else got[self._leader][0]
+        self.result = (out, head["layout"], head["kept"])
+        self.phase = 3

@@ -29,7 +29,7 @@ NAME = "dlscale-averaging"
 
 class AveragingSession(Rounds):
     """A session's rounds, with what the cluster and the driver add: the trainers' workers, the driver's
-    client, the panel's fit, the trainers lost and retired, and workers that joined since it opened."""
+    client, the fit it is part of, the trainers lost, and workers that joined since it opened."""
 
     def __init__(
         self,
@@ -44,12 +44,10 @@ class AveragingSession(Rounds):
         super().__init__(name, plan, alive)
         self.worker_of, self.fit, self.client = dict(worker_of), fit, client
         self.lost = sorted(set(worker_of) - alive)
-        self.retired: list[dict[str, Any]] = []
         self.newcomers: list[str] = []
 
     def progress(self) -> dict[str, Any]:
         reports, self.reports = self.reports, []
-        retired, self.retired = self.retired, []
         return {
             "reports": reports,
             "lost": list(self.lost),
@@ -57,7 +55,6 @@ class AveragingSession(Rounds):
             "failed_by": self.failed_by,
             "alive": sorted(self.alive),
             "newcomers": list(self.newcomers),
-            "retired": retired,
         }
 
 
@@ -144,14 +141,8 @@ class AveragingSchedulerPlugin(SchedulerPlugin):
     ) -> dict[str, Any]:
         return self._reply(session, lambda s: s.commit(trainer, round, attempt, report))
 
-    def leave(self, session: str, trainer: str, round: int, stats: dict[str, Any]) -> dict[str, Any]:
-        def call(s: AveragingSession) -> dict[str, Any]:
-            outcome = s.leave(trainer, round)
-            if outcome == "left":
-                s.retired.append(stats)
-            return {"outcome": outcome}
-
-        return self._reply(session, call)
+    def leave(self, session: str, trainer: str, round: int) -> dict[str, Any]:
+        return self._reply(session, lambda s: {"outcome": s.leave(trainer, round)})
 
     def _reply(self, session: str, call: Callable[[AveragingSession], dict[str, Any]]) -> dict[str, Any]:
         try:

@@ -124,8 +124,6 @@ class _Trainer:
         self.network, _ = replica(key, blob)
         self.refs, self.names, self.loader = refs, names, loader
         self.dtype = DTYPES[spec.dtype]
-        self.stats = {"trainer": self.name, "worker": worker.address, "minibatches": 0, "examples": 0}
-        self.bytes_sent = 0
 
     def _send(self, peer: str, key: tuple[int, int, int], header: dict[str, Any], payload: Any) -> None:
         self.plugin.send(self.session, peer, key, header, payload)
@@ -142,78 +140,81 @@ class _Trainer:
         net, spec = self.network, self.spec
         flat = FlatState(net, spec.save_updater)
         outer = _Outer(spec.outer_optimizer, flat) if spec.outer_optimizer is not None else None
-        n = len(self.refs)
         reply, k = self.control("begin", round=0), 0
         staying, last_exchange = False, float("nan")
         while not reply["end"]:
             if not staying and self.worker.status in LEAVING:
-                outcome = self.control("leave", round=k, stats=self.stats)["outcome"]
+                outcome = self._leave(k)
                 if outcome == "left":
-                    logger.info(
-                        "trainer %s left its session: worker %s is %s",
-                        self.name,
-                        self.worker.address,
-                        self.worker.status,
-                    )
                     return {"trainer": self.name, "retired": True}
                 staying = outcome == "stay"
-                if staying:
-                    logger.warning(
-                        "trainer %s stays while worker %s retires: no other trainer would train the rest",
-                        self.name,
-                        self.worker.address,
-                    )
-            items = reply["items"]
             if not spec.save_updater:
                 net.optimizer.state.clear()  # DL4J without save_updater: the updater starts afresh each round
             flat.begin()
-            start, t0 = time.time(), time.perf_counter()
-            examples, score, waited = 0, float("nan"), 0.0
-            batches = prefetch([self.refs[i % n] for i in items], self.loader, spec.prefetch)
-            try:
-                for item in items:
-                    w = time.perf_counter()
-                    batch = next(batches)
-                    waited += time.perf_counter() - w
-                    name = self.names[item % n]
-                    try:
-                        score = net.fit_batch(batch)
-                    except Exception as e:
-                        e.add_note(f"while fitting minibatch {name}")
-                        raise
-                    if not math.isfinite(score):
-                        check_finite(net, score, name)  # raises, naming the minibatch
-                    examples += batch.num_examples()
-                if items:  # a step that left a parameter non-finite with a finite loss: seen once a round
-                    check_finite(net, score, " or ".join(self.names[i % n] for i in items))
-            except Exception as e:
-                e.add_note(
-                    f"while training round {k} of the session (epoch {items[0] // n if items else '?'} of the fit)"
-                )
-                raise
-            finally:
-                batches.close()
+            report = self._fit(k, reply["items"])
             fitted = time.perf_counter()
-            report = {
-                "trainer": self.name,
-                "worker": self.worker.address,
-                "items": list(items),
-                "examples": examples,
-                "score": score,
-                "fit_seconds": fitted - t0,
-                "wait_seconds": waited,
-                "start": start,
-                "end": time.time(),
-                "last_exchange_seconds": last_exchange,  # the averaging that ended its previous round
-            }
+            report["last_exchange_seconds"] = last_exchange  # the averaging that ended its previous round
             reply = self._average(k, flat, outer, report, reply)
             last_exchange = time.perf_counter() - fitted
-            self.stats["minibatches"] += len(items)
-            self.stats["examples"] += examples
             self.mailbox.forget(k)
             k += 1
-        state = state_of(net, with_optimizer=spec.save_updater)
-        return {**state, "trainer": self.name, "stats": {**self.stats, "bytes_sent": self.bytes_sent}}
+        return {**state_of(net, with_optimizer=spec.save_updater), "trainer": self.name}
+
+    def _leave(self, k: int) -> str:
+        """Leave the session before round ``k`` as this trainer's worker retires: ``"left"``; ``"stay"``
+        for the last live trainer (for good), ``"later"`` while a peer may still need round ``k - 1``'s
+        average from it."""
+        outcome = self.control("leave", round=k)["outcome"]
+        if outcome == "left":
+            logger.info(
+                "trainer %s left its session: worker %s is %s", self.name, self.worker.address, self.worker.status
+            )
+        elif outcome == "stay":
+            logger.warning(
+                "trainer %s stays while worker %s retires: no other trainer would train the rest",
+                self.name,
+                self.worker.address,
+            )
+        return outcome
+
+    def _fit(self, k: int, items: list[int]) -> dict[str, Any]:
+        """Fit round ``k``'s share ``items``, reading ahead; returns what this trainer reports of it."""
+        net, n = self.network, len(self.refs)
+        start, t0 = time.time(), time.perf_counter()
+        examples, score, waited = 0, float("nan"), 0.0
+        batches = prefetch([self.refs[i % n] for i in items], self.loader, self.spec.prefetch)
+        try:
+            for item in items:
+                w = time.perf_counter()
+                batch = next(batches)
+                waited += time.perf_counter() - w
+                name = self.names[item % n]
+                try:
+                    score = net.fit_batch(batch)
+                except Exception as e:
+                    e.add_note(f"while fitting minibatch {name}")
+                    raise
+                if not math.isfinite(score):
+                    check_finite(net, score, name)  # raises, naming the minibatch
+                examples += batch.num_examples()
+            if items:  # a step that left a parameter non-finite with a finite loss: seen once a round
+                check_finite(net, score, " or ".join(self.names[i % n] for i in items))
+        except Exception as e:
+            e.add_note(f"while training round {k} of the session (epoch {items[0] // n if items else '?'} of the fit)")
+            raise
+        finally:
+            batches.close()
+        return {
+            "trainer": self.name,
+            "worker": self.worker.address,
+            "items": list(items),
+            "examples": examples,
+            "score": score,
+            "fit_seconds": time.perf_counter() - t0,
+            "wait_seconds": waited,
+            "start": start,
+            "end": time.time(),
+        }
 
     def _average(
         self, k: int, flat: FlatState, outer: _Outer | None, report: dict[str, Any], status: dict[str, Any]
@@ -227,7 +228,6 @@ class _Trainer:
             committed = status["committed"]
             if committed is not None:  # a peer committed: this trainer's own attempt may be about to end too
                 if exchange is not None and exchange.attempt == committed and exchange.run(self.spec.poll):
-                    self.bytes_sent += exchange.bytes_sent
                     return self._commit(k, committed, exchange.reports, flat, outer, exchange.result)
                 return self._adopt(k, committed, status["holders"], flat, outer)
             members = status["members"]
@@ -241,10 +241,7 @@ class _Trainer:
                     self.name, k, status["attempt"], members, contribution, self.mailbox, self._send, self.dtype
                 )
             if exchange.run(self.spec.poll):
-                self.bytes_sent += exchange.bytes_sent
                 return self._commit(k, exchange.attempt, exchange.reports, flat, outer, exchange.result)
-            self.bytes_sent += exchange.bytes_sent
-            exchange.bytes_sent = 0
             status = self.control("sync", round=k)
 
     def _commit(

@@ -145,6 +145,14 @@ class _Averaging:
         auto = master.averaging_frequency == "auto"
         self.frequency: int = AUTO_START if auto else master.averaging_frequency
         self.measuring = auto  # "auto": the frequency is chosen from the first rounds' measures
+        self.spec = _trainer.TrainerSpec(
+            master.save_updater,
+            master.worker_prefetch_num_batches,
+            master.outer_optimizer,
+            master.exchange_dtype,
+            self.config.poll_interval * 10,
+            self.config.end_timeout,
+        )
 
     def _order(self, start: int = 0) -> list[int]:
         """Work items epoch after epoch from the fit's epoch ``start`` (item ``e * n + i``: minibatch ``i``
@@ -230,7 +238,7 @@ class _Averaging:
     def _segment(self, remaining: list[int], nodes: list[str], session: str) -> tuple[list[int], list[Any]]:
         """Train ``remaining`` on the trainers of ``nodes`` until done or a segment's end; sets the driver's
         network to their state. Returns the items left and the checkpoint listeners due."""
-        run, client, master = self.run, self.client, self.master
+        run, client = self.run, self.client
         plan = plan_rounds(remaining, nodes, self.frequency, self.n, self.owner)
         stop_at = self._stop_before(plan)
         t0 = time.perf_counter()
@@ -243,37 +251,9 @@ class _Averaging:
             fit=run.fit_id,
             client=client.id,
         )
-        spec = _trainer.TrainerSpec(
-            master.save_updater,
-            master.worker_prefetch_num_batches,
-            master.outer_optimizer,
-            master.exchange_dtype,
-            self.config.poll_interval * 10,
-            self.config.end_timeout,
-        )
-        blob = run.blob
-        key = run.replicas[0]
-        futures: dict[str, Future] = {}
         try:
             client.run(_open_node, session, workers=nodes)
-            futures = {
-                w: client.submit(
-                    _trainer.run,
-                    session,
-                    w,
-                    key,
-                    blob,
-                    self.batches.refs,
-                    self.batches.names,
-                    self.batches.loader,
-                    spec,
-                    workers=[w],
-                    allow_other_workers=True,
-                    pure=False,
-                    key=f"{session}-trainer-{j}",
-                )
-                for j, w in enumerate(nodes)
-            }
+            futures = self._start(session, nodes)
             due = self._follow(session, futures)
             state = self._state(futures)
         finally:
@@ -289,6 +269,28 @@ class _Averaging:
             len(nodes),
         )
         return left, due
+
+    def _start(self, session: str, nodes: list[str]) -> dict[str, Future]:
+        """One trainer task on each of ``nodes``, by worker."""
+        blob, key, b = self.run.blob, self.run.replicas[0], self.batches
+        return {
+            w: self.client.submit(
+                _trainer.run,
+                session,
+                w,
+                key,
+                blob,
+                b.refs,
+                b.names,
+                b.loader,
+                self.spec,
+                workers=[w],
+                allow_other_workers=True,
+                pure=False,
+                key=f"{session}-trainer-{j}",
+            )
+            for j, w in enumerate(nodes)
+        }
 
     def _state(self, futures: dict[str, Future]) -> dict[str, Any]:
         """The trainers' common state, from one trainer that ended with it."""
@@ -321,7 +323,10 @@ class _Averaging:
                 self._report(report["members"], now - last)
                 last = now
                 done_after = self._epochs_done()
-                due = run.checkpoints_due(done_after if done_after > done_before else None)
+                # kept until the segment ends: an epoch's end seen in this batch of reports stays due
+                due += [
+                    c for c in run.checkpoints_due(done_after if done_after > done_before else None) if c not in due
+                ]
             if progress["lost"]:
                 self._note_lost(list(cluster_workers(client)))
             if not stopped and pending and (due or progress["newcomers"]):
