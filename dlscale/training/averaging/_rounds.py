@@ -46,8 +46,7 @@ def plan_rounds(
     by_epoch: dict[int, list[int]] = collections.defaultdict(list)
     for item in items:
         by_epoch[item // per_epoch].append(item)
-    for epoch in sorted(by_epoch, key=lambda e: items.index(by_epoch[e][0])):
-        chunk_items = by_epoch[epoch]
+    for chunk_items in by_epoch.values():  # the epochs in the order their items come
         if owner is not None:
             own: dict[str, list[int]] = {t: [] for t in trainers}
             for item in chunk_items:

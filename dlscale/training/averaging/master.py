@@ -117,7 +117,7 @@ def _close_node(session: str, dask_worker: Any = None) -> None:
     plugin(dask_worker).close(session)
 
 
-def _state(result: dict[str, Any]) -> dict[str, Any]:
+def _network_state(result: dict[str, Any]) -> dict[str, Any]:
     return {k: result[k] for k in ("params", "buffers", "optimizer")}
 
 
@@ -298,7 +298,7 @@ class _Averaging:
             if f.status == "finished":
                 result = self.client.submit(_summary, f, pure=False).result()
                 if result:
-                    return _state(f.result())
+                    return _network_state(f.result())
         raise RuntimeError("every parameter-averaging trainer was lost; the network is unchanged")
 
     def _follow(self, session: str, futures: dict[str, Future]) -> list[Any]:
