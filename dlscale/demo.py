@@ -53,8 +53,7 @@ def _export(x: torch.Tensor, y: torch.Tensor, url: str, batch: int) -> None:
     export_minibatches([DataSet(x[i : i + batch], y[i : i + batch]) for i in range(0, len(x), batch)], url, batch)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the job, print its report, and return the report's figures."""
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dlscale.demo", description=__doc__)
     parser.add_argument(
         "--master",
@@ -72,6 +71,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="continue an interrupted run from its last checkpoint (one is written every epoch under "
         "STORAGE/checkpoints), with its exported files",
     )
+    return parser
+
+
+def _prepare(base: str, options: dict[str, Any], batch_size: int, resume: Any) -> tuple[torch.Tensor, ...]:
+    """The data split, exported afresh under ``base`` unless the run resumes from checkpoint ``resume``."""
+    x, y, test_x, test_y = _split()
+    print(f"data: {len(x)} training and {len(test_x)} test images of handwritten digits (8x8)")
+    if resume is None:
+        fs, path = storage.open_fs(base, options)
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+        _export(x, y, f"{base}/train", batch_size)
+        _export(test_x, test_y, f"{base}/test", 64)
+        print(f"exported minibatch files to {base}/train and {base}/test")
+    else:
+        print(f"resuming from {resume.url} (epoch {resume.epoch}, iteration {resume.iteration})")
+    return x, y, test_x, test_y
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the job, print its report, and return the report's figures."""
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.epochs < 1 or args.batch_size < 1:
         parser.error("--epochs and --batch-size must be positive")
@@ -79,20 +100,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     base, options = storage.resolve(args.storage)
     checkpoints = CheckpointListener(f"{base}/checkpoints", save_every_n_epochs=1, keep_last=2, storage_options=options)
     started = time.perf_counter()
-    x, y, test_x, test_y = _split()
-    print(f"data: {len(x)} training and {len(test_x)} test images of handwritten digits (8x8)")
     resume = checkpoints.last_checkpoint() if args.resume else None
     if args.resume and resume is None:
         parser.error(f"--resume: there is no checkpoint under {base}/checkpoints to resume from")
-    if resume is None:
-        fs, path = storage.open_fs(base, options)
-        if fs.exists(path):
-            fs.rm(path, recursive=True)
-        _export(x, y, f"{base}/train", args.batch_size)
-        _export(test_x, test_y, f"{base}/test", 64)
-        print(f"exported minibatch files to {base}/train and {base}/test")
-    else:
-        print(f"resuming from {resume.url} (epoch {resume.epoch}, iteration {resume.iteration})")
+    _, _, test_x, test_y = _prepare(base, options, args.batch_size, resume)
 
     conf = SparkConf().setIfMissing("spark.master", "local[2]")  # `dlscale run --master` sets it
     if args.master is not None:
