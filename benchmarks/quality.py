@@ -57,7 +57,7 @@ from benchmarks import _ddp, compare
 from benchmarks._common import accuracy, command_line, header, make_data, mlp, parse, write_results
 from dlscale import ParameterAveragingTrainingMaster, SharedTrainingMaster, SparkContext, SparkNet
 from dlscale.data import DataSet, export_minibatches
-from dlscale.encoding.compressors import COMPRESSORS, DEFAULT
+from dlscale.encoding.registry import COMPRESSORS, DEFAULT
 from dlscale.nn import Network
 from dlscale.training.sharing.master import AGGREGATIONS
 

@@ -40,7 +40,7 @@ ENTRY_POINT_PREFIX = "dlscale."
 _HOMES = {
     "threshold_algorithm": "dlscale.encoding.thresholds",
     "residual_post_processor": "dlscale.encoding.residual",
-    "compressor": "dlscale.encoding.compressors",
+    "compressor": "dlscale.encoding.registry",
     "evaluation": "dlscale.evaluation._base",
     "loss": "dlscale.nn.losses",
     "model_factory": "dlscale.nn.archive",

@@ -1,4 +1,4 @@
-"""Compressors (dlscale/encoding/compressors.py): every built-in one round-trips its bytes, applies
+"""Compressors (dlscale/encoding/): every built-in one round-trips its bytes, applies
 exactly what it took out of the residual, refuses damaged bytes; "dl4j" is the threshold codec
 bit for bit; "topk" selects per tensor, sends 1-D tensors whole and warms up; a compressor of a
 program's own is used by a fit on a real cluster through the registry."""
@@ -33,7 +33,7 @@ from dlscale.encoding import (
     residual_post_processor,
     threshold_algorithm,
 )
-from dlscale.encoding.compressors import VALUES_HEADER_BYTES
+from dlscale.encoding.wire import VALUES_HEADER_BYTES
 from dlscale.nn import Network
 
 LAYOUT = Layout(((64, 32), (32,), (10, 32), (10,)))  # a 64-32-10 MLP's weights and biases

@@ -24,7 +24,6 @@ from dlscale.encoding import (
     NoOpResidualPostProcessor,
     ResidualClippingPostProcessor,
     TargetSparsityThresholdAlgorithm,
-    _codec,
     apply,
     decode,
     describe,
@@ -32,6 +31,7 @@ from dlscale.encoding import (
     residual_post_processor,
     threshold_algorithm,
 )
+from dlscale.encoding.threshold import _apply_on_device, _encode_on_device
 
 LENGTHS = [1, 3, 63, 64, 65, 1000, 100_003]
 FRACTIONS = [0.0, 1e-3, 1e-2, 0.05, 0.1, 0.5, 1.0]
@@ -94,19 +94,19 @@ def test_torch_kernels_match_the_cpu_kernels(device: str, form: str | None) -> N
             before, threshold = update_with(length, fraction, seed=length)
             on_cpu, on_device = before.clone(), before.to(device)
             expected = encode(on_cpu, threshold, form=form)
-            message = _codec._encode_on_device(on_device, np.float32(threshold), form)
+            message = _encode_on_device(on_device, np.float32(threshold), form)
             assert message.to_bytes() == expected.to_bytes()
             assert torch.equal(on_device.cpu(), on_cpu)
             for scale in (1.0, -0.5):
                 target = torch.randn(length, generator=torch.Generator().manual_seed(1))
                 on_gpu = target.to(device)
                 apply(expected, target, scale)
-                _codec._apply_on_device(message, on_gpu, np.float32(message.threshold * scale))
+                _apply_on_device(message, on_gpu, np.float32(message.threshold * scale))
                 assert torch.equal(on_gpu.cpu(), target)
     residual, kept = torch.ones(1000, device=device), torch.ones(1000)
     residual[700:702] = float("nan")
     with pytest.raises(NonFiniteUpdateError, match="element 700 is nan"):
-        _codec._encode_on_device(residual, np.float32(0.5), form)
+        _encode_on_device(residual, np.float32(0.5), form)
     kept[700:702] = float("nan")
     assert torch.equal(bits(residual.cpu()), bits(kept))
 

@@ -1,5 +1,8 @@
-"""The compression of updates shared between trainers: compressors and DL4J's threshold encoding (see
-``docs/encoding.md``).
+"""The compression of updates shared between trainers (see ``docs/encoding.md``): the contract every
+compressor implements (``contract``), the messages' wire forms (``wire``), DL4J's threshold encoding
+(``threshold``, with its threshold algorithms in ``thresholds`` and residual post-processors in
+``residual``), the kernels of value messages and top-k (``kernels``), a module per compressor
+(``topk``, ``dl4j``, ``dense``) and the compressors by name (``registry``).
 
 Names are imported on first use, so importing the package imports none of its modules."""
 
@@ -8,27 +11,28 @@ from __future__ import annotations
 from dlscale._exports import lazy
 
 _EXPORTS = {
-    "BITMAP": "dlscale.encoding._codec",
-    "EncodedUpdate": "dlscale.encoding._codec",
-    "HEADER_BYTES": "dlscale.encoding._codec",
-    "MAX_LENGTH": "dlscale.encoding._codec",
-    "NonFiniteUpdateError": "dlscale.encoding._codec",
-    "SPARSE": "dlscale.encoding._codec",
-    "apply": "dlscale.encoding._codec",
-    "decode": "dlscale.encoding._codec",
-    "describe": "dlscale.encoding._codec",
-    "encode": "dlscale.encoding._codec",
-    "sent_indices": "dlscale.encoding._codec",
-    "COMPRESSORS": "dlscale.encoding.compressors",
-    "Compressor": "dlscale.encoding.compressors",
-    "CompressorState": "dlscale.encoding.compressors",
-    "DenseCompressor": "dlscale.encoding.compressors",
-    "Difference": "dlscale.encoding.compressors",
-    "Dl4jCompressor": "dlscale.encoding.compressors",
-    "Layout": "dlscale.encoding.compressors",
-    "TopKCompressor": "dlscale.encoding.compressors",
-    "ValueUpdate": "dlscale.encoding.compressors",
-    "compressor": "dlscale.encoding.compressors",
+    "Compressor": "dlscale.encoding.contract",
+    "CompressorState": "dlscale.encoding.contract",
+    "Difference": "dlscale.encoding.contract",
+    "Layout": "dlscale.encoding.contract",
+    "BITMAP": "dlscale.encoding.wire",
+    "EncodedUpdate": "dlscale.encoding.wire",
+    "HEADER_BYTES": "dlscale.encoding.wire",
+    "MAX_LENGTH": "dlscale.encoding.wire",
+    "SPARSE": "dlscale.encoding.wire",
+    "ValueUpdate": "dlscale.encoding.wire",
+    "NonFiniteUpdateError": "dlscale.errors",
+    "apply": "dlscale.encoding.threshold",
+    "decode": "dlscale.encoding.threshold",
+    "describe": "dlscale.encoding.threshold",
+    "encode": "dlscale.encoding.threshold",
+    "sent_indices": "dlscale.encoding.threshold",
+    "DenseCompressor": "dlscale.encoding.dense",
+    "TopKCompressor": "dlscale.encoding.topk",
+    "Dl4jCompressor": "dlscale.encoding.dl4j",
+    "COMPRESSORS": "dlscale.encoding.registry",
+    "DEFAULT": "dlscale.encoding.registry",
+    "compressor": "dlscale.encoding.registry",
     "NoOpResidualPostProcessor": "dlscale.encoding.residual",
     "RESIDUAL_POST_PROCESSORS": "dlscale.encoding.residual",
     "ResidualClippingPostProcessor": "dlscale.encoding.residual",

@@ -43,7 +43,7 @@ from distributed.utils import sync
 
 from dlscale.data.loaders import prefetch
 from dlscale.encoding import Compressor, CompressorState, Difference, Layout
-from dlscale.encoding.compressors import DenseCompressor
+from dlscale.encoding.dense import DenseCompressor
 from dlscale.errors import NonFiniteUpdateError
 from dlscale.runtime.retirement import LEAVING, retire_timeout
 from dlscale.training._heap import training_heap

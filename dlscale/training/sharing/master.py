@@ -28,7 +28,7 @@ from distributed import Future, get_worker, wait
 
 from dlscale.data.loaders import prefetch
 from dlscale.encoding import Compressor, ResidualPostProcessor, ThresholdAlgorithm, compressor
-from dlscale.encoding.compressors import DEFAULT as DEFAULT_COMPRESSOR
+from dlscale.encoding.registry import DEFAULT as DEFAULT_COMPRESSOR
 from dlscale.errors import TrainerLostWarning
 from dlscale.monitor.stats import TrainerStats
 from dlscale.nn.listeners import SentUpdate

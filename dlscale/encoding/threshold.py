@@ -3,10 +3,8 @@
 A trainer adds each update to a float32 *residual*; :func:`encode` then sends every element with
 ``|r| >= t`` as ``sign(r) * t`` and subtracts what it sent from the residual, so that nothing is
 lost: what is not sent now stays in the residual for a later step. Every replica, the sender's own
-included, adds the message to its parameters with :func:`apply`.
-
-A message takes one of two forms, whichever is smaller: *sparse*, one int32 per sent element
-(``(index + 1) * sign``), or *bitmap*, two bits per element of the whole vector.
+included, adds the message to its parameters with :func:`apply`. The messages and their bytes are
+:class:`~dlscale.encoding.wire.EncodedUpdate`.
 
 A residual or target on the CPU is encoded and updated by numpy's kernels; one on a GPU by torch's,
 on the GPU, so that only the message itself crosses to the host (and back, at a peer).
@@ -15,27 +13,12 @@ on the GPU, so that only the message itself crosses to the host (and back, at a 
 from __future__ import annotations
 
 import math
-import struct
-from dataclasses import dataclass
 
-import crc32c
 import numpy as np
 import torch
 
-from dlscale.errors import CorruptDataError, NonFiniteUpdateError
-
-SPARSE = "sparse"
-BITMAP = "bitmap"
-FORMS = (SPARSE, BITMAP)
-MAX_LENGTH = 2**31 - 2
-"""The longest vector a message can describe (a sparse entry is a 1-based index in an int32)."""
-
-MAGIC = b"DLTE"
-VERSION = 1
-# magic, version, form (0 sparse, 1 bitmap), reserved, threshold, length, count, CRC-32C of the rest
-_HEADER = struct.Struct("<4sBBHfQQI")
-HEADER_BYTES = _HEADER.size
-"""Bytes of a message besides its payload (the header of :meth:`EncodedUpdate.to_bytes`)."""
+from dlscale.encoding.wire import BITMAP, FORMS, MAX_LENGTH, SHIFTS, SPARSE, EncodedUpdate, bitmap_bytes
+from dlscale.errors import NonFiniteUpdateError
 
 _BLOCK = 64  # elements per block of the coarse first scan
 _GATHER = 8  # gather the blocks that hold something to send when they are at most 1 in _GATHER
@@ -45,121 +28,6 @@ _CHUNK = 1 << 18  # elements decoded at a time when adding a bitmap to a dense v
 # Multiplying four 2-bit codes, one per byte of a little-endian uint32, by this puts code k at
 # bits 24 + 2k; every other product lands below bit 24 without overlapping, so nothing carries.
 _PACK = np.uint32(1 << 24 | 1 << 18 | 1 << 12 | 1 << 6)
-_SHIFTS = np.array([0, 2, 4, 6], dtype=np.uint8)
-
-
-def seal(head: bytes, body: bytes) -> bytes:
-    """A message's bytes: ``head`` (a header whose last 4 bytes are its CRC-32C field, packed as 0)
-    with that field set to the CRC-32C of the rest of the header and of ``body``, then ``body``."""
-    crc = crc32c.crc32c(body, value=crc32c.crc32c(head[:-4]))
-    return head[:-4] + struct.pack("<I", crc) + body
-
-
-def intact(data: bytes, header_bytes: int, crc: int) -> bool:
-    """Whether ``data`` (a header of ``header_bytes`` ending in its CRC-32C field, then the body) has
-    the CRC-32C ``crc`` that :func:`seal` gave it."""
-    return crc32c.crc32c(data[header_bytes:], value=crc32c.crc32c(data[: header_bytes - 4])) == crc
-
-
-@dataclass(frozen=True, eq=False)
-class EncodedUpdate:
-    """A threshold-encoded update: ``count`` of ``length`` elements, each ``+threshold`` or ``-threshold``.
-
-    ``payload`` is, in the ``"sparse"`` form, an int32 array of ``(index + 1) * sign`` per sent
-    element in increasing index order; in the ``"bitmap"`` form, a uint8 array of
-    ``ceil(length / 4)`` bytes, element ``i`` in bits ``2 * (i % 4)`` of byte ``i // 4``: 0 nothing,
-    1 ``+threshold``, 2 ``-threshold``. Pickles as its fields (a numpy array, no tensors).
-    """
-
-    form: str
-    threshold: float
-    length: int
-    count: int
-    payload: np.ndarray
-
-    def __post_init__(self) -> None:
-        if self.form not in FORMS:
-            raise ValueError(f"form must be 'sparse' or 'bitmap', got {self.form!r}")
-        dtype, size = (np.int32, self.count) if self.form == SPARSE else (np.uint8, _bitmap_bytes(self.length))
-        if not isinstance(self.payload, np.ndarray) or self.payload.dtype != dtype or self.payload.shape != (size,):
-            got = f"{self.payload.shape} {self.payload.dtype}" if isinstance(self.payload, np.ndarray) else self.payload
-            raise ValueError(
-                f"a {self.form} payload of a {self.length}-element vector with {self.count} elements "
-                f"sent is {size} {np.dtype(dtype)}, got {got!r}"
-            )
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes on the wire: the payload and the fixed header."""
-        return HEADER_BYTES + self.payload.nbytes
-
-    @property
-    def sparsity(self) -> float:
-        """``count / length``, what a :class:`~dlscale.encoding.ThresholdAlgorithm` adapts to."""
-        return self.count / self.length if self.length else 0.0
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, EncodedUpdate):
-            return NotImplemented
-        return (self.form, self.threshold, self.length, self.count) == (
-            other.form,
-            other.threshold,
-            other.length,
-            other.count,
-        ) and np.array_equal(self.payload, other.payload)
-
-    __hash__ = None
-
-    def to_bytes(self) -> bytes:
-        """A self-describing binary form: a 32-byte little-endian header (magic ``DLTE``, version,
-        form, threshold as float32, length, count, CRC-32C), then the payload."""
-        payload = self.payload.astype("<i4" if self.form == SPARSE else np.uint8, copy=False).tobytes()
-        head = _HEADER.pack(MAGIC, VERSION, FORMS.index(self.form), 0, self.threshold, self.length, self.count, 0)
-        return seal(head, payload)
-
-    @classmethod
-    def from_bytes(cls, data: bytes | bytearray | memoryview) -> EncodedUpdate:
-        """The message :meth:`to_bytes` wrote; anything else raises :class:`~dlscale.errors.CorruptDataError`."""
-        data = bytes(data)
-        if len(data) < HEADER_BYTES:
-            raise CorruptDataError(f"an encoded update is at least {HEADER_BYTES} bytes, got {len(data)}")
-        magic, version, form_code, reserved, threshold, length, count, crc = _HEADER.unpack_from(data)
-        if magic != MAGIC:
-            raise CorruptDataError(f"not an encoded update: magic {magic!r}, expected {MAGIC!r}")
-        if version != VERSION:
-            raise CorruptDataError(f"encoded update format version {version}, this dlscale reads {VERSION}")
-        if form_code >= len(FORMS) or reserved != 0:
-            raise CorruptDataError(f"encoded update header has form code {form_code} and reserved field {reserved}")
-        if not (np.isfinite(threshold) and threshold > 0) or length > MAX_LENGTH or count > length:
-            raise CorruptDataError(
-                f"encoded update header is inconsistent: threshold {threshold}, length {length}, count {count}"
-            )
-        form = FORMS[form_code]
-        expected = 4 * count if form == SPARSE else _bitmap_bytes(length)
-        if len(data) - HEADER_BYTES != expected:
-            raise CorruptDataError(
-                f"a {form} encoded update of {length} elements with {count} sent has a "
-                f"{expected}-byte payload, got {len(data) - HEADER_BYTES}"
-            )
-        if not intact(data, HEADER_BYTES, crc):
-            raise CorruptDataError("encoded update checksum mismatch: the bytes were damaged")
-        if form == SPARSE:
-            payload = np.frombuffer(data, "<i4", count, HEADER_BYTES).astype(np.int32, copy=False)
-            index = np.abs(payload.astype(np.int64)) - 1
-            if count and (index.min() < 0 or index.max() >= length or np.any(np.diff(index) <= 0)):
-                raise CorruptDataError(
-                    "sparse encoded update entries must be non-zero, within the length and in increasing index order"
-                )
-        else:
-            payload = np.frombuffer(data, np.uint8, expected, HEADER_BYTES)
-            if np.any(payload & (payload >> 1) & 0x55):
-                raise CorruptDataError("bitmap encoded update holds code 3, which no encoder writes")
-            if length % 4 and payload[-1] >> (2 * (length % 4)):
-                raise CorruptDataError("bitmap encoded update has codes past its length")
-            sent = sum(np.count_nonzero((payload >> shift) & 3) for shift in _SHIFTS)
-            if sent != count:
-                raise CorruptDataError(f"bitmap encoded update says {count} elements were sent, its codes say {sent}")
-        return cls(form, float(threshold), length, count, payload)
 
 
 def encode(residual: torch.Tensor, threshold: float, *, form: str | None = None) -> EncodedUpdate:
@@ -272,12 +140,8 @@ def _check_vector(t: torch.Tensor, name: str) -> int:
     return t.numel()
 
 
-def _bitmap_bytes(length: int) -> int:
-    return -(-length // 4)
-
-
 def _choose(count: int, length: int) -> str:
-    return SPARSE if count == 0 or 4 * count < _bitmap_bytes(length) else BITMAP
+    return SPARSE if count == 0 or 4 * count < bitmap_bytes(length) else BITMAP
 
 
 def _looks_dense(a: np.ndarray, t: np.float32) -> bool:
@@ -379,7 +243,7 @@ def _pack(codes: np.ndarray) -> np.ndarray:
     """2-bit codes, one a byte, packed four to a byte (the last byte padded with zeros). The codes
     are used as scratch space and overwritten."""
     whole = len(codes) // 4
-    out = np.empty(_bitmap_bytes(len(codes)), np.uint8)
+    out = np.empty(bitmap_bytes(len(codes)), np.uint8)
     if whole < len(out):
         out[-1] = sum(int(c) << 2 * k for k, c in enumerate(codes[4 * whole :]))
     words = codes[: 4 * whole].view("<u4")
@@ -400,7 +264,7 @@ def _add_bitmap(a: np.ndarray, payload: np.ndarray, value: np.float32) -> None:
 def _unpack(payload: np.ndarray, value: np.float32) -> np.ndarray:
     """The float32 values (0, +value, -value) of a bitmap payload, four per byte, through a table
     of 256 rows of four floats (gathered as 16-byte complex128 carriers: one copy per byte)."""
-    codes = (np.arange(256, dtype=np.uint8)[:, None] >> _SHIFTS) & 3
+    codes = (np.arange(256, dtype=np.uint8)[:, None] >> SHIFTS) & 3
     table = np.array([0, value, -value, 0], np.float32)[codes]
     return np.take(table.view(np.complex128).reshape(256), payload).view(np.float32)
 
