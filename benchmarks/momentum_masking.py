@@ -32,7 +32,7 @@ from dlscale import SharedTrainingMaster, SparkContext, SparkNet
 from dlscale.data import DataSet
 from dlscale.encoding import AdaptiveThresholdAlgorithm, Dl4jCompressor, Layout, decode, encode
 from dlscale.nn import Network
-from dlscale.training.sharing._trainer import _mask_momentum
+from dlscale.training.sharing._keeping import mask_momentum
 
 RESULTS = Path(__file__).resolve().parent / "results" / "momentum_masking.json"
 BATCH = 16
@@ -107,7 +107,7 @@ def masking_cost(repeats: int = 50) -> dict[str, float]:
     dl4j = Dl4jCompressor()
     state = dl4j.state(Layout.of(net.module.parameters()))
     steps = (
-        ("mask_ms", lambda: _mask_momentum(net, dl4j.momentum_mask(state, message))),  # positions, then mask
+        ("mask_ms", lambda: mask_momentum(net, dl4j.momentum_mask(state, message))),  # positions, then mask
         ("dense_decode_ms", lambda: decode(message)),
     )
     for name, step in steps:

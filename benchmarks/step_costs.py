@@ -6,15 +6,15 @@ compare's workload (the MLP 784-2048-2048-10, 5.8M parameters, SGD lr 0.01 momen
 minibatches of 64, one thread), one process takes a trainer's steps as a summing trainer does,
 through dlscale's ``Network`` and the compressor's own methods, with no cluster around it:
 
-- ``fit``: ``Network.fit_batch`` (a compressor that is not lossless: the parameters kept before it
-  and the update taken after it, as the trainer does);
-- ``encode``: the compressor's ``compress`` of the residual; its message applied to the shared
-  parameters (lossless) or, otherwise, the update taken out of the replica and the message applied
-  to it; momentum masking (the trainer's own function);
-- ``send``: the message's bytes (``to_bytes``);
+- ``fit``: the trainer's ``Keeping.fit`` (``Network.step``; a compressor that is not lossless: the
+  parameters kept before it);
+- ``encode``: ``Keeping.encode``: the compressor's ``compress`` of the residual; its message applied
+  to the shared parameters (lossless) or, otherwise, the update taken out of the replica and the
+  message applied to it; momentum masking;
+- ``send``: the message's bytes (``stage``, ``to_bytes``);
 - ``apply``: a peer's message read (``from_bytes``) and applied to the replica and the shared
-  parameters. The peer's message is this trainer's previous one, applied to a second pair of
-  vectors, so that its own state is untouched and the message is of the real size.
+  parameters (``Keeping.receive``). The peer's message is this trainer's previous one, applied to a
+  second trainer's vectors, so that its own state is untouched and the message is of the real size.
 
 A plain PyTorch step of the same model (compare's single process) is timed the same way. Each runs
 ``STEPS`` steps after ``WARMUP`` untimed ones (past ``"topk"``'s density warm-up), twice: alone,
@@ -40,8 +40,8 @@ import torch
 
 from benchmarks._common import BATCH, SGD, command_line, header, make_data, mlp, network, parse, shrink, write_results
 from dlscale.data import DataSet
-from dlscale.encoding import Difference, Layout, compressor
-from dlscale.training.sharing._trainer import _mask_momentum
+from dlscale.encoding import Layout, compressor
+from dlscale.training.sharing._keeping import keeping
 
 RESULTS = Path(__file__).resolve().parent / "results" / "step_costs.json"
 COMPRESSORS = ("topk", "dl4j", "dense")
@@ -121,42 +121,26 @@ def plain(batches: list[DataSet]) -> dict[str, float]:
 
 
 def trainer(name: str, batches: list[DataSet]) -> dict[str, Any]:
-    """A summing trainer's steps with compressor ``name``; also the message size."""
+    """A summing trainer's steps with compressor ``name``, through the trainer's own way of keeping its
+    update (``dlscale.training.sharing._keeping``); also the message size."""
     codec = compressor(name)
-    net = network()
-    params = net.params()
-    state = codec.state(Layout.of(net.module.parameters()))
-    lossless = codec.lossless
-    shared = params.detach().clone() if lossless else None
-    before, delta = (None, None) if lossless else (torch.empty_like(params), torch.empty_like(params))
-    peer_replica, peer_shared = params.detach().clone(), params.detach().clone()
+    own, peer = (
+        keeping(net, codec, codec.state(Layout.of(net.module.parameters())), "sum", momentum_masking=True)
+        for net in (network(), network())
+    )
     last: list[bytes] = []
     sizes: list[int] = []
 
     def step(batch: DataSet) -> dict[str, float]:
         t0 = time.perf_counter()
-        for payload in last:  # the peer's message, as the trainer applies its inbox before its fit
-            message = codec.from_bytes(payload)
-            codec.apply(message, peer_replica)
-            codec.apply(message, peer_shared)
+        # the peer's message, as the trainer applies its inbox before its fit (to the other replica)
+        peer.receive([(codec, codec.from_bytes(payload)) for payload in last])
         t1 = time.perf_counter()
-        if before is not None:
-            before.copy_(params)
-        net.fit_batch(batch)
-        update = Difference(params, shared) if lossless else torch.sub(params, before, out=delta)
+        own.fit(batch, alive=2)
         t2 = time.perf_counter()
-        message = codec.compress(state, update)
-        if message is not None:
-            if lossless:
-                codec.apply(message, shared)
-            else:
-                params.copy_(before)
-                codec.apply(message, params)
-            mask = codec.momentum_mask(state, message)
-            if mask is not None and mask.numel():
-                _mask_momentum(net, mask)
+        message = own.encode(alive=2)
         t3 = time.perf_counter()
-        last[:] = [] if message is None else [codec.to_bytes(message)]
+        last[:] = [] if message is None else [codec.to_bytes(codec.stage(message))]
         t4 = time.perf_counter()
         sizes.append(len(last[0]) if last else 0)
         return {"apply": t1 - t0, "fit": t2 - t1, "encode": t3 - t2, "send": t4 - t3}

@@ -69,6 +69,7 @@ def test_every_compressor_round_trips_its_bytes(name: str) -> None:
     "comp",
     [TopKCompressor(), TopKCompressor(values="fp16"), TopKCompressor(values="fp32", warmup_steps=0)]
     + [TopKCompressor(density=0.02, exact_below=1000, sample=500), compressor("dense")]
+    + [TopKCompressor(kernels="device"), TopKCompressor(density=0.02, exact_below=1000, sample=500, kernels="device")]
     + [Dl4jCompressor(residual_post_processor="none")],
     ids=repr,
 )
@@ -87,7 +88,8 @@ def test_error_feedback_is_lossless(comp: Compressor) -> None:
 
 @pytest.mark.parametrize(
     "comp",
-    [TopKCompressor(), TopKCompressor(density=0.02, exact_below=1000, sample=500, warmup_steps=3)],
+    [TopKCompressor(), TopKCompressor(density=0.02, exact_below=1000, sample=500, warmup_steps=3)]
+    + [TopKCompressor(density=0.02, exact_below=1000, sample=500, warmup_steps=3, kernels="device")],
     ids=repr,
 )
 def test_a_difference_is_compressed_as_the_residual_it_is(comp: Compressor) -> None:
@@ -148,7 +150,7 @@ def test_topk_selects_per_tensor_so_a_layer_of_tiny_updates_is_sent() -> None:
     # one global threshold sends none of the second layer
     dl4j = Dl4jCompressor(threshold_algorithm=FixedThresholdAlgorithm(float(torch.topk(update.abs(), 200).values[-1])))
     dl4j_state = dl4j.state(layout)
-    sent_dl4j = dl4j.momentum_mask(dl4j_state, dl4j.compress(dl4j_state, update))
+    sent_dl4j = dl4j.momentum_mask(dl4j_state, dl4j.compress(dl4j_state, update)).positions
     assert len(sent_dl4j) == 200 and int((sent_dl4j >= 10_000).sum()) == 0
 
 
@@ -163,7 +165,7 @@ def test_topk_sends_1d_tensors_whole_and_masks_only_what_waited() -> None:
         assert message.index.numel() == math.ceil(0.05 * 2048) + 32  # the smaller tensor sends min_elements
         for a, b in biases:  # sent whole: what stays is what rounding to bf16 (8 bits) left
             assert bool((state.residual[a:b].abs() <= 2**-8 * update[a:b].abs() + 1e-6).all())
-        mask = topk.momentum_mask(state, message)
+        mask = topk.momentum_mask(state, message).positions
         picks = message.index.tolist()
         assert mask.tolist() == [i for i in picks if i not in before]  # the picks the last message did not send
         assert 0 < mask.numel() < len(picks) or step == 0
@@ -183,7 +185,7 @@ def test_topk_masks_nothing_that_a_dense_warm_up_step_sent_before() -> None:
     for update in updates(LAYOUT, 10):
         message = topk.compress(state, update)
         if message.index.numel():
-            assert dense_before and topk.momentum_mask(state, message).numel() == 0
+            assert dense_before and topk.momentum_mask(state, message).positions.numel() == 0
             break
         assert message.ranges == ((0, LAYOUT.length),)
         dense_before = True
@@ -217,6 +219,62 @@ def test_topk_samples_large_tensors_to_about_k() -> None:
     left = update.clone()
     left[message.index] = 0
     assert float(left.abs().max()) <= float(update[message.index].abs().min())
+
+
+def test_topk_device_kernels_pick_a_known_count_of_the_largest_over_each_tensors_cut() -> None:
+    """The accelerator's kernels, run on the CPU: exactly the sum of the tensors' k picked, 1-D tensors
+    whole; with every tensor's cut exact (all below exact_below) the same picks as the host's, byte for
+    byte; with sampled cuts, about k per tensor, and nothing left in a tensor that is larger than its
+    smallest pick over that tensor's cut."""
+    host, device = TopKCompressor(warmup_steps=0), TopKCompressor(warmup_steps=0, kernels="device")
+    h, d = host.state(LAYOUT), device.state(LAYOUT)
+    for update in updates(LAYOUT, 4):
+        assert host.to_bytes(host.compress(h, update)) == device.to_bytes(device.compress(d, update))
+    layout = Layout(((1000, 1000), (300, 100), (50,)))
+    sampled = TopKCompressor(density=0.01, warmup_steps=0, exact_below=50_000, sample=4096, kernels="device")
+    update = torch.randn(layout.length, generator=torch.Generator().manual_seed(3))
+    update[1_000_000:1_030_000] *= 1e-4  # a layer of tiny updates still sends its share
+    state = sampled.state(layout)
+    message = sampled.compress(state, update.clone())
+    assert message.index.numel() == 10_000 + 300 and message.ranges == ((1_030_000, 1_030_050),)
+    picks = message.index
+    big, small = picks[picks < 1_000_000], picks[picks >= 1_000_000]
+    assert 10_000 / 2 <= big.numel() <= 2 * 10_000 and 300 / 2 <= small.numel() <= 2 * 300
+    for start, stop, chosen in ((0, 1_000_000, big), (1_000_000, 1_030_000, small)):
+        left = update[start:stop].abs().clone()
+        left[chosen - start] = 0
+        assert float(left.max()) <= float(update[chosen].abs().min()) * 2  # cuts from a sample: close
+
+
+def test_topk_device_kernels_read_nothing_back() -> None:
+    """In the steady state the device's kernels dispatch no read of a value to the host (``.item()``,
+    ``float()``, ``.tolist()``, ``.numpy()``, a data-dependent size): a step never waits for the device."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    reads: list[str] = []
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            if func.overloadpacket in (torch.ops.aten._local_scalar_dense, torch.ops.aten.nonzero):
+                reads.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    class HostCalls(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            if getattr(func, "__name__", "") in ("tolist", "numpy", "item", "__float__", "__bool__", "__int__"):
+                reads.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    comp = TopKCompressor(warmup_steps=0, kernels="device")
+    state = comp.state(LAYOUT)
+    params, shared = updates(LAYOUT, 2)
+    comp.compress(state, Difference(params, shared))  # the first step makes the plan
+    with HostCalls(), Reads():
+        message = comp.compress(state, Difference(params, shared))
+        comp.apply(message, shared)
+        comp.momentum_mask(state, message)
+    assert reads == []
 
 
 def test_values_are_sent_in_the_type_asked_for() -> None:
@@ -255,6 +313,14 @@ def test_a_non_finite_update_is_refused() -> None:
             params[where] = value
             with pytest.raises(NonFiniteUpdateError, match=f"element {where} "):
                 sampled.compress(sampled.state(LAYOUT), Difference(params, shared))
+    # the device's kernels read nothing as they compress: the values are checked as the bytes are made
+    device = TopKCompressor(density=0.01, exact_below=1000, sample=100, warmup_steps=0, kernels="device")
+    for where in (5, 2047):
+        params, shared = updates(LAYOUT, 2)
+        params[where] = math.nan
+        message = device.compress(device.state(LAYOUT), Difference(params, shared))
+        with pytest.raises(NonFiniteUpdateError, match=f"element {where} "):
+            device.to_bytes(message)
     with pytest.raises(ValueError, match="flat tensor of 2410 elements"):
         TopKCompressor().compress(TopKCompressor().state(LAYOUT), torch.ones(7))
 

@@ -292,44 +292,6 @@ def test_topk_warms_up_once_when_training_starts_not_at_every_fit(sc: SparkConte
         assert later and all(abs(d - steady) < 1e-9 for d in later), (first_steps, steady)
 
 
-def test_momentum_masking_zeroes_the_momentum_of_sent_elements() -> None:
-    from dlscale.encoding import decode, encode, sent_indices
-    from dlscale.training.sharing._trainer import _mask_momentum
-
-    x, y, _, _ = digits()
-    for optimizer, key in (
-        (functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9), "momentum_buffer"),
-        (functools.partial(torch.optim.Adam, lr=0.01), "exp_avg"),
-    ):
-        torch.manual_seed(0)
-        net = Network(
-            torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.ReLU(), torch.nn.Linear(8, 10)),
-            "cross_entropy",
-            optimizer,
-        )
-        before = net.params().clone()
-        net.fit_batch(DataSet(x[:32], y[:32]))
-        residual = net.params() - before
-        message = encode(residual, float(residual.abs().median()))
-        buffers = [net.optimizer.state[p][key] for p in net.module.parameters()]
-        old = torch.cat([b.reshape(-1) for b in buffers]).clone()
-        _mask_momentum(net, torch.from_numpy(sent_indices(message)))
-        new = torch.cat([b.reshape(-1) for b in buffers])
-        sent = decode(message) != 0
-        assert 0 < int(sent.sum()) < sent.numel()
-        if key == "momentum_buffer":
-            assert torch.equal(new[sent], torch.zeros(int(sent.sum())))
-            assert torch.equal(new[~sent], old[~sent])
-        else:  # Adam's moments are left alone
-            assert torch.equal(new, old)
-    # an optimizer without momentum keeps no state, and masking adds none (empty states for some trainers
-    # only made their states' keys differ, and the fit's average failed with a KeyError)
-    plain = Network(torch.nn.Linear(64, 10), "cross_entropy", functools.partial(torch.optim.SGD, lr=0.1))
-    plain.fit_batch(DataSet(x[:32], y[:32]))
-    _mask_momentum(plain, torch.tensor([0, 5, 641]))
-    assert plain.optimizer_state()["state"] == {}
-
-
 def test_larger_synthetic_task_from_paths_matches_single_process(sc: SparkContext, tmp_path: object) -> None:
     x, y = synthetic(8192)
     tx, ty = synthetic(2048, seed=1)

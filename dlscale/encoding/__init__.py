@@ -15,6 +15,7 @@ _EXPORTS = {
     "CompressorState": "dlscale.encoding.contract",
     "Difference": "dlscale.encoding.contract",
     "Layout": "dlscale.encoding.contract",
+    "MomentumMask": "dlscale.encoding.contract",
     "BITMAP": "dlscale.encoding.wire",
     "EncodedUpdate": "dlscale.encoding.wire",
     "HEADER_BYTES": "dlscale.encoding.wire",

@@ -18,7 +18,7 @@ import functools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -72,14 +72,23 @@ class CompressorState:
     sent yet), its ``step`` s in its network's training so far (a trainer starts at its network's
     minibatches over the trainers, so that a fit that goes on with a trained network does not warm
     up again), and what the last one sent: its ``threshold``
-    (the smallest magnitude it would send; 0 when it sends everything) and ``density`` (elements
-    sent over elements)."""
+    (the smallest magnitude it would send; 0 when it sends everything; a 0-d tensor, unread, where
+    the compressor works on a device) and ``density`` (elements sent over elements)."""
 
     layout: Layout
     residual: torch.Tensor
     step: int = 0
-    threshold: float = 0.0
+    threshold: float | torch.Tensor = 0.0
     density: float = 0.0
+
+
+class MomentumMask(NamedTuple):
+    """The optimizer momentum a message's sending masks (momentum factor masking): the flat
+    ``positions`` (int64) it looks at and, for each, whether its momentum is kept (``keep``, bool);
+    with ``keep`` ``None``, the momentum of every one of them is zeroed."""
+
+    positions: torch.Tensor
+    keep: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -153,28 +162,27 @@ class Compressor(abc.ABC):
         :class:`~dlscale.errors.CorruptDataError`."""
 
     @abc.abstractmethod
-    def momentum_mask(self, state: CompressorState, message: Any) -> torch.Tensor | None:
-        """The increasing positions (int64) whose optimizer momentum is zeroed after ``message``, the
-        message :meth:`compress` just returned for ``state``, is sent (momentum factor masking):
-        elements that waited in the residual; ``None`` for none."""
+    def momentum_mask(self, state: CompressorState, message: Any) -> MomentumMask | None:
+        """The optimizer momentum zeroed after ``message``, the message :meth:`compress` just returned
+        for ``state``, is sent (momentum factor masking): that of elements that waited in the
+        residual; ``None`` for none."""
 
     def describe(self, state: CompressorState, message: Any) -> dict[str, float | int | str]:
         """What encoding debug mode logs about one step: the message and the residual it left."""
         r = state.residual.detach()
         magnitude = r.abs()
         size = len(self.to_bytes(message)) if message is not None else 0
+        cut = float(state.threshold)
         return {
             "form": type(message).__name__ if message is not None else "no",
-            "threshold": state.threshold,
+            "threshold": cut,
             "length": state.layout.length,
             "sparsity": state.density,
             "message_bytes": size,
             "dense_bytes": 4 * state.layout.length,
             "residual_l2": float(torch.linalg.vector_norm(r, dtype=torch.float64)),
             "residual_max_abs": float(magnitude.max()) if r.numel() else 0.0,
-            "residual_above_threshold": int(torch.count_nonzero(magnitude >= state.threshold))
-            if state.threshold > 0
-            else 0,
+            "residual_above_threshold": int(torch.count_nonzero(magnitude >= cut)) if cut > 0 else 0,
         }
 
 

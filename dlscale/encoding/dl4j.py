@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from dlscale.encoding import residual, threshold, thresholds
-from dlscale.encoding.contract import Compressor, CompressorState, Difference, Layout, check_update
+from dlscale.encoding.contract import Compressor, CompressorState, Difference, Layout, MomentumMask, check_update
 from dlscale.encoding.residual import ResidualPostProcessor
 from dlscale.encoding.thresholds import ThresholdAlgorithm
 from dlscale.encoding.wire import SPARSE, EncodedUpdate
@@ -68,8 +68,8 @@ class Dl4jCompressor(Compressor):
     def from_bytes(self, data: bytes | bytearray | memoryview) -> EncodedUpdate:
         return EncodedUpdate.from_bytes(data)
 
-    def momentum_mask(self, state: Dl4jState, message: EncodedUpdate) -> torch.Tensor:
-        return torch.from_numpy(threshold.sent_indices(message))
+    def momentum_mask(self, state: Dl4jState, message: EncodedUpdate) -> MomentumMask:
+        return MomentumMask(torch.from_numpy(threshold.sent_indices(message)))
 
     def describe(self, state: CompressorState, message: EncodedUpdate | None) -> dict[str, float | int | str]:
         if message is None:

@@ -1,124 +1,132 @@
-"""The kernels of value messages and of top-k selection: adding a
-:class:`~dlscale.encoding.wire.ValueUpdate` to parameters (:func:`apply_values`), picking the
-elements of largest magnitude (exactly, :func:`top`, or from a sample's cut, :func:`sample` and
-:func:`scan`), checking that what is sent is finite (:func:`check_sent`) and finding the picks that
-waited (:func:`waited`).
+"""The kernels of value messages and of top-k selection, each a fixed number of ops on the flat
+vectors whatever the number of tensors in the layout.
+
+Top-k works from a :class:`Plan`, made once per layout and density: which tensors are sent whole
+(``ranges``), and for each of the others (a *row*) its ``k`` and where a sample of its residual is
+read. :func:`cuts` finds every row's cut (the magnitude of its ``k``-th largest element) in one
+gather and one top-k over a rows x width matrix: a tensor below the plan's ``exact_below`` lies
+whole in its row, so its cut is exact; a larger one is sampled in runs of :data:`RUN` elements at
+random places (one cache line each). Then the elements are chosen in one of two ways:
+
+- on the host (:func:`scan`, numpy's kernels): every element not below its tensor's cut, in one
+  pass over the flat residual in blocks that each lie within one tensor and stay in the core's
+  cache (the count is then close to ``k``; exactly ``k`` for an exact row without ties);
+- on a device (:func:`select`, torch's): the ``sum(k)`` elements of largest magnitude over their
+  tensor's cut, one top-k over the flat vector: a count known on the host, so nothing is read
+  back and nothing waits.
+
+Every element that is not finite is among those chosen either way (NaN ranks above everything, and
+is not below any cut), so checking the values sent (:func:`check_sent`) checks the whole residual.
+Messages are added to parameters by :func:`add` with one ``index_add_`` per target, a batch of
+messages at once, and :func:`waited` finds the picks the last message did not send from a map of
+what it sent.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
-from dlscale.encoding.contract import check_target
-from dlscale.encoding.wire import ValueUpdate
+from dlscale.encoding.contract import Layout, check_target
+from dlscale.encoding.wire import ValueUpdate, finite_bits
 from dlscale.errors import NonFiniteUpdateError
 
-
-def apply_values(message: ValueUpdate, params: torch.Tensor, scale: float) -> None:
-    check_target(params, message.length)
-    values = message.values.to(params.device, params.dtype)
-    if scale != 1:
-        values = values * scale
-    at = 0
-    for a, b in message.ranges:
-        params[a:b] += values[at : at + b - a]
-        at += b - a
-    if message.index.numel():
-        params.index_add_(0, message.index.to(params.device), values[at:])
+RUN = 16  # elements a sample reads side by side: one 64-byte cache line of float32
+BLOCK = 1 << 18  # elements a host scan works on at once: its scratch stays in the core's cache (1 MiB a buffer)
 
 
-def top(part: torch.Tensor, k: int) -> torch.Tensor:
-    """The increasing positions of the ``k`` elements of largest magnitude in ``part``."""
-    return torch.sort(torch.topk(part.abs(), k, sorted=False).indices).values
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """How top-k treats a layout at one density (see the module's docstring); its tensors live on
+    the layout's device."""
+
+    length: int
+    ranges: tuple[tuple[int, int], ...]  # tensors sent whole, adjacent ones merged
+    rows: tuple[tuple[int, int, int], ...]  # (offset, elements, k) of each tensor chosen from
+    top: int  # the largest rank of a cut in its row
+    static: torch.Tensor  # rows x width positions of the exact rows' elements (padded)
+    pad: torch.Tensor  # rows x width: columns past an exact row's elements
+    sampled: torch.Tensor  # rows x 1: rows read from a sample
+    spans: torch.Tensor  # rows x 1: where a sampled row's runs may start, from its offset
+    starts: torch.Tensor  # rows x 1: each row's offset
+    ranks: torch.Tensor  # rows x 1: the rank of each row's cut in its sample, from 0
+    run: torch.Tensor  # 0 .. RUN - 1
+    dense: torch.Tensor  # the positions of the elements sent whole
+    segment_rows: torch.Tensor  # each tensor's row, in order; the tensors sent whole: one past the last row
+    segment_sizes: torch.Tensor  # each tensor's elements, in order
+    blocks: tuple[tuple[int, int, int], ...]  # (start, stop, row) of the host scan
+
+    @property
+    def count(self) -> int:
+        """Elements a device selection picks: every row's ``k``."""
+        return sum(k for _, _, k in self.rows)
+
+    @property
+    def width(self) -> int:
+        return self.static.shape[1]
 
 
-_RUN = 16  # elements a sample reads side by side: one 64-byte cache line of float32
-
-
-def sample(a: torch.Tensor, b: torch.Tensor | None, size: int, generator: torch.Generator) -> torch.Tensor:
-    """About ``size`` elements of the residual ``a - b`` (``a`` when ``b`` is ``None``), in runs of
-    :data:`_RUN` at random places (with replacement): one cache line read per run, where as many
-    single elements would each miss the cache; the whole residual when it is no larger."""
-    n = a.numel()
-    if n <= size or n < _RUN:
-        return a if b is None else a - b
-    starts = torch.randint(0, n - _RUN + 1, (max(1, size // _RUN),), generator=generator)
-    at = (starts[:, None] + torch.arange(_RUN)).reshape(-1)
-    values = a.index_select(0, at)
-    return values if b is None else values - b.index_select(0, at)
-
-
-_BLOCK = 1 << 16  # elements a scan works on at once: its scratch stays in the core's cache
-
-
-def scan(a: torch.Tensor, b: torch.Tensor | None, cut: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The increasing positions (int64) and values of the elements of the residual ``a - b`` (``a``
-    when ``b`` is ``None``; 1-D float32 CPU tensors) whose magnitude is not below ``cut``: those at
-    least ``cut``, and every one that is not finite. Block by block, by numpy's kernels (on one
-    thread faster than torch's): the residual is read once from memory and never written, its
-    values taken from the block in the cache."""
-    x = a.numpy()
-    y = None if b is None else b.numpy()
-    n = len(x)
-    size = min(n, _BLOCK)
-    scratch, magnitude, low = np.empty(size, np.float32), np.empty(size, np.float32), np.empty(size, np.bool_)
-    c = np.float32(cut)
-    positions, values = [], []
-    for at in range(0, n, _BLOCK):
-        m = min(_BLOCK, n - at)
-        if y is None:
-            d = x[at : at + m]
+def plan(layout: Layout, density: float, min_elements: int, exact_below: int, sample: int) -> Plan:
+    """The :class:`Plan` of ``layout`` at ``density``: a tensor of one dimension, or one whose ``k``
+    (``density`` of its elements, at least ``min_elements``) is a third of it or more, is sent whole
+    (a third sent with indices costs what the whole does without); the others are rows, read whole
+    below ``exact_below`` elements and from about ``sample`` elements above."""
+    ranges: list[tuple[int, int]] = []
+    rows: list[tuple[int, int, int]] = []
+    segments: list[tuple[int, int, int]] = []
+    for offset, n, shape in zip(layout.offsets, layout.numels, layout.shapes, strict=True):
+        if not n:
+            continue
+        k = min(n, max(min_elements, math.ceil(density * n)))
+        if len(shape) <= 1 or 3 * k >= n:
+            ranges.append((offset, offset + n))
+            segments.append((offset, offset + n, -1))
         else:
-            d = scratch[:m]
-            np.subtract(x[at : at + m], y[at : at + m], out=d)
-        np.abs(d, out=magnitude[:m])
-        np.less(magnitude[:m], c, out=low[:m])
-        np.logical_not(low[:m], out=low[:m])  # NaN is not below the cut
-        found = np.flatnonzero(low[:m])
-        if len(found):
-            positions.append(found + at)
-            values.append(d[found])
-    if not positions:
-        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float32)
-    return torch.from_numpy(np.concatenate(positions)), torch.from_numpy(np.concatenate(values))
+            segments.append((offset, offset + n, len(rows)))
+            rows.append((offset, n, k))
+    exact = [n < exact_below or n < RUN for _, n, _ in rows]
+    width = max([n for (_, n, _), e in zip(rows, exact, strict=True) if e] + [sample if not all(exact) else 1])
+    width = -(-width // RUN) * RUN
+    static = np.zeros((len(rows), width), np.int64)
+    pad = np.zeros((len(rows), width), np.bool_)
+    ranks = []
+    for i, ((offset, n, k), e) in enumerate(zip(rows, exact, strict=True)):
+        if e:
+            static[i, :n] = offset + np.arange(n)
+            static[i, n:] = offset
+            pad[i, n:] = True
+        ranks.append(k - 1 if e else max(1, math.ceil(k * width / n)) - 1)
+    device = layout.device
+    blocks = [(a, min(a + BLOCK, b), row) for a, b, row in segments if row >= 0 for a in range(a, b, BLOCK)]
+    dense = np.concatenate([np.arange(a, b) for a, b in _merge(ranges)] or [np.zeros(0, np.int64)])
+
+    def put(array: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.as_tensor(array, dtype=dtype).to(device)
+
+    return Plan(
+        length=layout.length,
+        ranges=tuple(_merge(ranges)),
+        rows=tuple(rows),
+        top=max(ranks, default=-1) + 1,
+        static=put(static),
+        pad=put(pad, torch.bool),
+        sampled=put(np.array([[not e] for e in exact], np.bool_).reshape(-1, 1), torch.bool),
+        spans=put(np.array([[n - RUN + 1] for _, n, _ in rows]).reshape(-1, 1), torch.float32),
+        starts=put(np.array([[o] for o, _, _ in rows]).reshape(-1, 1)),
+        ranks=put(np.array(ranks).reshape(-1, 1)),
+        run=put(np.arange(RUN)),
+        dense=put(dense),
+        segment_rows=put(np.array([row if row >= 0 else len(rows) for _, _, row in segments], np.int64)),
+        segment_sizes=put(np.array([b - a for a, b, _ in segments], np.int64)),
+        blocks=tuple(blocks),
+    )
 
 
-def check_sent(message: ValueUpdate, exact: torch.Tensor) -> None:
-    """Raise :class:`NonFiniteUpdateError` naming the first element of ``message``, whose float32
-    values are ``exact``, that is not finite."""
-    bad = ~torch.isfinite(exact)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0])
-        element = int(message.positions()[i])
-        raise NonFiniteUpdateError(f"residual element {element} is {float(exact[i])}: the update is not finite")
-
-
-def waited(index: torch.Tensor, last: ValueUpdate | None) -> torch.Tensor:
-    """The positions of ``index`` (increasing) that the ``last`` message did not send, found by
-    searching its sorted positions (numpy's search on the CPU, several times faster than torch's)
-    rather than flags over every element."""
-    if last is None:
-        return index
-    bounds = [p for r in last.ranges for p in r]
-    if index.device.type == "cpu":
-        i, sent = index.numpy(), last.index.numpy()
-        fresh = np.ones(len(i), np.bool_)
-        if len(sent):
-            fresh &= sent[np.minimum(np.searchsorted(sent, i), len(sent) - 1)] != i
-        if bounds:
-            fresh &= np.searchsorted(np.asarray(bounds, np.int64), i, side="right") % 2 == 0
-        return torch.from_numpy(i[fresh])
-    fresh = torch.ones_like(index, dtype=torch.bool)
-    if last.index.numel():
-        at = torch.searchsorted(last.index, index).clamp_(max=last.index.numel() - 1)
-        fresh &= last.index.index_select(0, at) != index
-    if bounds:
-        fresh &= torch.searchsorted(torch.tensor(bounds, device=index.device), index, right=True) % 2 == 0
-    return index.masked_select(fresh)
-
-
-def merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """Adjacent ranges joined."""
     out: list[tuple[int, int]] = []
     for a, b in ranges:
@@ -127,3 +135,92 @@ def merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             out.append((a, b))
     return out
+
+
+def cuts(p: Plan, a: torch.Tensor, b: torch.Tensor | None, generator: torch.Generator) -> torch.Tensor:
+    """Each row's cut in the residual ``a - b`` (``a`` when ``b`` is ``None``): the magnitude of its
+    ``k``-th largest element, exact for a row read whole, estimated from a sample of random runs
+    (drawn from ``generator``, on the host) for the others."""
+    draws = torch.rand((len(p.rows), p.width // RUN), generator=generator).to(a.device)
+    runs = ((draws * p.spans).long() + p.starts).unsqueeze(2) + p.run
+    where = torch.where(p.sampled, runs.view(len(p.rows), p.width), p.static).view(-1)
+    magnitude = (a.index_select(0, where) if b is None else a.index_select(0, where) - b.index_select(0, where)).abs()
+    magnitude = magnitude.view(len(p.rows), p.width).masked_fill_(p.pad, -1.0)
+    return torch.topk(magnitude, p.top, dim=1).values.gather(1, p.ranks).view(-1)
+
+
+def select(p: Plan, d: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
+    """The increasing positions of the ``p.count`` elements of ``d`` (the residual, flat) of largest
+    magnitude over their row's ``cut``, elements sent whole excluded: one top-k of the flat vector,
+    whose size the host knows without reading anything."""
+    scale = torch.cat([cut.reciprocal(), cut.new_zeros(1)])  # a whole tensor's elements: scaled to 0...
+    scale = scale.index_select(0, p.segment_rows).repeat_interleave(p.segment_sizes, output_size=p.length)
+    score = d.abs().mul_(scale).index_fill_(0, p.dense, -1.0)  # ...then below every other, NaN included
+    return torch.topk(score, p.count, sorted=False).indices.sort().values
+
+
+def scan(
+    p: Plan, a: torch.Tensor, b: torch.Tensor | None, cut: list[float]
+) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """The increasing positions (int64) and float32 values of the elements of the residual ``a - b``
+    (``a`` when ``b`` is ``None``; flat float32 CPU tensors) not below their row's ``cut`` (those at
+    least the cut, and every one that is not finite), with how many each row found. Block by block,
+    by numpy's kernels (on one thread faster than torch's): the residual is read once from memory and
+    never written, its values taken from the block in the cache."""
+    x = a.detach().numpy()
+    y = None if b is None else b.detach().numpy()
+    size = min(BLOCK, p.length) if p.length else 0
+    scratch, magnitude, low = np.empty(size, np.float32), np.empty(size, np.float32), np.empty(size, np.bool_)
+    limits = np.asarray(cut, np.float32)
+    positions, values, found_in = [], [], [0] * len(p.rows)
+    for start, stop, row in p.blocks:
+        m = stop - start
+        if y is None:
+            d = x[start:stop]
+        else:
+            d = scratch[:m]
+            np.subtract(x[start:stop], y[start:stop], out=d)
+        np.abs(d, out=magnitude[:m])
+        np.less(magnitude[:m], limits[row], out=low[:m])
+        np.logical_not(low[:m], out=low[:m])  # NaN is not below the cut
+        found = np.flatnonzero(low[:m])
+        if len(found):
+            positions.append(found + start)
+            values.append(d[found])
+            found_in[row] += len(found)
+    if not positions:
+        return np.zeros(0, np.int64), np.zeros(0, np.float32), found_in
+    return np.concatenate(positions), np.concatenate(values), found_in
+
+
+def add(messages: Sequence[ValueUpdate], targets: Sequence[torch.Tensor], scale: float = 1.0) -> None:
+    """Add ``scale`` times every one of ``messages`` to every flat vector of ``targets``: their
+    positions and values joined, then one ``index_add_`` per target."""
+    if not messages:
+        return
+    for target in targets:
+        check_target(target, messages[0].length)
+        for message in messages[1:]:
+            check_target(target, message.length)
+    device = targets[0].device
+    positions = [m.positions() for m in messages]
+    values = [m.values for m in messages]
+    if len(messages) > 1:
+        positions = [torch.cat([p.to(device) for p in positions])]
+        values = [torch.cat([v.to(device, torch.float32) for v in values])]
+    at, amounts = positions[0].to(device), values[0].to(device, torch.float32)
+    if scale != 1:
+        amounts = amounts * scale
+    for target in targets:
+        target.index_add_(0, at.to(target.device), amounts.to(target.device, target.dtype))
+
+
+def check_sent(message: ValueUpdate) -> None:
+    """Raise :class:`NonFiniteUpdateError` naming the first element of ``message`` (its values on
+    the host) that is not finite."""
+    values = message.values
+    finite = finite_bits(values)
+    if not finite.all():
+        i = int(np.argmin(finite))
+        element = int(message.positions()[i])
+        raise NonFiniteUpdateError(f"residual element {element} is {float(values[i])}: the update is not finite")

@@ -4,29 +4,36 @@ weights dense, sparsity warm-up (Deep Gradient Compression, Lin et al. 2018).
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import numbers
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dlscale.encoding import kernels
-from dlscale.encoding.contract import CompressorState, Difference, Layout, check_update
+from dlscale.encoding.contract import CompressorState, Difference, Layout, MomentumMask, check_update
 from dlscale.encoding.dense import ValueCompressor
-from dlscale.encoding.threshold import check_finite
 from dlscale.encoding.wire import VALUE_DTYPES, ValueUpdate
+
+KERNELS = ("auto", "host", "device")
+"""Where top-k's selection runs: ``"host"``, numpy's blocked scan (parameters on the CPU);
+``"device"``, torch's ops with nothing read back (any device: what an accelerator runs, countable
+on the CPU); ``"auto"``, the host's on the CPU and the device's elsewhere."""
 
 
 @dataclass
 class TopKState(CompressorState):
-    """A :class:`CompressorState` that also knows what the last message sent (``last``: its ranges and
-    index, no values) and which of this step's picks were not among it (``waited``), with the random
-    numbers of its samples (``generator``: its own, so that compressing neither draws from nor
-    depends on the program's random state)."""
+    """A :class:`CompressorState` that also keeps the :class:`~dlscale.encoding.kernels.Plan` of its
+    density (``plan``), a flag per element of what the last message sent (``sent``, at the positions
+    ``last``) and the mask of the momentum of this step's picks (``mask``), with the random numbers
+    of its samples (``generator``: its own, so that compressing neither draws from nor depends on
+    the program's random state)."""
 
-    last: ValueUpdate | None = None
-    waited: torch.Tensor | None = None
+    plan: kernels.Plan | None = None
+    plan_density: float = -1.0
+    sent: torch.Tensor | np.ndarray | None = None
+    last: torch.Tensor | None = None
+    mask: MomentumMask | None = None
     generator: torch.Generator | None = None
 
 
@@ -41,11 +48,14 @@ class TopKCompressor(ValueCompressor):
     Selection is per tensor, so a layer of small updates is sent as often as a layer of large ones.
     The density warms up: it starts at 1 (everything sent) and falls geometrically to ``density``
     over the first ``warmup_steps`` steps of the network's training (not of each fit).
-    On the CPU, tensors of more than ``exact_below`` elements pick their cut from a random sample of
-    about ``sample`` elements (in runs of 16 side by side: one cache line each) instead of an exact
-    top-k (the sent count is then close to, not exactly, k); on a GPU every tensor's
-    top-k is exact and the step stays on the device, with one round trip to the host (the finiteness
-    check and the statistics) besides the message's own bytes.
+    Each tensor's cut (the magnitude of its k-th largest element) is exact below ``exact_below``
+    elements and taken from a random sample of about ``sample`` (in runs of 16 side by side: one
+    cache line each) above, for every tensor at once (:mod:`dlscale.encoding.kernels`: a fixed
+    number of ops whatever the number of tensors). ``kernels`` says how the elements are then chosen:
+    on the host, every element not below its tensor's cut (close to k of them; exactly k for an
+    exact cut without ties); on a device, the sum of the k of largest magnitude over their tensor's
+    cut, a count the host knows, so the step never waits for the device (the message's values are
+    checked to be finite as its bytes are made, on the host).
     The residual loses nothing (:attr:`~Compressor.lossless`).
     """
 
@@ -59,6 +69,7 @@ class TopKCompressor(ValueCompressor):
         min_elements: int = 32,
         exact_below: int = 1 << 16,
         sample: int = 1 << 14,
+        kernels: str = "auto",
     ) -> None:
         if isinstance(density, bool) or not isinstance(density, numbers.Real) or not 0 < density <= 1:
             raise ValueError(f"density must be a number in (0, 1], got {density!r}")
@@ -74,11 +85,25 @@ class TopKCompressor(ValueCompressor):
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         self.density, self.values = float(density), values
         self.warmup_steps, self.min_elements = warmup_steps, min_elements
-        self.exact_below, self.sample = exact_below, sample
+        if kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+        self.exact_below, self.sample, self.kernels = exact_below, sample, kernels
 
     def state(self, layout: Layout) -> TopKState:
+        if self.kernels == "host" and layout.device.type != "cpu":
+            raise ValueError(f"the host's kernels work on parameters on the CPU, not on {layout.device}")
         base = super().state(layout)
         return TopKState(layout, base.residual, generator=torch.Generator().manual_seed(0))
+
+    def _on_host(self, state: TopKState) -> bool:
+        return self.kernels == "host" or (self.kernels == "auto" and state.layout.device.type == "cpu")
+
+    def _plan(self, state: TopKState) -> kernels.Plan:
+        density = self.density_at(state.step)
+        if state.plan is None or state.plan_density != density:
+            state.plan = kernels.plan(state.layout, density, self.min_elements, self.exact_below, self.sample)
+            state.plan_density = density
+        return state.plan
 
     def density_at(self, step: int) -> float:
         """The density of step ``step`` (from 0): 1 at first, ``density`` from ``warmup_steps`` on."""
@@ -88,91 +113,87 @@ class TopKCompressor(ValueCompressor):
 
     def compress(self, state: TopKState, update: torch.Tensor | Difference) -> ValueUpdate:
         check_update(self, state, update)
-        r = state.residual
-        on_host = r.device.type == "cpu"
+        r, host = state.residual, self._on_host(state)
         implied = isinstance(update, Difference)
-        if implied and on_host:  # read where it lies: no residual written and read back
-            minuend, subtrahend = update.params.detach(), update.shared.detach()
+        if implied and host:  # read where it lies: no residual written and read back
+            a, b = update.params.detach(), update.shared.detach()
         else:
             if implied:
                 update.into(r)
             else:
                 r.add_(update.detach())
-            minuend, subtrahend = r, None
-        layout, dtype = state.layout, VALUE_DTYPES[self.values]
-        density = self.density_at(state.step)
-        ranges: list[tuple[int, int]] = []
-        picks: list[torch.Tensor] = []
-        picked: list[torch.Tensor] = []
-        for offset, n, shape in zip(layout.offsets, layout.numels, layout.shapes, strict=True):
-            if not n:
-                continue
-            k = min(n, max(self.min_elements, math.ceil(density * n)))
-            if len(shape) <= 1 or 3 * k >= n:  # a third sent with indices costs what the whole does without
-                ranges.append((offset, offset + n))
-                continue
-            a = minuend[offset : offset + n]
-            b = None if subtrahend is None else subtrahend[offset : offset + n]
-            if on_host:
-                index, values = self._select(a, b, k, state.generator)
-            else:
-                index = kernels.top(a, k)
-                values = a.index_select(0, index)
-            picks.append(index + offset)
-            picked.append(values)
-        ranges = kernels.merge(ranges)
-        dense = [minuend[a:b] if subtrahend is None else minuend[a:b] - subtrahend[a:b] for a, b in ranges]
-        exact = torch.cat([*dense, *picked]).to(torch.float32) if dense or picked else r.new_zeros(0)
-        index = torch.cat(picks) if picks else torch.zeros(0, dtype=torch.int64, device=r.device)
-        message = ValueUpdate(layout.length, tuple(ranges), index, exact.to(dtype))
-        sparse = exact[exact.numel() - index.numel() :].abs()
-        smallest = sparse.min() if sparse.numel() else exact.new_zeros(())
-        if on_host:  # every element not finite is among those sent: see _select
-            kernels.check_sent(message, exact)
-            cut = float(smallest)
-        else:  # one round trip to the host a step: the finiteness check and the smallest value sent
-            total, cut = torch.stack([r.sum(), smallest]).tolist()
-            if not math.isfinite(total):
-                check_finite(r)
+            a, b = r, None
+        p = self._plan(state)
+        cut = kernels.cuts(p, a, b, state.generator) if p.rows else None
+        dense = a.index_select(0, p.dense) if b is None else a.index_select(0, p.dense) - b.index_select(0, p.dense)
+        if host:
+            index, picked = self._scan(p, a, b, cut)
+            exact = torch.cat([dense, torch.from_numpy(picked)])
+            index = torch.from_numpy(index)
+            state.threshold = float(np.abs(picked).min()) if len(picked) else 0.0
+        else:  # a count known on the host: nothing is read, nothing waits
+            index = kernels.select(p, a, cut) if p.rows else p.dense[:0]
+            exact = torch.cat([dense, a.index_select(0, index)])
+            state.threshold = exact[dense.numel() :].abs().min() if p.rows else 0.0
+        places = torch.cat([p.dense, index])
+        message = ValueUpdate(p.length, p.ranges, index, exact.to(VALUE_DTYPES[self.values]), places, host)
+        if host:  # every element not finite is among those sent; on a device, checked as its bytes are made
+            kernels.check_sent(message)
         if not implied:  # what rounding lost stays; a Difference's caller adds the message to its shared
-            kernels.apply_values(message, r, -1.0)
-        state.waited = kernels.waited(index, state.last)
-        state.last = dataclasses.replace(message, values=message.values[:0])
+            kernels.add([message], [r], -1.0)
+        state.mask = self._mask(state, index, places, host)
         state.step += 1
-        state.threshold = cut
-        state.density = message.count / layout.length if layout.length else 0.0
+        state.density = message.count / p.length if p.length else 0.0
         return message
 
-    def _select(
-        self, a: torch.Tensor, b: torch.Tensor | None, k: int, generator: torch.Generator
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The increasing positions of about ``k`` elements of largest magnitude in the residual
-        ``a - b`` (``a`` when ``b`` is ``None``; on the CPU), and their values. Every element that is
-        not finite is among them (``topk`` ranks NaN above all, the scan keeps what is not below the
-        cut), so that checking the values sent checks the whole residual."""
-        n = a.numel()
-        if n < self.exact_below:
-            r = a if b is None else a - b
-            index = kernels.top(r, k)
-            return index, r.index_select(0, index)
-        sample = kernels.sample(a, b, self.sample, generator).abs()
-        cut = float(torch.topk(sample, max(1, math.ceil(k * sample.numel() / n))).values[-1])
-        index, values = kernels.scan(a, b, cut)
-        if index.numel() > 2 * k:  # a sample's cut that fell too low: the k largest of those found
-            top = torch.sort(torch.topk(values.abs(), k, sorted=False).indices).values
-            index, values = index.index_select(0, top), values.index_select(0, top)
-        return index, values
+    def _scan(
+        self, p: kernels.Plan, a: torch.Tensor, b: torch.Tensor | None, cut: torch.Tensor | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The host's picks: every element not below its row's cut, and of a row whose sample's cut fell
+        so low that it found more than twice its ``k``, the ``k`` largest of those found."""
+        if cut is None:
+            return np.zeros(0, np.int64), np.zeros(0, np.float32)
+        index, values, found = kernels.scan(p, a, b, cut.tolist())
+        over = [i for i, (n, (_, _, k)) in enumerate(zip(found, p.rows, strict=True)) if n > 2 * k]
+        if not over:
+            return index, values
+        bounds = np.cumsum([0, *found])
+        keep = np.ones(len(index), np.bool_)
+        for i in over:
+            start, n, k = bounds[i], found[i], p.rows[i][2]
+            keep[start + np.argpartition(np.abs(values[start : start + n]), n - k)[: n - k]] = False  # NaN last
+        return index[keep], values[keep]
 
-    def momentum_mask(self, state: TopKState, message: ValueUpdate) -> torch.Tensor:
-        """The picks that waited: elements the message before this one did not send. An element
-        sent at every step waits for nothing and keeps its momentum, as in one process (masking
-        it too would take momentum SGD's momentum away from every element a dense phase sends,
-        such as the warm-up's)."""
-        return state.waited
+    def _mask(self, state: TopKState, index: torch.Tensor, places: torch.Tensor, host: bool) -> MomentumMask:
+        """The momentum mask of this step's picks: each kept when the last message sent it (an element
+        sent at every step waits for nothing and keeps its momentum, as in one process: masking it too
+        would take momentum SGD's momentum away from every element a dense phase sends, such as the
+        warm-up's); the flags of what was sent moved on to this message."""
+        if state.sent is None:
+            n = state.layout.length
+            state.sent = np.zeros(n, np.bool_) if host else torch.zeros(n, dtype=torch.bool, device=index.device)
+        if host:
+            i = index.numpy()
+            fresh = ~state.sent[i]
+            if state.last is not None:
+                state.sent[state.last.numpy()] = False
+            state.sent[places.numpy()] = True
+            mask = MomentumMask(torch.from_numpy(i[fresh]))
+        else:
+            mask = MomentumMask(index, state.sent.index_select(0, index))
+            if state.last is not None:
+                state.sent.index_fill_(0, state.last, False)
+            state.sent.index_fill_(0, places, True)
+        state.last = places
+        return mask
+
+    def momentum_mask(self, state: TopKState, message: ValueUpdate) -> MomentumMask:
+        """The picks that waited: elements the message before this one did not send."""
+        return state.mask
 
     def __repr__(self) -> str:
         return (
             f"TopKCompressor(density={self.density!r}, values={self.values!r}, warmup_steps={self.warmup_steps!r}, "
             f"min_elements={self.min_elements!r}, "
-            f"exact_below={self.exact_below!r}, sample={self.sample!r})"
+            f"exact_below={self.exact_below!r}, sample={self.sample!r}, kernels={self.kernels!r})"
         )

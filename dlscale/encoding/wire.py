@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import crc32c
 import numpy as np
@@ -180,6 +180,12 @@ class ValueUpdate:
     ranges: tuple[tuple[int, int], ...]
     index: torch.Tensor
     values: torch.Tensor
+    places: torch.Tensor | None = field(default=None, repr=False)
+    """Every position the message changes, in the order of ``values``, where the message was made
+    (not on the wire: :meth:`positions` works them out from the ranges and index otherwise)."""
+    checked: bool = field(default=True, repr=False)
+    """Whether the values were checked to be finite as the message was made (a device's kernels
+    leave that to the host, as the bytes are made)."""
 
     @property
     def dense_count(self) -> int:
@@ -198,9 +204,12 @@ class ValueUpdate:
         return VALUES_HEADER_BYTES + 16 * len(self.ranges) + len(index) + self.values.element_size() * self.count
 
     def positions(self) -> torch.Tensor:
-        """Every position the message changes, in the order of ``values``."""
-        dense = [torch.arange(a, b, device=self.index.device) for a, b in self.ranges]
-        return torch.cat([*dense, self.index])
+        """Every position the message changes, in the order of ``values``: :attr:`places`, or worked
+        out on the host from the ranges and index."""
+        if self.places is not None:
+            return self.places
+        dense = [np.arange(a, b, dtype=np.int64) for a, b in self.ranges]
+        return torch.from_numpy(np.concatenate([*dense, self.index.cpu().numpy()]))
 
     def to_bytes(self) -> bytes:
         """The header (little-endian: magic ``DLVU``, version, value type, reserved, length, ranges,
@@ -261,9 +270,20 @@ class ValueUpdate:
             raise CorruptDataError("value update indices must lie outside its ranges")
         raw = np.frombuffer(data, "<i2" if size == 2 else "<i4", total, at).copy()
         values = torch.from_numpy(raw).view(dtype)
-        if not bool(torch.isfinite(values).all()):
+        if not finite_bits(values).all():
             raise CorruptDataError("value update holds values that are not finite")
         return cls(int(length), ranges, torch.from_numpy(index), values)
+
+
+_EXPONENT = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.float32: 0x7F800000}
+
+
+def finite_bits(values: torch.Tensor) -> np.ndarray:
+    """Whether each of ``values`` (bf16, fp16 or fp32, on the host) is finite, read from its exponent's
+    bits by numpy: not every float type has a numpy twin, and nothing is dispatched to torch."""
+    bits = values.view(_INT_VIEW[values.dtype]).numpy()
+    exponent = _EXPONENT[values.dtype]
+    return (bits & exponent) != exponent
 
 
 def _index_bytes(index: torch.Tensor) -> tuple[int, bytes]:

@@ -37,6 +37,16 @@ def cpu_copy(value: Any) -> Any:
     return value
 
 
+def _consecutive_parts(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether ``tensors`` are, in order, the consecutive parts of ``flat``'s memory."""
+    at = flat.data_ptr()
+    for t in tensors:
+        if t.data_ptr() != at or not t.is_contiguous():
+            return False
+        at += t.numel() * t.element_size()
+    return True
+
+
 def _as_list(value: Any) -> list[torch.Tensor]:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
@@ -76,6 +86,7 @@ class Network:
         if len(kinds) > 1:
             raise ValueError(f"all parameters must share one dtype and device to live in one buffer, found {kinds}")
         self._flat = torch.cat([p.detach().reshape(-1) for p in params])
+        self._flat_states: dict[str, torch.Tensor] = {}  # see flat_optimizer_state
         offset = 0
         for p in params:
             n = p.numel()
@@ -122,6 +133,28 @@ class Network:
             [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.module.parameters()]
         )
 
+    def flat_optimizer_state(self, key: str) -> torch.Tensor | None:
+        """The optimizer's per-parameter state ``key`` (such as SGD's ``"momentum_buffer"``) as one
+        vector laid out as :meth:`params`, the optimizer's own tensors made views of it, so that one op
+        changes it for every parameter whatever their number; ``None`` while a parameter has no such
+        state (before the first step, or an optimizer that keeps none). The optimizer updates its
+        state in place, so the views hold; a state loaded since is laid out again."""
+        state = self._require_optimizer().state
+        params = list(self.module.parameters())
+        tensors = [state[p].get(key) if p in state else None for p in params]
+        if not all(isinstance(t, torch.Tensor) and t.shape == p.shape for t, p in zip(tensors, params, strict=True)):
+            return None
+        flat = self._flat_states.get(key)
+        if flat is not None and _consecutive_parts(flat, tensors):
+            return flat
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+        offset = 0
+        for p, t in zip(params, tensors, strict=True):
+            state[p][key] = flat[offset : offset + t.numel()].view_as(t)
+            offset += t.numel()
+        self._flat_states[key] = flat
+        return flat
+
     def optimizer_state(self) -> dict[str, Any]:
         """The optimizer's state (``torch.optim.Optimizer.state_dict``), e.g. momentum buffers."""
         return self._require_optimizer().state_dict()
@@ -165,8 +198,10 @@ class Network:
             losses.check_classes(self.loss, outputs, host)  # the labels as they came, before any kernel sees them
         return outputs, labels, masks, single
 
-    def fit_batch(self, batch: Minibatch) -> float:
-        """One optimizer step on ``batch``; returns its loss."""
+    def step(self, batch: Minibatch) -> torch.Tensor:
+        """One optimizer step on ``batch``; returns its loss as a 0-d tensor where the network computes,
+        unread: on an accelerator the host goes on queuing work instead of waiting for the step to end
+        (:meth:`fit_batch` reads it). Listeners are not called."""
         optimizer = self._require_optimizer()
         self.module.train()
         self.module.zero_grad(set_to_none=True)  # backward then writes each gradient afresh
@@ -175,7 +210,11 @@ class Network:
         loss.backward()
         optimizer.step()
         self.iteration += 1
-        score = float(loss.detach())
+        return loss.detach()
+
+    def fit_batch(self, batch: Minibatch) -> float:
+        """One optimizer step on ``batch``, then the listeners; returns its loss."""
+        score = float(self.step(batch))
         for listener in self.listeners:
             listener.iteration_done(self, self.iteration, self.epoch, score, batch.num_examples())
         return score
@@ -260,7 +299,7 @@ class Network:
 
     # -- pickling (networks travel to the workers) ----------------------------------------
     def __getstate__(self) -> dict[str, Any]:
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_flat", "optimizer")}
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_flat", "_flat_states", "optimizer")}
         optimizer_state = self.optimizer.state_dict() if self.optimizer is not None else None
         # Each parameter is a view of the flat buffer, and pickling a view writes its whole storage:
         # the module travels with CPU parameters of their own (the flat buffer once in all, not once
@@ -270,9 +309,7 @@ class Network:
             for p in self.module.parameters()
         }
         state["module"] = copy.deepcopy(self.module, own).cpu()
-        if self._flat.device.type != "cpu":
-            optimizer_state = cpu_copy(optimizer_state)
-        state["_optimizer_state"] = optimizer_state
+        state["_optimizer_state"] = cpu_copy(optimizer_state)  # its tensors may be views of a flat state
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

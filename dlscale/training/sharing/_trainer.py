@@ -20,8 +20,11 @@ on its worker, where the driver's next fit of the same network, unchanged, takes
 closing (its status says so) leaves instead, between two steps: it hands the minibatches it holds
 back to the scheduler, sends its whole residual to its peers and returns once that is on its way
 (the last live trainer stays).
-The trainer knows nothing of any compression scheme: it asks the compressor
-(``dlscale.encoding.compressors``).
+The trainer knows nothing of any compression scheme: it asks the compressor (``dlscale.encoding``),
+and keeps its update the way ``_keeping`` chooses for the compressor and the aggregation. Losses and
+the compressor's figures stay where the network computes until the acknowledgements of a lease
+read them, in one go, off the training thread; on an accelerator a step's message is copied off the
+device while the next step's kernels are queued.
 """
 
 from __future__ import annotations
@@ -30,25 +33,26 @@ import collections
 import contextlib
 import gc
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from distributed import Future, get_client, get_worker, secede
 from distributed.utils import sync
 
 from dlscale.data.loaders import prefetch
-from dlscale.encoding import Compressor, CompressorState, Difference, Layout
+from dlscale.encoding import Compressor, CompressorState, Layout
 from dlscale.encoding.dense import DenseCompressor
 from dlscale.errors import NonFiniteUpdateError
 from dlscale.runtime.retirement import LEAVING, retire_timeout
 from dlscale.training._heap import training_heap
-from dlscale.training._worker import check_finite, decode, replica, state_of
+from dlscale.training._worker import decode, replica, state_of
 from dlscale.training.sharing._exceptions import SessionAbortedError, SessionClosedError, SessionStoppedError
+from dlscale.training.sharing._keeping import Keeping, keeping
 from dlscale.training.sharing._messages import Ack, Handout, Update, View, unwrap
 from dlscale.training.sharing._worker_plugin import plugin
 
@@ -217,29 +221,29 @@ class _Trainer:
         self.config = self.node.config
         self.node.set_nodes(joined.version, joined.nodes)
         self.start_version = joined.version
-        self.parked: _Parked | None = None
-        if spec.warm is not None:
-            self.parked = plugin(worker).unpark(spec.warm, local)
-            if self.parked is None:
+        self.alive = len(joined.alive)
+        self.compressor = spec.compressor
+        if spec.warm is not None:  # the last fit's trainer goes on
+            self.keeping: Keeping | None = plugin(worker).unpark(spec.warm, local)
+            if self.keeping is None:
                 raise RuntimeError(
                     f"the trainer of the last fit, to go on here, is no longer on worker {worker.address} "
                     "(the worker was restarted): fit again to send the network anew"
                 )
-            self.network = self.parked.network
         else:
-            self.network, _ = replica(f"{key}/{local}", blob, local, spec.workers_per_node)
-        self.params = self.network.params()
-        self.targets = [self.params]  # what a peer's message is added to
-        self.compressor = spec.compressor
-        self.alive = len(joined.alive)
+            network, _ = replica(f"{key}/{local}", blob, local, spec.workers_per_node)
+            state = self.compressor.state(Layout.of(network.module.parameters()))
+            self.keeping = keeping(network, self.compressor, state, spec.aggregation, spec.momentum_masking)
+        self.keeping.state.step = spec.iteration // max(1, self.alive)  # a fit goes on with its network's training
         self.refs, self.loader = refs, loader
         self.inbox = self.node.inboxes[local]
         self.applied: collections.Counter[str] = collections.Counter()
-        self.acks: list[Ack] = []
-        self.acks_lock = threading.Lock()
+        self.steps: list[_Step] = []  # fitted and sent, not yet acknowledged: their figures still unread
+        self.steps_lock = threading.Lock()
         self.handed: collections.deque[int] = collections.deque()
         self.stopping = threading.Event()
         self.staying = False  # the last live trainer, told to stay while its worker retires
+        self.seq = 0  # messages sent
         self.stats = {
             "trainer": self.name,
             "worker": worker.address,
@@ -262,38 +266,69 @@ class _Trainer:
             self.stats["phases"].append((phase, self._wall0 + (t0 - self._perf0), now - t0))
         return now
 
-    def _apply_inbox(self) -> None:
-        """Apply the updates received so far."""
+    def _received(self) -> list[tuple[Compressor, Any]]:
+        """The updates received so far, read, each with the compressor that applies it."""
+        messages = []
         while self.inbox:
             update = self.inbox.popleft()
             codec = _WHOLE if update.residual else self.compressor
             try:
-                message = codec.from_bytes(update.payload)
+                messages.append((codec, codec.from_bytes(update.payload)))
             except Exception as e:
                 e.add_note(f"in an update from trainer {update.origin}")
                 raise
-            for target in self.targets:
-                codec.apply(message, target)
             self.applied[update.origin] += 1
             self.stats["messages_received"] += 1
             self.stats["bytes_received"] += len(update.payload)
+        return messages
+
+    def _apply_inbox(self) -> None:
+        self.keeping.receive(self._received())
+
+    def _ref(self, item: int) -> Any:
+        return self.refs[item % len(self.refs)]
+
+    def _acks(self) -> list[Ack]:
+        """The acknowledgements of the steps sent since the last call, their losses and thresholds read
+        from where the network computes in one go (the figures of a lone trainer, which sends nothing,
+        also tell that it has not diverged)."""
+        with self.steps_lock:
+            steps, self.steps = self.steps, []
+        if not steps:
+            return []
+        unread = [s.loss for s in steps] + [s.threshold for s in steps if isinstance(s.threshold, torch.Tensor)]
+        values = iter(torch.stack([v.reshape(()).float() for v in unread]).tolist())
+        scores = [next(values) for _ in steps]
+        acks = []
+        for s, score in zip(steps, scores, strict=True):
+            threshold = next(values) if isinstance(s.threshold, torch.Tensor) else s.threshold
+            if not math.isfinite(score):
+                error = NonFiniteUpdateError(
+                    f"training diverged on minibatch {self._ref(s.item)}: the loss is {score} "
+                    "(a NaN or infinite input, or too high a learning rate)"
+                )
+                error.add_note(f"after fitting minibatch {self._ref(s.item)}")
+                raise error
+            acks.append(Ack(s.item, s.examples, score, float(threshold), float(s.density), s.size))
+            if self.spec.collect_stats:
+                self.stats["steps"].append((s.sent, float(threshold), float(s.density), s.size))
+        self.stats["score"] = scores[-1]
+        return acks
 
     def _items(self) -> Iterator[Any]:
         """The refs of the minibatches this trainer is handed, pulled from the scheduler a lease
-        (``dlscale.sharing.lease`` of them) at a time, the acknowledgements of those fitted since
-        going with each call (the prefetching thread runs this); ends when the session has no work
-        left, and raises :class:`SessionStoppedError` when the session stops under it."""
-        n = len(self.refs)
+        (``dlscale.sharing.lease`` of them) at a time, the acknowledgements of those sent since going
+        with each call (the prefetching thread runs this, so the figures are read off the training
+        thread); ends when the session has no work left, and raises :class:`SessionStoppedError`
+        when the session stops under it."""
         while not self.stopping.is_set():
-            with self.acks_lock:
-                acks, self.acks = self.acks, []
-            handout = self.control.next(acks, want=self.config.lease)
+            handout = self.control.next(self._acks(), want=self.config.lease)
             self.node.set_nodes(handout.view.version, handout.view.nodes)
             self.alive = len(handout.view.alive)
             if handout.items:
                 for item in handout.items:
                     self.handed.append(item)
-                    yield self.refs[item % n]
+                    yield self._ref(item)
             elif handout.view.done:
                 return
             else:
@@ -308,39 +343,27 @@ class _Trainer:
             self.node.busy.discard(self.local)
 
     def _train(self) -> dict[str, Any]:
-        net, spec = self.network, self.spec
+        """Step until the session's minibatches are done: apply what peers sent, fit, encode, send.
+        Where the network computes on an accelerator, a step's message is copied off it while the
+        next step's kernels are queued, and sent after them."""
+        spec, keeping = self.spec, self.keeping
         threads = max(1, self.worker.state.nthreads // spec.workers_per_node)
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
-        params, compressor = self.params, self.compressor
-        lossless = compressor.lossless
-        # A lossless trainer that sums updates keeps the shared parameters beside its replica; its
-        # residual is then its replica less them, one subtraction a step. Otherwise it keeps the
-        # parameters from before each step to take the update out.
-        if self.parked is not None:  # the last fit's trainer goes on
-            shared, own = self.parked.shared, self.parked.state
-        else:
-            shared = params.clone() if lossless and spec.aggregation == "sum" else None
-            own = compressor.state(Layout.of(net.module.parameters()))
-        own.step = spec.iteration // max(1, self.alive)  # a fit goes on with its network's training: one warm-up
-        before, delta = (None, None) if shared is not None else (torch.empty_like(params), torch.empty_like(params))
-        if shared is not None:
-            self.targets.append(shared)  # peers' messages change the shared parameters too
-        seq = step = 0
-        last_gc = time.monotonic()
+        overlap = keeping.params.device.type != "cpu"
         batches = prefetch(self._items(), self.loader, spec.prefetch)
-        left = False
+        last_gc, outgoing = time.monotonic(), None
         try:
             t = time.perf_counter()
             while True:
                 if not self.staying and self.worker.status in LEAVING:
                     batches.close()  # its thread stops, and with it the calls for more minibatches
-                    if shared is not None:
-                        Difference(params, shared).into(own.residual)
-                    if self._leave(own, seq):
-                        left = True
-                        break
+                    outgoing = self._send(outgoing)
+                    if self._leave():
+                        return {"trainer": self.name, "retired": True}
                     batches = prefetch(self._items(), self.loader, spec.prefetch)  # the last trainer stays
+                if not self.handed:  # the next minibatch waits for a call that acknowledges the last step
+                    outgoing = self._send(outgoing)
                 batch = next(batches, None)
                 t = self._phase("wait", t)
                 if batch is None:
@@ -348,110 +371,60 @@ class _Trainer:
                 item = self.handed.popleft()
                 self._apply_inbox()
                 t = self._phase("apply", t)
-                # a lossless trainer without a live peer sends nothing: it trains as one process does,
-                # its updates kept in its replica (to the residual); only a check that they are finite
-                alone = lossless and self.alive <= 1
-                if shared is None and not alone:
-                    before.copy_(params)
-                try:
-                    score = net.fit_batch(batch)
-                except Exception as e:
-                    e.add_note(f"while fitting minibatch {self.refs[item % len(self.refs)]}")
-                    raise
-                message = update = None
-                if alone:
-                    check_finite(net, score, str(self.refs[item % len(self.refs)]))
-                elif shared is not None:
-                    update = Difference(params, shared)  # the residual, as it lies: nothing to add
-                else:
-                    update = torch.sub(params, before, out=delta)  # the optimizer's update
-                    if spec.aggregation == "mean" and self.alive > 1:
-                        update.mul_(1 / self.alive)  # the sender weighs its update: every replica applies the same
-                        if lossless:  # the replica keeps the weighed update
-                            params.sub_(update, alpha=self.alive - 1)
+                with _about(f"while fitting minibatch {self._ref(item)}"):
+                    loss = keeping.fit(batch, self.alive)
                 t = self._phase("fit", t)
-                if update is not None:
-                    try:
-                        message = compressor.compress(own, update)
-                    except NonFiniteUpdateError as e:
-                        e.add_note(f"after fitting minibatch {self.refs[item % len(self.refs)]}")
-                        raise
-                    if shared is not None and message is not None:
-                        compressor.apply(message, shared)
-                    if not lossless:  # the update goes to the compressor instead of the parameters
-                        params.copy_(before)
-                        if message is not None:
-                            compressor.apply(message, params)
-                    if message is not None and spec.momentum_masking:
-                        mask = compressor.momentum_mask(own, message)
-                        if mask is not None and mask.numel():
-                            _mask_momentum(net, mask)
+                outgoing = self._send(outgoing)  # the last step's, copied off the device meanwhile
+                with _about(f"after fitting minibatch {self._ref(item)}"):
+                    message = keeping.encode(self.alive)
                 if spec.debug:
-                    if shared is not None:
-                        Difference(params, shared).into(own.residual)
-                    self._debug(step, compressor.describe(own, message))
+                    self._debug(message)
+                state = keeping.state
+                staged = None if message is None else self.compressor.stage(message)
+                outgoing = _Step(item, batch.num_examples(), loss, state.threshold, state.density, staged)
                 t = self._phase("encode", t)
-                size = 0
-                if message is not None:
-                    payload = compressor.to_bytes(message)
-                    size = len(payload)
-                    self.node.send(Update(self.name, seq, payload), self.local)
-                    seq += 1
-                    self.stats["messages_sent"] += 1
-                    self.stats["bytes_sent"] += size
-                t = self._phase("send", t)
-                if spec.collect_stats:
-                    self.stats["steps"].append((time.time(), own.threshold, own.density, size))
-                examples = batch.num_examples()
-                with self.acks_lock:
-                    self.acks.append(Ack(item, examples, float(score), float(own.threshold), float(own.density), size))
-                self.stats["minibatches"] += 1
-                self.stats["examples"] += examples
-                self.stats["score"] = float(score)
-                step += 1
+                if not overlap:
+                    outgoing = self._send(outgoing)
+                    t = self._phase("send", t)
                 if spec.gc_seconds is not None and time.monotonic() - last_gc >= spec.gc_seconds:
                     gc.collect()
-                    last_gc = time.monotonic()
-                    t = time.perf_counter()
+                    last_gc, t = time.monotonic(), time.perf_counter()
+            self._send(outgoing)
         finally:
             self.stopping.set()
             batches.close()
-        if left:
-            return {"trainer": self.name, "retired": True}
-        self._finish(seq)
-        if shared is not None:
-            Difference(params, shared).into(own.residual)
-            out = shared
-        elif lossless:  # the shared parameters: this replica's less what it has not sent
-            out = params - own.residual.to(params.device)
-        else:
-            out = params
-        state = state_of(net, with_optimizer=True, params=out)
-        if self.config.keep_trainers:  # the replica goes on in the next fit, if the driver's network is then this one
-            plugin(self.worker).park(self.control.session, self.local, _Parked(net, shared, own))
-        return {
-            **state,
-            "trainer": self.name,
-            "residual": own.residual.cpu(),
-            "examples": self.stats["examples"],
-            "batches": self.stats["minibatches"],
-            "score": float("nan"),
-            "shares": [],
-            "stats": self.stats,
-        }
+        return self._finish()
 
-    def _leave(self, own: Any, sent: int) -> bool:
+    def _send(self, step: _Step | None) -> None:
+        """Send ``step``'s message, if any, to every peer and count the step as done (its
+        acknowledgement goes with the next call to the scheduler)."""
+        if step is None:
+            return
+        if step.message is not None:
+            with _about(f"after fitting minibatch {self._ref(step.item)}"):
+                payload = self.compressor.to_bytes(step.message)
+            step.message, step.size = None, len(payload)
+            self.node.send(Update(self.name, self.seq, payload), self.local)
+            self.seq += 1
+            self.stats["messages_sent"] += 1
+            self.stats["bytes_sent"] += step.size
+        step.sent = time.time()
+        with self.steps_lock:
+            self.steps.append(step)
+        self.stats["minibatches"] += 1
+        self.stats["examples"] += step.examples
+
+    def _leave(self) -> bool:
         """Leave the session as this trainer's worker retires: acknowledge what is fitted, hand back the
         rest, send the whole residual to the peers and wait (at most ``dlscale.worker.retire-timeout``)
         until it is on its way. Returns ``False``, with nothing handed back lost (the items go back to
         the queue, for this trainer too), when the session keeps it as the last live trainer."""
-        with self.acks_lock:
-            acks, self.acks = self.acks, []
+        acks, residual = self._acks(), self.keeping.residual()
         payload, stats = None, self.stats
-        if torch.count_nonzero(own.residual):  # the residual as one dense message; the residual itself is kept
-            payload = _WHOLE.to_bytes(_WHOLE.compress(CompressorState(own.layout, own.residual), own.residual))
+        if torch.count_nonzero(residual):  # the residual as one dense message; the residual itself is kept
+            payload = _WHOLE.to_bytes(_WHOLE.compress(CompressorState(self.keeping.state.layout, residual), residual))
             stats = dict(stats, messages_sent=stats["messages_sent"] + 1, bytes_sent=stats["bytes_sent"] + len(payload))
-        view = self.control.leave(acks, sent + (payload is not None), stats)
+        view = self.control.leave(acks, self.seq + (payload is not None), stats)
         self.handed.clear()
         if self.name in view.alive:
             logger.warning(
@@ -463,17 +436,18 @@ class _Trainer:
             self.node.busy.discard(self.local)
             return False
         if payload is not None:
-            self.node.send(Update(self.name, sent, payload, residual=True), self.local)
+            self.node.send(Update(self.name, self.seq, payload, residual=True), self.local)
         if not self.node.drained(retire_timeout()):
             logger.warning("trainer %s left with updates still unsent to its peers", self.name)
         logger.info("trainer %s left its session: worker %s is %s", self.name, self.worker.address, self.worker.status)
         return True
 
-    def _finish(self, sent: int) -> None:
-        """Report the end of this trainer's work (every minibatch of the session is fitted by now) and
-        apply updates until every live peer's last one is in."""
+    def _finish(self) -> dict[str, Any]:
+        """Report the end of this trainer's work (every minibatch of the session is fitted and
+        acknowledged by now), apply updates until every live peer's last one is in, and return the
+        shared parameters with the residual; the trainer parks on its worker for the next fit."""
         t = time.perf_counter()
-        view = self.control.finish(sent)
+        view = self.control.finish(self.seq)
         deadline = time.monotonic() + self.config.end_timeout
         stalled_since, count = time.monotonic(), sum(self.applied.values())
         while True:
@@ -507,40 +481,55 @@ class _Trainer:
             view = self.control.status()
         self._apply_inbox()
         self._phase("wait", t)
+        keeping = self.keeping
+        state = state_of(keeping.network, with_optimizer=True, params=keeping.shared())
+        residual = keeping.residual()
+        if self.config.keep_trainers:  # the replica goes on in the next fit, if the driver's network is then this one
+            plugin(self.worker).park(self.control.session, self.local, keeping)
+        return {
+            **state,
+            "trainer": self.name,
+            "residual": residual.cpu(),
+            "examples": self.stats["examples"],
+            "batches": self.stats["minibatches"],
+            "score": float("nan"),
+            "shares": [],
+            "stats": self.stats,
+        }
 
-    def _debug(self, step: int, description: dict[str, Any]) -> None:
-        info = {"trainer": self.name, "step": step, **description}
+    def _debug(self, message: Any) -> None:
+        keeping = self.keeping
+        keeping.residual()
+        info = {
+            "trainer": self.name,
+            "step": self.stats["minibatches"],
+            **self.compressor.describe(keeping.state, message),
+        }
         logger.info(DEBUG_FORMAT, info)
         self.worker.log_event(DEBUG_TOPIC, info)
 
 
-@dataclass(frozen=True)
-class _Parked:
-    """What a trainer trains with, kept on its worker between two fits: its replica of the network, the
-    shared parameters (of a lossless trainer summing updates) and its compressor's state."""
+@dataclass
+class _Step:
+    """A step fitted, its figures unread where the network computes: its minibatch (``item``), examples,
+    loss, the compressor's threshold and density after it, and its message until sent (then its size
+    in bytes, and when)."""
 
-    network: Any
-    shared: torch.Tensor | None
-    state: CompressorState
+    item: int
+    examples: int
+    loss: torch.Tensor
+    threshold: float | torch.Tensor
+    density: float
+    message: Any | None
+    size: int = 0
+    sent: float = 0.0  # when, in seconds since the epoch
 
 
-def _mask_momentum(network: Any, sent: torch.Tensor) -> None:
-    """Zero the momentum at the increasing flat positions ``sent`` (momentum factor masking, Lin et al.,
-    "Deep Gradient Compression", ICLR 2018): a sent element's momentum would otherwise go on pushing
-    it the same way while its update is still on its way to the peers, whose own momentum pushes it
-    too. Applies to optimizers that keep a ``momentum_buffer`` (SGD, RMSprop), not to Adam's moments,
-    whose updates are normalised per element."""
-    state = network.optimizer.state  # a defaultdict: looking a parameter up would add an empty state for it,
-    # and trainers whose states differ in their keys cannot be averaged
-    buffers = [
-        (p.numel(), state[p].get("momentum_buffer") if p in state else None) for p in network.module.parameters()
-    ]
-    if all(b is None for _, b in buffers):
-        return
-    sent = sent.to(next(b for _, b in buffers if b is not None).device)
-    # where each tensor's positions start and end in ``sent``: one round trip from a GPU for them all
-    offsets = np.cumsum([0] + [n for n, _ in buffers]).tolist()
-    bounds = torch.searchsorted(sent, torch.tensor(offsets, device=sent.device)).tolist()
-    for (_, buffer), offset, lo, hi in zip(buffers, offsets, bounds, bounds[1:]):
-        if buffer is not None and hi > lo:
-            buffer.view(-1).index_fill_(0, sent[lo:hi] - offset, 0)
+@contextlib.contextmanager
+def _about(note: str) -> Iterator[None]:
+    """Add ``note`` to an exception raised in the block."""
+    try:
+        yield
+    except Exception as e:
+        e.add_note(note)
+        raise
