@@ -30,10 +30,13 @@ warm-up), as means per step:
 Each row gives its ops a step (every aten op dispatched, views included), those that are not views,
 those on data that a GPU would hold (``device_ops``), its host reads a step, those of data a GPU
 would hold (``device_reads``: the ones that wait for it), the lines that make the reads, each phase's
-figures, and for the trainers ``ops_beyond_plain`` (ops less the plain step's); the ``topk`` rows
-also give their ten most frequent ops. Targets, for reference: ``"topk"`` in steady state at most 1
-host read a step and at most 60 ops beyond the plain step, on both models (``targets_met``: with
-every host read, and with the device's only). The results (``benchmarks/results/step_ops.json``)
+figures, and for the trainers ``ops_beyond_plain`` and ``device_ops_beyond_plain`` (ops, and ops on
+the device's data, less the plain step's); the ``topk`` rows also give their ten most frequent ops.
+Targets: ``"topk"`` in steady state at most 1 host read a step and at most 60 ops beyond the plain
+step, on both models (``targets_met``: ``met`` counting every op and read, host memory's included;
+``met_on_the_device`` counting the launches and waits of a GPU, ops and reads of the device's data;
+the ``topk kernels=device`` rows stand for an accelerator, the ``topk`` rows for the CPU, where the
+host's kernels work in host memory by design). The results (``benchmarks/results/step_ops.json``)
 name the commit they were counted on and the files of ``dlscale/`` that differed from it.
 """
 
@@ -451,14 +454,17 @@ def _rows(model: str) -> list[tuple[str, Callable[[], Row]]]:
 
 
 def _targets(r: dict[str, Any]) -> dict[str, Any]:
-    """Whether a ``"topk"`` row meets the targets: with every host read, and with the device's only."""
-    ops = r["ops_beyond_plain"] <= TARGETS["ops_beyond_plain"]
+    """Whether a ``"topk"`` row meets the targets: counting every op and host read, and counting those on
+    data a GPU would hold only (its launches and its waits: the ops and reads of host memory, such as a
+    message's bytes, launch nothing and wait for nothing)."""
+    limit, reads = TARGETS["ops_beyond_plain"], TARGETS["host_reads"]
     return {
         "host_reads": r["host_reads"],
         "device_reads": r["device_reads"],
         "ops_beyond_plain": r["ops_beyond_plain"],
-        "met": ops and r["host_reads"] <= TARGETS["host_reads"],
-        "met_counting_device_reads": ops and r["device_reads"] <= TARGETS["host_reads"],
+        "device_ops_beyond_plain": r["device_ops_beyond_plain"],
+        "met": r["ops_beyond_plain"] <= limit and r["host_reads"] <= reads,
+        "met_on_the_device": r["device_ops_beyond_plain"] <= limit and r["device_reads"] <= reads,
     }
 
 
@@ -516,9 +522,10 @@ def main(argv: list[str] | None = None) -> None:
         for name, build in _rows(model):
             r = {"model": model, "run": name, **_count(build, batches)}
             if name == "plain":
-                base = r["ops"]
+                base = r["ops"]  # all on the device
             else:
                 r["ops_beyond_plain"] = r["ops"] - base
+                r["device_ops_beyond_plain"] = r["device_ops"] - base
             if not name.startswith("topk"):
                 del r["top_ops"]
             report["runs"].append(r)

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from dlscale.encoding import kernels
@@ -29,33 +30,33 @@ class ValueCompressor(Compressor):
         kernels.add(messages, targets)
 
     def stage(self, message: ValueUpdate) -> ValueUpdate | _Staged:
-        device = message.values.device
-        if device.type != "cuda":  # on the host there is nothing to wait for; elsewhere to_bytes copies
+        """A message made on the host, checked as it was made, as it is; one made by a device's kernels
+        packed there (index and values as one run of bytes) and copied to the host in one transfer: from
+        a GPU, on a stream of its own into pinned memory, which :meth:`to_bytes` waits for."""
+        if message.checked:
             return message
-        stream = _STREAMS.get(device) or _STREAMS.setdefault(device, torch.cuda.Stream(device))
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            index = torch.empty(message.index.shape, dtype=message.index.dtype, pin_memory=True)
-            values = torch.empty(message.values.shape, dtype=message.values.dtype, pin_memory=True)
-            index.copy_(message.index, non_blocking=True)
-            values.copy_(message.values, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
-        message.index.record_stream(stream)
-        message.values.record_stream(stream)
-        return _Staged(ValueUpdate(message.length, message.ranges, index, values, None, message.checked), done)
+        packed = torch.cat([message.index.view(torch.uint8), message.values.view(torch.uint8)])
+        done = None
+        if packed.device.type == "cuda":
+            stream = _STREAMS.get(packed.device) or _STREAMS.setdefault(packed.device, torch.cuda.Stream(packed.device))
+            stream.wait_stream(torch.cuda.current_stream(packed.device))
+            with torch.cuda.stream(stream):
+                host = torch.empty(packed.shape, dtype=torch.uint8, pin_memory=True)
+                host.copy_(packed, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(stream)
+            packed.record_stream(stream)
+            packed = host
+        else:
+            packed = packed.cpu()
+        return _Staged(message.length, message.ranges, message.index.numel(), message.values.dtype, packed, done)
 
     def to_bytes(self, message: ValueUpdate | _Staged) -> bytes:
-        if isinstance(message, _Staged):
-            message.done.synchronize()
-            message = message.message
-        elif message.values.device.type != "cpu":
-            message = ValueUpdate(
-                message.length, message.ranges, message.index.cpu(), message.values.cpu(), None, message.checked
-            )
-        if not message.checked:
-            kernels.check_sent(message)
-        return message.to_bytes()
+        if isinstance(message, ValueUpdate):
+            message = self.stage(message)
+            if isinstance(message, ValueUpdate):
+                return message.to_bytes()
+        return message.unpacked().to_bytes()
 
     def from_bytes(self, data: bytes | bytearray | memoryview) -> ValueUpdate:
         return ValueUpdate.from_bytes(data)
@@ -66,11 +67,31 @@ _STREAMS: dict[torch.device, Any] = {}  # a device's stream for copies off it
 
 @dataclass(frozen=True)
 class _Staged:
-    """A message whose ``message`` (index and values in pinned host memory) is being copied off its
-    device; ``done`` is the event the copy records."""
+    """A message made by a device's kernels, its ``count`` indices (int64) then its values (of type
+    ``dtype``) as one run of bytes, ``packed``, on the host or being copied there (``done``, the event
+    the copy records)."""
 
-    message: ValueUpdate
+    length: int
+    ranges: tuple[tuple[int, int], ...]
+    count: int
+    dtype: torch.dtype
+    packed: torch.Tensor
     done: Any
+
+    def unpacked(self) -> ValueUpdate:
+        """The message on the host, once its copy is done (one read of the device's bytes), its values
+        checked to be finite."""
+        if self.done is not None:
+            self.done.synchronize()
+        raw = self.packed.numpy()
+        index = torch.from_numpy(raw[: 8 * self.count].view(np.int64))
+        values = torch.from_numpy(raw[8 * self.count :].view(_BITS[self.dtype])).view(self.dtype)
+        message = ValueUpdate(self.length, self.ranges, index, values)
+        kernels.check_sent(message)
+        return message
+
+
+_BITS = {torch.bfloat16: np.int16, torch.float16: np.int16, torch.float32: np.int32}
 
 
 class DenseCompressor(ValueCompressor):

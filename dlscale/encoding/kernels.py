@@ -153,7 +153,7 @@ def select(p: Plan, d: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
     """The increasing positions of the ``p.count`` elements of ``d`` (the residual, flat) of largest
     magnitude over their row's ``cut``, elements sent whole excluded: one top-k of the flat vector,
     whose size the host knows without reading anything."""
-    scale = torch.cat([cut.reciprocal(), cut.new_zeros(1)])  # a whole tensor's elements: scaled to 0...
+    scale = torch.nn.functional.pad(cut.reciprocal(), (0, 1))  # a whole tensor's elements: scaled to 0...
     scale = scale.index_select(0, p.segment_rows).repeat_interleave(p.segment_sizes, output_size=p.length)
     score = d.abs().mul_(scale).index_fill_(0, p.dense, -1.0)  # ...then below every other, NaN included
     return torch.topk(score, p.count, sorted=False).indices.sort().values

@@ -125,17 +125,19 @@ class TopKCompressor(ValueCompressor):
             a, b = r, None
         p = self._plan(state)
         cut = kernels.cuts(p, a, b, state.generator) if p.rows else None
-        dense = a.index_select(0, p.dense) if b is None else a.index_select(0, p.dense) - b.index_select(0, p.dense)
         if host:
-            index, picked = self._scan(p, a, b, cut)
-            exact = torch.cat([dense, torch.from_numpy(picked)])
+            limits = cut.tolist() if cut is not None else []
+            index, picked = self._scan(p, a, b, limits)
+            dense = a.index_select(0, p.dense)
+            exact = torch.cat([dense if b is None else dense - b.index_select(0, p.dense), torch.from_numpy(picked)])
             index = torch.from_numpy(index)
-            state.threshold = float(np.abs(picked).min()) if len(picked) else 0.0
+            places = torch.cat([p.dense, index])
+            state.threshold = min(limits, default=0.0)
         else:  # a count known on the host: nothing is read, nothing waits
             index = kernels.select(p, a, cut) if p.rows else p.dense[:0]
-            exact = torch.cat([dense, a.index_select(0, index)])
-            state.threshold = exact[dense.numel() :].abs().min() if p.rows else 0.0
-        places = torch.cat([p.dense, index])
+            places = torch.cat([p.dense, index])
+            exact = a.index_select(0, places)
+            state.threshold = cut.min() if cut is not None else 0.0
         message = ValueUpdate(p.length, p.ranges, index, exact.to(VALUE_DTYPES[self.values]), places, host)
         if host:  # every element not finite is among those sent; on a device, checked as its bytes are made
             kernels.check_sent(message)
@@ -147,13 +149,13 @@ class TopKCompressor(ValueCompressor):
         return message
 
     def _scan(
-        self, p: kernels.Plan, a: torch.Tensor, b: torch.Tensor | None, cut: torch.Tensor | None
+        self, p: kernels.Plan, a: torch.Tensor, b: torch.Tensor | None, cut: list[float]
     ) -> tuple[np.ndarray, np.ndarray]:
         """The host's picks: every element not below its row's cut, and of a row whose sample's cut fell
         so low that it found more than twice its ``k``, the ``k`` largest of those found."""
-        if cut is None:
+        if not cut:
             return np.zeros(0, np.int64), np.zeros(0, np.float32)
-        index, values, found = kernels.scan(p, a, b, cut.tolist())
+        index, values, found = kernels.scan(p, a, b, cut)
         over = [i for i, (n, (_, _, k)) in enumerate(zip(found, p.rows, strict=True)) if n > 2 * k]
         if not over:
             return index, values

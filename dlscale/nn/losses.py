@@ -57,11 +57,12 @@ def check_classes(name: str, outputs: list[torch.Tensor], labels: list[torch.Ten
         if y.is_floating_point() or y.device.type != "cpu" or y.numel() == 0 or out.dim() < 2:
             continue  # class probabilities, or labels already on the device (checking there would wait for it)
         classes = out.shape[-1] if out.dim() <= 3 else out.shape[1]  # [N, C], [N, T, C]; torch's [N, C, ...]
-        wrong = ((y < 0) & (y != -100)) | (y >= classes)
-        if bool(wrong.any()):
+        a = y.numpy()  # host memory, by numpy: nothing dispatched to the network's device
+        wrong = ((a < 0) & (a != -100)) | (a >= classes)
+        if wrong.any():
             raise DataShapeError(
                 f"labels of shape {tuple(y.shape)} ({y.dtype}) do not fit loss {name!r} for outputs of shape "
-                f"{tuple(out.shape)} ({out.dtype}): class {int(y[wrong][0])} is outside 0..{classes - 1}"
+                f"{tuple(out.shape)} ({out.dtype}): class {int(a[wrong][0])} is outside 0..{classes - 1}"
             )
 
 
