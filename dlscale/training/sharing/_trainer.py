@@ -371,12 +371,13 @@ class _Trainer:
                 item = self.handed.popleft()
                 self._apply_inbox()
                 t = self._phase("apply", t)
+                alive = self.alive  # read once: the prefetching thread changes it
                 with _about(f"while fitting minibatch {self._ref(item)}"):
-                    loss = keeping.fit(batch, self.alive)
+                    loss = keeping.fit(batch, alive)
                 t = self._phase("fit", t)
                 outgoing = self._send(outgoing)  # the last step's, copied off the device meanwhile
                 with _about(f"after fitting minibatch {self._ref(item)}"):
-                    message = keeping.encode(self.alive)
+                    message = keeping.encode(alive)
                 if spec.debug:
                     self._debug(message)
                 state = keeping.state
