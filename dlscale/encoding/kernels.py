@@ -194,21 +194,23 @@ def scan(
 
 
 def add(messages: Sequence[ValueUpdate], targets: Sequence[torch.Tensor], scale: float = 1.0) -> None:
-    """Add ``scale`` times every one of ``messages`` to every flat vector of ``targets``: their
-    positions and values joined, then one ``index_add_`` per target."""
-    if not messages:
-        return
+    """Add ``scale`` times every one of ``messages`` to every flat vector of ``targets``: a message of
+    every element (the ``"dense"`` compressor's) whole, one ``add_`` per target; the others' positions
+    and values joined, then one ``index_add_`` per target."""
     for target in targets:
-        check_target(target, messages[0].length)
-        for message in messages[1:]:
+        for message in messages:
             check_target(target, message.length)
+    whole = [m for m in messages if not m.index.numel() and m.ranges == ((0, m.length),)]
+    for message in whole:
+        for target in targets:
+            target.add_(message.values.to(target.device, target.dtype), alpha=scale)
+    parts = [m for m in messages if all(m is not w for w in whole)]
+    if not parts or not targets:
+        return
     device = targets[0].device
-    positions = [m.positions() for m in messages]
-    values = [m.values for m in messages]
-    if len(messages) > 1:
-        positions = [torch.cat([p.to(device) for p in positions])]
-        values = [torch.cat([v.to(device, torch.float32) for v in values])]
-    at, amounts = positions[0].to(device), values[0].to(device, torch.float32)
+    at = torch.cat([m.positions().to(device) for m in parts]) if len(parts) > 1 else parts[0].positions()
+    amounts = torch.cat([m.values.to(device) for m in parts]) if len(parts) > 1 else parts[0].values
+    amounts = amounts.to(device, torch.float32)
     if scale != 1:
         amounts = amounts * scale
     for target in targets:
