@@ -15,7 +15,7 @@ import torch
 from dlscale.encoding import kernels
 from dlscale.encoding.contract import Compressor, CompressorState, Difference, check_update
 from dlscale.encoding.threshold import check_finite
-from dlscale.encoding.wire import ValueUpdate
+from dlscale.encoding.wire import ValueUpdate, value_bytes
 
 
 class ValueCompressor(Compressor):
@@ -56,7 +56,7 @@ class ValueCompressor(Compressor):
             message = self.stage(message)
             if isinstance(message, ValueUpdate):
                 return message.to_bytes()
-        return message.unpacked().to_bytes()
+        return message.to_bytes()
 
     def from_bytes(self, data: bytes | bytearray | memoryview) -> ValueUpdate:
         return ValueUpdate.from_bytes(data)
@@ -78,20 +78,16 @@ class _Staged:
     packed: torch.Tensor
     done: Any
 
-    def unpacked(self) -> ValueUpdate:
-        """The message on the host, once its copy is done (one read of the device's bytes), its values
-        checked to be finite."""
+    def to_bytes(self) -> bytes:
+        """The message's bytes, once its copy is done (one read of the device's bytes), its values
+        checked to be finite: numpy's work on the host, nothing dispatched to torch."""
         if self.done is not None:
             self.done.synchronize()
         raw = self.packed.numpy()
-        index = torch.from_numpy(raw[: 8 * self.count].view(np.int64))
-        values = torch.from_numpy(raw[8 * self.count :].view(_BITS[self.dtype])).view(self.dtype)
-        message = ValueUpdate(self.length, self.ranges, index, values)
-        kernels.check_sent(message)
-        return message
-
-
-_BITS = {torch.bfloat16: np.int16, torch.float16: np.int16, torch.float32: np.int32}
+        index = raw[: 8 * self.count].view(np.int64)
+        bits = raw[8 * self.count :].view(np.int16 if self.dtype.itemsize == 2 else np.int32)
+        kernels.check_sent(self.ranges, index, bits, self.dtype)
+        return value_bytes(self.length, self.ranges, index, bits, self.dtype)
 
 
 class DenseCompressor(ValueCompressor):

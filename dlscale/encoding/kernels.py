@@ -217,12 +217,18 @@ def add(messages: Sequence[ValueUpdate], targets: Sequence[torch.Tensor], scale:
         target.index_add_(0, at.to(target.device), amounts.to(target.device, target.dtype))
 
 
-def check_sent(message: ValueUpdate) -> None:
-    """Raise :class:`NonFiniteUpdateError` naming the first element of ``message`` (its values on
-    the host) that is not finite."""
-    values = message.values
-    finite = finite_bits(values)
-    if not finite.all():
-        i = int(np.argmin(finite))
-        element = int(message.positions()[i])
-        raise NonFiniteUpdateError(f"residual element {element} is {float(values[i])}: the update is not finite")
+def check_sent(ranges: tuple[tuple[int, int], ...], index: np.ndarray, bits: np.ndarray, dtype: torch.dtype) -> None:
+    """Raise :class:`NonFiniteUpdateError` naming the first element of a message (its ``ranges``, its
+    ``index`` and the ``bits`` of its values of type ``dtype``, on the host) that is not finite."""
+    finite = finite_bits(bits, dtype)
+    if finite.all():
+        return
+    i = int(np.argmin(finite))
+    positions = np.concatenate([*(np.arange(a, b) for a, b in ranges), index])
+    value = float(torch.from_numpy(bits[i : i + 1].copy()).view(dtype)[0])
+    raise NonFiniteUpdateError(f"residual element {int(positions[i])} is {value}: the update is not finite")
+
+
+def host_bits(values: torch.Tensor) -> np.ndarray:
+    """The bits of ``values`` (bf16, fp16 or fp32, on the host), as numpy's int16 or int32."""
+    return values.view(torch.int16 if values.element_size() == 2 else torch.int32).numpy()

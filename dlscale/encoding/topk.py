@@ -140,7 +140,7 @@ class TopKCompressor(ValueCompressor):
             state.threshold = cut.min() if cut is not None else 0.0
         message = ValueUpdate(p.length, p.ranges, index, exact.to(VALUE_DTYPES[self.values]), places, host)
         if host:  # every element not finite is among those sent; on a device, checked as its bytes are made
-            kernels.check_sent(message)
+            kernels.check_sent(p.ranges, index.numpy(), kernels.host_bits(message.values), message.values.dtype)
         if not implied:  # what rounding lost stays; a Difference's caller adds the message to its shared
             kernels.add([message], [r], -1.0)
         state.mask = self._mask(state, index, places, host)

@@ -200,7 +200,7 @@ class ValueUpdate:
     @property
     def nbytes(self) -> int:
         """Bytes on the wire."""
-        _, index = _index_bytes(self.index)
+        _, index = _index_bytes(self.index.cpu().numpy())
         return VALUES_HEADER_BYTES + 16 * len(self.ranges) + len(index) + self.values.element_size() * self.count
 
     def positions(self) -> torch.Tensor:
@@ -215,15 +215,8 @@ class ValueUpdate:
         """The header (little-endian: magic ``DLVU``, version, value type, reserved, length, ranges,
         sparse count, CRC-32C), the ranges as uint64 pairs, the index (uint16 gaps when every gap fits,
         else int32), the values."""
-        dtype = _DTYPE_CODES.index(next(k for k, v in VALUE_DTYPES.items() if v == self.values.dtype))
-        ranges = np.asarray(self.ranges, dtype="<u8").reshape(-1).tobytes()
-        flags, index = _index_bytes(self.index)
-        values = self.values.cpu().view(_INT_VIEW[self.values.dtype]).numpy().tobytes()
-        body = ranges + index + values
-        head = _VALUES_HEADER.pack(
-            VALUES_MAGIC, VALUES_VERSION, dtype, flags, self.length, len(self.ranges), self.index.numel(), 0
-        )
-        return seal(head, body)
+        bits = self.values.cpu().view(_INT_VIEW[self.values.dtype]).numpy()
+        return value_bytes(self.length, self.ranges, self.index.cpu().numpy(), bits, self.values.dtype)
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> ValueUpdate:
@@ -252,7 +245,7 @@ class ValueUpdate:
         ranges = tuple((int(a), int(b)) for a, b in bounds.reshape(-1, 2))
         dtype = VALUE_DTYPES[_DTYPE_CODES[dtype_code]]
         total = int((bounds[1::2] - bounds[::2]).sum()) + count
-        size = torch.empty(0, dtype=dtype).element_size()
+        size = np.dtype(_BITS[dtype]).itemsize
         width = 2 if flags & _GAPS else 4
         if len(data) - at != width * count + size * total:
             raise CorruptDataError(
@@ -269,26 +262,40 @@ class ValueUpdate:
         if count and len(ranges) and np.any(_in_ranges(index, bounds)):
             raise CorruptDataError("value update indices must lie outside its ranges")
         raw = np.frombuffer(data, "<i2" if size == 2 else "<i4", total, at).copy()
-        values = torch.from_numpy(raw).view(dtype)
-        if not finite_bits(values).all():
+        if not finite_bits(raw, dtype).all():
             raise CorruptDataError("value update holds values that are not finite")
-        return cls(int(length), ranges, torch.from_numpy(index), values)
+        # every position, as apply adds them, worked out here on the host, once
+        places = torch.from_numpy(np.concatenate([*(np.arange(a, b, dtype=np.int64) for a, b in ranges), index]))
+        return cls(int(length), ranges, places[total - count :], torch.from_numpy(raw).view(dtype), places)
 
 
 _EXPONENT = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.float32: 0x7F800000}
+_BITS = {torch.bfloat16: np.int16, torch.float16: np.int16, torch.float32: np.int32}
 
 
-def finite_bits(values: torch.Tensor) -> np.ndarray:
-    """Whether each of ``values`` (bf16, fp16 or fp32, on the host) is finite, read from its exponent's
-    bits by numpy: not every float type has a numpy twin, and nothing is dispatched to torch."""
-    bits = values.view(_INT_VIEW[values.dtype]).numpy()
-    exponent = _EXPONENT[values.dtype]
+def finite_bits(bits: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """Whether each value of type ``dtype`` (bf16, fp16 or fp32) whose bits are ``bits`` (int16 or
+    int32, on the host) is finite, read from its exponent by numpy: not every float type has a numpy
+    twin, and nothing is dispatched to torch."""
+    exponent = _EXPONENT[dtype]
     return (bits & exponent) != exponent
 
 
-def _index_bytes(index: torch.Tensor) -> tuple[int, bytes]:
+def value_bytes(
+    length: int, ranges: tuple[tuple[int, int], ...], index: np.ndarray, bits: np.ndarray, dtype: torch.dtype
+) -> bytes:
+    """The bytes of :meth:`ValueUpdate.to_bytes` from numpy arrays on the host: the ``index``
+    (increasing int64) and the ``bits`` of the values (of type ``dtype``)."""
+    code = _DTYPE_CODES.index(next(k for k, v in VALUE_DTYPES.items() if v == dtype))
+    flags, index_bytes = _index_bytes(index)
+    body = np.asarray(ranges, dtype="<u8").reshape(-1).tobytes() + index_bytes + bits.tobytes()
+    head = _VALUES_HEADER.pack(VALUES_MAGIC, VALUES_VERSION, code, flags, length, len(ranges), len(index), 0)
+    return seal(head, body)
+
+
+def _index_bytes(index: np.ndarray) -> tuple[int, bytes]:
     """The flags and bytes of an increasing index: uint16 gaps when every gap fits, else int32."""
-    a = index.int().cpu().numpy()  # a layout's positions fit an int32: half the bytes from a GPU
+    a = index.astype(np.int32)  # a layout's positions fit an int32
     if len(a):
         gaps = np.diff(a, prepend=-1)
         if gaps.max() <= 0xFFFF:
