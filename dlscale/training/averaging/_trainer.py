@@ -182,22 +182,26 @@ class _Trainer:
         net, n = self.network, len(self.refs)
         start, t0 = time.time(), time.perf_counter()
         examples, score, waited = 0, float("nan"), 0.0
+        losses = []  # where the network computes, unread until the round's steps are queued
         batches = prefetch([self.refs[i % n] for i in items], self.loader, self.spec.prefetch)
         try:
             for item in items:
                 w = time.perf_counter()
                 batch = next(batches)
                 waited += time.perf_counter() - w
-                name = self.names[item % n]
                 try:
-                    score = net.fit_batch(batch)
+                    losses.append(net.step(batch))
                 except Exception as e:
-                    e.add_note(f"while fitting minibatch {name}")
+                    e.add_note(f"while fitting minibatch {self.names[item % n]}")
                     raise
-                if not math.isfinite(score):
-                    check_finite(net, score, name)  # raises, naming the minibatch
                 examples += batch.num_examples()
-            if items:  # a step that left a parameter non-finite with a finite loss: seen once a round
+            if items:  # the round's losses in one read; a non-finite one names its minibatch
+                scores = torch.stack(losses).tolist()
+                for item, value in zip(items, scores, strict=True):
+                    if not math.isfinite(value):
+                        check_finite(net, value, self.names[item % n])  # raises
+                score = scores[-1]
+                # a step that left a parameter non-finite with a finite loss: seen once a round
                 check_finite(net, score, " or ".join(self.names[i % n] for i in items))
         except Exception as e:
             e.add_note(f"while training round {k} of the session (epoch {items[0] // n if items else '?'} of the fit)")
