@@ -46,7 +46,12 @@ def _memory_events(ctx: SparkContext) -> list[str]:
     return [msg for entries in logs.values() for _, msg in entries if any(w in msg for w in words)]
 
 
-@pytest.mark.parametrize("level", [StorageLevel.MEMORY_AND_DISK_SER, StorageLevel.DISK_ONLY], ids=str)
+@pytest.mark.parametrize(
+    "level",
+    # DISK_ONLY (about 30 s) with the slow tests: the default run keeps under 15 minutes on 2 cores
+    [StorageLevel.MEMORY_AND_DISK_SER, pytest.param(StorageLevel.DISK_ONLY, marks=pytest.mark.slow)],
+    ids=str,
+)
 def test_three_times_memory_persisted_and_counted_twice(level: StorageLevel, small_sc: SparkContext) -> None:
     ctx = small_sc
     pids = ctx.client.run(os.getpid)
