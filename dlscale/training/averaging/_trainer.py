@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import pickle
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -105,6 +107,10 @@ def _stopped(trainer: str, error: SessionStoppedError) -> dict[str, Any]:
     return {"trainer": trainer, "lost": not aborted and not isinstance(error, SessionClosedError), "aborted": aborted}
 
 
+_TRAINING: set[int] = set()  # the networks this process's trainers are training, by id
+_TRAINING_LOCK = threading.Lock()
+
+
 class _Trainer:
     def __init__(
         self,
@@ -121,7 +127,14 @@ class _Trainer:
         self.name, self.session = control.trainer, control.session
         self.plugin = plugin(worker)
         self.mailbox = self.plugin.mailboxes[self.session]  # opened by the driver before any trainer started
-        self.network, _ = replica(key, blob)
+        network, _ = replica(key, blob)
+        with _TRAINING_LOCK:
+            if id(network) in _TRAINING:
+                # another trainer of the fit trains this process's copy (workers as threads of one process,
+                # or a trainer that moved here from a lost worker): a copy of its own, never one trained by two
+                network = pickle.loads(blob).to(network.device)
+            _TRAINING.add(id(network))
+        self.network = network
         self.refs, self.names, self.loader = refs, names, loader
         self.dtype = DTYPES[spec.dtype]
 
@@ -134,6 +147,8 @@ class _Trainer:
             return self._train()
         finally:
             self.plugin.busy.discard(self.session)
+            with _TRAINING_LOCK:
+                _TRAINING.discard(id(self.network))
 
     def _train(self) -> dict[str, Any]:
         match_threads()
