@@ -11,6 +11,7 @@ such as BatchNorm's running statistics, which are not parameters), ``optimizer``
 from __future__ import annotations
 
 import math
+import pickle
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -30,6 +31,28 @@ def replica(key: str, blob: bytes, local: int = 0, per_worker: int = 1) -> tuple
     unpickled once per worker, on the device of the ``local``-th of its ``per_worker`` trainers, and
     kept until :func:`drop_replicas`; with the lock that keeps two tasks from training it at once."""
     return shipping.pin(key, blob, local, per_worker)
+
+
+_TRAINING: set[int] = set()  # the networks this process's trainers are training, by id
+_TRAINING_LOCK = threading.Lock()
+
+
+def training_replica(key: str, blob: bytes, local: int = 0, per_worker: int = 1) -> Network:
+    """:func:`replica` for a trainer that trains it for the whole fit, never one another trainer here
+    trains: when this process's copy already is (workers as threads of one process, or a trainer moved
+    from a lost worker), a copy of its own. Give it back with :func:`release_replica`."""
+    network, _ = replica(key, blob, local, per_worker)
+    with _TRAINING_LOCK:
+        if id(network) in _TRAINING:
+            network = pickle.loads(blob).to(network.device)
+        _TRAINING.add(id(network))
+    return network
+
+
+def release_replica(network: Network) -> None:
+    """The trainer of ``network`` (from :func:`training_replica`) is done with it."""
+    with _TRAINING_LOCK:
+        _TRAINING.discard(id(network))
 
 
 def drop_replicas(keys: list[str]) -> None:

@@ -19,8 +19,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import pickle
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,7 +33,7 @@ from dlscale.data.loaders import prefetch
 from dlscale.runtime.retirement import LEAVING
 from dlscale.runtime.tasks import match_threads
 from dlscale.training._heap import training_heap
-from dlscale.training._worker import check_finite, replica, state_of
+from dlscale.training._worker import check_finite, release_replica, state_of, training_replica
 from dlscale.training.averaging._exchange import DTYPES, Contribution, Exchange, FlatState
 from dlscale.training.averaging._worker_plugin import plugin
 from dlscale.training.sharing._exceptions import SessionAbortedError, SessionClosedError, SessionStoppedError
@@ -107,10 +105,6 @@ def _stopped(trainer: str, error: SessionStoppedError) -> dict[str, Any]:
     return {"trainer": trainer, "lost": not aborted and not isinstance(error, SessionClosedError), "aborted": aborted}
 
 
-_TRAINING: set[int] = set()  # the networks this process's trainers are training, by id
-_TRAINING_LOCK = threading.Lock()
-
-
 class _Trainer:
     def __init__(
         self,
@@ -127,14 +121,7 @@ class _Trainer:
         self.name, self.session = control.trainer, control.session
         self.plugin = plugin(worker)
         self.mailbox = self.plugin.mailboxes[self.session]  # opened by the driver before any trainer started
-        network, _ = replica(key, blob)
-        with _TRAINING_LOCK:
-            if id(network) in _TRAINING:
-                # another trainer of the fit trains this process's copy (workers as threads of one process,
-                # or a trainer that moved here from a lost worker): a copy of its own, never one trained by two
-                network = pickle.loads(blob).to(network.device)
-            _TRAINING.add(id(network))
-        self.network = network
+        self.network = training_replica(key, blob)
         self.refs, self.names, self.loader = refs, names, loader
         self.dtype = DTYPES[spec.dtype]
 
@@ -147,8 +134,7 @@ class _Trainer:
             return self._train()
         finally:
             self.plugin.busy.discard(self.session)
-            with _TRAINING_LOCK:
-                _TRAINING.discard(id(self.network))
+            release_replica(self.network)
 
     def _train(self) -> dict[str, Any]:
         match_threads()

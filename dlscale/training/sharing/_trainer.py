@@ -50,7 +50,7 @@ from dlscale.encoding.dense import DenseCompressor
 from dlscale.errors import NonFiniteUpdateError
 from dlscale.runtime.retirement import LEAVING, retire_timeout
 from dlscale.training._heap import training_heap
-from dlscale.training._worker import decode, replica, state_of
+from dlscale.training._worker import decode, release_replica, state_of, training_replica
 from dlscale.training.sharing._exceptions import SessionAbortedError, SessionClosedError, SessionStoppedError
 from dlscale.training.sharing._keeping import Keeping, keeping
 from dlscale.training.sharing._messages import Ack, Handout, Update, View, unwrap
@@ -231,7 +231,7 @@ class _Trainer:
                     "(the worker was restarted): fit again to send the network anew"
                 )
         else:
-            network, _ = replica(f"{key}/{local}", blob, local, spec.workers_per_node)
+            network = training_replica(f"{key}/{local}", blob, local, spec.workers_per_node)
             state = self.compressor.state(Layout.of(network.module.parameters()))
             self.keeping = keeping(network, self.compressor, state, spec.aggregation, spec.momentum_masking)
         self.keeping.state.step = spec.iteration // max(1, self.alive)  # a fit goes on with its network's training
@@ -341,6 +341,7 @@ class _Trainer:
             return self._train()
         finally:
             self.node.busy.discard(self.local)
+            release_replica(self.keeping.network)
 
     def _train(self) -> dict[str, Any]:
         """Step until the session's minibatches are done: apply what peers sent, fit, encode, send.
