@@ -90,6 +90,26 @@ def _prepare(base: str, options: dict[str, Any], batch_size: int, resume: Any) -
     return x, y, test_x, test_y
 
 
+def _saved_and_served(
+    sc: SparkContext,
+    network: Network,
+    base: str,
+    options: dict[str, Any] | None,
+    test_x: torch.Tensor,
+    test_y: torch.Tensor,
+) -> tuple[float, dict[str, torch.Tensor]]:
+    """Save ``network`` with its optimizer state, load it back and infer on the test images by key:
+    the accuracy of the keyed outputs, and the outputs by key."""
+    model_url = f"{base}/digits-cnn.dln"
+    network.save(model_url, storage_options=options)
+    restored = Network.load(model_url, storage_options=options)
+    print(f"saved the network with its optimizer state to {model_url} and loaded it back")
+    pairs = sc.parallelize([(f"test-{i}", test_x[i].clone()) for i in range(len(test_x))], 4)
+    outputs = dict(SparkNet(sc, restored).feed_forward_with_key(pairs).collect())
+    predicted = torch.stack([outputs[f"test-{i}"] for i in range(len(test_x))]).argmax(1)
+    return int((predicted == test_y).sum()) / len(test_y), outputs
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the job, print its report, and return the report's figures."""
     parser = _parser()
@@ -128,14 +148,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         evaluation, roc = spark_net.do_evaluation(test_paths, Evaluation(top_n=3), ROCMultiClass())
         print(evaluation.stats())
 
-        model_url = f"{base}/digits-cnn.dln"
-        network.save(model_url, storage_options=options)
-        restored = Network.load(model_url, storage_options=options)
-        print(f"saved the network with its optimizer state to {model_url} and loaded it back")
-        pairs = sc.parallelize([(f"test-{i}", test_x[i].clone()) for i in range(len(test_x))], 4)
-        outputs = dict(SparkNet(sc, restored).feed_forward_with_key(pairs).collect())
-        predicted = torch.stack([outputs[f"test-{i}"] for i in range(len(test_x))]).argmax(1)
-        keyed_accuracy = int((predicted == test_y).sum()) / len(test_y)
+        keyed_accuracy, outputs = _saved_and_served(sc, network, base, options, test_x, test_y)
         sent = spark_net.training_stats.summary() if spark_net.training_stats is not None else ""
     report = {
         "train_seconds": train_seconds,

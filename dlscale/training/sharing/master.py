@@ -236,18 +236,7 @@ class _Session:
             w, i = next(iter(self.trainers.values()))
             b = self.batches
             client.submit(_probe_parked, warm, i, b.refs[0], b.loader, workers=[w], pure=False).result()
-        spec = _trainer.TrainerSpec(
-            master.compressor,
-            master.aggregation,
-            master.workers_per_node,
-            master.prefetch,
-            master.encoding_debug_mode,
-            master.collect_training_stats,
-            master.worker_gc_frequency_ms / 1000 if master.worker_periodic_gc else None,
-            master.momentum_masking,
-            run.network.iteration,
-            warm,
-        )
+        spec = self._spec(warm)
         if master.encoding_debug_mode:
             client.subscribe_topic(_trainer.DEBUG_TOPIC, _log_debug)
         run.show_progress(fit=self.fit)
@@ -288,6 +277,23 @@ class _Session:
                 client.unsubscribe_topic(_trainer.DEBUG_TOPIC)
             if self.held:
                 client.unpublish_dataset(self.batches.loader.dataset)
+
+    def _spec(self, warm: str | None) -> _trainer.TrainerSpec:
+        """What every trainer of the fit is told: the master's settings, the network's iteration count
+        and the session of the parked trainers that go on (``warm``), if any."""
+        master = self.master
+        return _trainer.TrainerSpec(
+            master.compressor,
+            master.aggregation,
+            master.workers_per_node,
+            master.prefetch,
+            master.encoding_debug_mode,
+            master.collect_training_stats,
+            master.worker_gc_frequency_ms / 1000 if master.worker_periodic_gc else None,
+            master.momentum_masking,
+            self.run.network.iteration,
+            warm,
+        )
 
     def _take_parked(self) -> str | None:
         """The session whose trainers, parked on the workers by the last fit, go on in this one: the
