@@ -15,7 +15,7 @@ import torch
 from dlscale.encoding import kernels
 from dlscale.encoding.contract import Compressor, CompressorState, Difference, check_update
 from dlscale.encoding.threshold import check_finite
-from dlscale.encoding.wire import ValueUpdate, value_bytes
+from dlscale.encoding.wire import VALUE_BITS, ValueUpdate, value_bytes
 
 
 class ValueCompressor(Compressor):
@@ -85,7 +85,7 @@ class _Staged:
             self.done.synchronize()
         raw = self.packed.numpy()
         index = raw[: 8 * self.count].view(np.int64)
-        bits = raw[8 * self.count :].view(np.int16 if self.dtype.itemsize == 2 else np.int32)
+        bits = raw[8 * self.count :].view(VALUE_BITS[self.dtype])
         kernels.check_sent(self.ranges, index, bits, self.dtype)
         return value_bytes(self.length, self.ranges, index, bits, self.dtype)
 

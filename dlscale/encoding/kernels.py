@@ -227,8 +227,3 @@ def check_sent(ranges: tuple[tuple[int, int], ...], index: np.ndarray, bits: np.
     positions = np.concatenate([*(np.arange(a, b) for a, b in ranges), index])
     value = float(torch.from_numpy(bits[i : i + 1].copy()).view(dtype)[0])
     raise NonFiniteUpdateError(f"residual element {int(positions[i])} is {value}: the update is not finite")
-
-
-def host_bits(values: torch.Tensor) -> np.ndarray:
-    """The bits of ``values`` (bf16, fp16 or fp32, on the host), as numpy's int16 or int32."""
-    return values.view(torch.int16 if values.element_size() == 2 else torch.int32).numpy()

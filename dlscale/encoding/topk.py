@@ -13,7 +13,7 @@ import torch
 from dlscale.encoding import kernels
 from dlscale.encoding.contract import CompressorState, Difference, Layout, MomentumMask, check_update
 from dlscale.encoding.dense import ValueCompressor
-from dlscale.encoding.wire import VALUE_DTYPES, ValueUpdate
+from dlscale.encoding.wire import VALUE_DTYPES, ValueUpdate, host_bits
 
 KERNELS = ("auto", "host", "device")
 """Where top-k's selection runs: ``"host"``, numpy's blocked scan (parameters on the CPU);
@@ -140,7 +140,7 @@ class TopKCompressor(ValueCompressor):
             state.threshold = cut.min() if cut is not None else 0.0
         message = ValueUpdate(p.length, p.ranges, index, exact.to(VALUE_DTYPES[self.values]), places, host)
         if host:  # every element not finite is among those sent; on a device, checked as its bytes are made
-            kernels.check_sent(p.ranges, index.numpy(), kernels.host_bits(message.values), message.values.dtype)
+            kernels.check_sent(p.ranges, index.numpy(), host_bits(message.values), message.values.dtype)
         if not implied:  # what rounding lost stays; a Difference's caller adds the message to its shared
             kernels.add([message], [r], -1.0)
         state.mask = self._mask(state, index, places, host)

@@ -29,6 +29,20 @@ def seal(head: bytes, body: bytes) -> bytes:
     return head[:-4] + struct.pack("<I", crc) + body
 
 
+def _header(data: bytes, header: struct.Struct, magic: bytes, version: int, what: str) -> list:
+    """The fields of ``data``'s ``header`` after its magic and version, which are checked: ``what``
+    (the message's name, with its article) is named in the error of a message that is not one."""
+    if len(data) < header.size:
+        raise CorruptDataError(f"{what} is at least {header.size} bytes, got {len(data)}")
+    found, found_version, *fields = header.unpack_from(data)
+    if found != magic:
+        raise CorruptDataError(f"not {what}: magic {found!r}, expected {magic!r}")
+    if found_version != version:
+        name = what.split(" ", 1)[1]
+        raise CorruptDataError(f"{name} format version {found_version}, this dlscale reads {version}")
+    return fields
+
+
 def intact(data: bytes, header_bytes: int, crc: int) -> bool:
     """Whether ``data`` (a header of ``header_bytes`` ending in its CRC-32C field, then the body) has
     the CRC-32C ``crc`` that :func:`seal` gave it."""
@@ -110,13 +124,7 @@ class EncodedUpdate:
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> EncodedUpdate:
         """The message :meth:`to_bytes` wrote; anything else raises :class:`~dlscale.errors.CorruptDataError`."""
         data = bytes(data)
-        if len(data) < HEADER_BYTES:
-            raise CorruptDataError(f"an encoded update is at least {HEADER_BYTES} bytes, got {len(data)}")
-        magic, version, form_code, reserved, threshold, length, count, crc = _HEADER.unpack_from(data)
-        if magic != MAGIC:
-            raise CorruptDataError(f"not an encoded update: magic {magic!r}, expected {MAGIC!r}")
-        if version != VERSION:
-            raise CorruptDataError(f"encoded update format version {version}, this dlscale reads {VERSION}")
+        form_code, reserved, threshold, length, count, crc = _header(data, _HEADER, MAGIC, VERSION, "an encoded update")
         if form_code >= len(FORMS) or reserved != 0:
             raise CorruptDataError(f"encoded update header has form code {form_code} and reserved field {reserved}")
         if not (np.isfinite(threshold) and threshold > 0) or length > MAX_LENGTH or count > length:
@@ -160,7 +168,8 @@ def bitmap_bytes(length: int) -> int:
 VALUE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 """Element types of a :class:`ValueUpdate`'s values, by name."""
 _DTYPE_CODES = tuple(VALUE_DTYPES)
-_INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+VALUE_BITS = {torch.bfloat16: np.int16, torch.float16: np.int16, torch.float32: np.int32}
+"""The integer type (numpy's) that holds the bits of each value type."""
 
 VALUES_MAGIC = b"DLVU"
 VALUES_VERSION = 1
@@ -215,20 +224,15 @@ class ValueUpdate:
         """The header (little-endian: magic ``DLVU``, version, value type, reserved, length, ranges,
         sparse count, CRC-32C), the ranges as uint64 pairs, the index (uint16 gaps when every gap fits,
         else int32), the values."""
-        bits = self.values.cpu().view(_INT_VIEW[self.values.dtype]).numpy()
-        return value_bytes(self.length, self.ranges, self.index.cpu().numpy(), bits, self.values.dtype)
+        index = self.index.cpu().numpy()
+        return value_bytes(self.length, self.ranges, index, host_bits(self.values), self.values.dtype)
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> ValueUpdate:
         """The message :meth:`to_bytes` wrote; anything else raises :class:`CorruptDataError`."""
         data = bytes(data)
-        if len(data) < VALUES_HEADER_BYTES:
-            raise CorruptDataError(f"a value update is at least {VALUES_HEADER_BYTES} bytes, got {len(data)}")
-        magic, version, dtype_code, flags, length, nranges, count, crc = _VALUES_HEADER.unpack_from(data)
-        if magic != VALUES_MAGIC:
-            raise CorruptDataError(f"not a value update: magic {magic!r}, expected {VALUES_MAGIC!r}")
-        if version != VALUES_VERSION:
-            raise CorruptDataError(f"value update format version {version}, this dlscale reads {VALUES_VERSION}")
+        header = _header(data, _VALUES_HEADER, VALUES_MAGIC, VALUES_VERSION, "a value update")
+        dtype_code, flags, length, nranges, count, crc = header
         if dtype_code >= len(_DTYPE_CODES) or flags & ~_GAPS:
             raise CorruptDataError(f"value update header has value type {dtype_code} and flags {flags}")
         if length > MAX_LENGTH or count > length or nranges > length:
@@ -245,7 +249,7 @@ class ValueUpdate:
         ranges = tuple((int(a), int(b)) for a, b in bounds.reshape(-1, 2))
         dtype = VALUE_DTYPES[_DTYPE_CODES[dtype_code]]
         total = int((bounds[1::2] - bounds[::2]).sum()) + count
-        size = np.dtype(_BITS[dtype]).itemsize
+        size = np.dtype(VALUE_BITS[dtype]).itemsize
         width = 2 if flags & _GAPS else 4
         if len(data) - at != width * count + size * total:
             raise CorruptDataError(
@@ -270,7 +274,11 @@ class ValueUpdate:
 
 
 _EXPONENT = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.float32: 0x7F800000}
-_BITS = {torch.bfloat16: np.int16, torch.float16: np.int16, torch.float32: np.int32}
+
+
+def host_bits(values: torch.Tensor) -> np.ndarray:
+    """The bits of ``values`` (bf16, fp16 or fp32) on the host, as numpy's integers."""
+    return values.cpu().view(torch.int16 if values.element_size() == 2 else torch.int32).numpy()
 
 
 def finite_bits(bits: np.ndarray, dtype: torch.dtype) -> np.ndarray:
