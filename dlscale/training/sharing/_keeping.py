@@ -3,7 +3,8 @@ session's compressor and aggregation (:func:`keeping`).
 
 Every way fits a minibatch (:meth:`Keeping.fit`), turns the step into the message it sends
 (:meth:`Keeping.encode`) and adds its peers' messages where they belong (:meth:`Keeping.receive`);
-at the end it says what the shared parameters are and what it has not sent (:meth:`Keeping.finish`).
+at the end it says what the shared parameters are (:meth:`Keeping.shared`) and what it has not sent
+(:meth:`Keeping.residual`). A parked trainer parks its way of keeping, which the next fit takes back.
 
 - :class:`SharedCopy` (a lossless compressor, updates summed): the shared parameters kept beside the
   replica, which keeps its whole update; the residual is the replica less them and is read where it
@@ -82,12 +83,12 @@ class Keeping(abc.ABC):
 
 
 class SharedCopy(Keeping):
-    """A lossless compressor, updates summed: the shared parameters beside the replica (``shared``,
-    those of a parked trainer going on, else a copy of the replica's)."""
+    """A lossless compressor, updates summed: the shared parameters beside the replica, a copy of its
+    parameters at first."""
 
-    def __init__(self, *args: Any, shared: torch.Tensor | None = None) -> None:
+    def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self.shared_params = self.params.detach().clone() if shared is None else shared
+        self.shared_params = self.params.detach().clone()
         self.targets.append(self.shared_params)  # peers' messages change the shared parameters too
 
     def _encode(self, alive: int) -> Any | None:
@@ -104,7 +105,8 @@ class SharedCopy(Keeping):
 
 
 class _Update(Keeping):
-    """A way that takes the optimizer's update as the parameters' change over the step."""
+    """A way that takes the optimizer's update as the parameters' change over the step, weighed by
+    ``1 / live trainers`` when the updates are averaged (``mean``)."""
 
     def __init__(self, *args: Any, mean: bool) -> None:
         super().__init__(*args)
@@ -127,17 +129,19 @@ class _Update(Keeping):
 class Weighed(_Update):
     """A lossless compressor, updates averaged: the replica keeps the weighed update."""
 
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args, mean=True)
+
     def _encode(self, alive: int) -> Any | None:
-        update = self._take(alive)
-        if self.mean and alive > 1:
-            self.params.sub_(update, alpha=alive - 1)
+        update = self._take(alive)  # encoded only with a live peer: weighed
+        self.params.sub_(update, alpha=alive - 1)
         return self.compressor.compress(self.state, update)
 
     def residual(self) -> torch.Tensor:
         return self.state.residual
 
     def shared(self) -> torch.Tensor:
-        return self.params - self.state.residual.to(self.params.device)
+        return self.params - self.state.residual
 
 
 class TakenOut(_Update):
@@ -176,18 +180,10 @@ def mask_momentum(network: Network, mask: MomentumMask) -> None:
 
 
 def keeping(
-    network: Network,
-    compressor: Compressor,
-    state: CompressorState,
-    aggregation: str,
-    momentum_masking: bool,
-    shared: torch.Tensor | None = None,
+    network: Network, compressor: Compressor, state: CompressorState, aggregation: str, momentum_masking: bool
 ) -> Keeping:
-    """The way to keep updates for ``compressor`` and ``aggregation`` (``"sum"`` or ``"mean"``); a parked
-    trainer's ``shared`` parameters go on in a :class:`SharedCopy`."""
+    """The way to keep updates for ``compressor`` and ``aggregation`` (``"sum"`` or ``"mean"``)."""
     args = (network, compressor, state, momentum_masking)
     if not compressor.lossless:
         return TakenOut(*args, mean=aggregation == "mean")
-    if aggregation == "sum":
-        return SharedCopy(*args, shared=shared)
-    return Weighed(*args, mean=True)
+    return SharedCopy(*args) if aggregation == "sum" else Weighed(*args)

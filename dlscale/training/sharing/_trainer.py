@@ -224,12 +224,13 @@ class _Trainer:
         self.alive = len(joined.alive)
         self.compressor = spec.compressor
         if spec.warm is not None:  # the last fit's trainer goes on
-            self.keeping: Keeping | None = plugin(worker).unpark(spec.warm, local)
-            if self.keeping is None:
+            parked: Keeping | None = plugin(worker).unpark(spec.warm, local)
+            if parked is None:
                 raise RuntimeError(
                     f"the trainer of the last fit, to go on here, is no longer on worker {worker.address} "
                     "(the worker was restarted): fit again to send the network anew"
                 )
+            self.keeping = parked
         else:
             network = training_replica(f"{key}/{local}", blob, local, spec.workers_per_node)
             state = self.compressor.state(Layout.of(network.module.parameters()))
@@ -399,7 +400,7 @@ class _Trainer:
 
     def _send(self, step: _Step | None) -> None:
         """Send ``step``'s message, if any, to every peer and count the step as done (its
-        acknowledgement goes with the next call to the scheduler)."""
+        acknowledgement goes with the next call to the scheduler); ``None``, what is then outgoing."""
         if step is None:
             return
         if step.message is not None:
