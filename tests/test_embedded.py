@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import platform
 import re
 import signal
 import subprocess
@@ -20,6 +21,7 @@ import psutil
 import pytest
 
 from dlscale import SparkContext
+from dlscale.runtime import allocator
 from tests.conftest import WORKER_IMPORTS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -187,6 +189,53 @@ def test_workers_import_what_training_needs_as_they_start_unless_told_not_to() -
         assert list(ctx.client.run(_imported).values()) == [True]
     with dask.config.set({"dlscale.worker.imports": []}), SparkContext("local[1]") as ctx:
         assert list(ctx.client.run(lambda: "torch" in sys.modules).values()) == [False]
+
+
+def _faults_of_a_reused_buffer(_: Any) -> int:
+    """Page faults of this thread while it allocates, fills and frees 8 MiB with C's malloc a second time:
+    none where the first one's memory stayed with the process, 2,048 where it went back to the system."""
+    import ctypes
+    import resource
+
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    faults = []
+    for _ in range(2):
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        buffer = libc.malloc(8 * 2**20)
+        ctypes.memset(buffer, 1, 8 * 2**20)
+        libc.free(buffer)
+        faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+    return faults[1]
+
+
+def _huge_pages_always() -> bool:
+    try:
+        return "[always]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator settings")
+def test_workers_keep_freed_tensor_memory_for_the_next_step_unless_told_not_to() -> None:
+    """Dask's nanny sets ``MALLOC_TRIM_THRESHOLD_=65536``: memory a task frees goes back to the system
+    and the next step's tensors fault it in again, page by page. The workers' preload sets glibc's
+    thresholds from ``dlscale.worker.malloc-*``; ``null`` leaves Dask's setting."""
+    with SparkContext("local[1]") as ctx:
+        assert ctx.parallelize([0], 1).map(_faults_of_a_reused_buffer).collect()[0] < 256
+    if _huge_pages_always():  # 2 MiB pages: a handful of faults either way
+        return
+    with dask.config.set({"dlscale.worker.malloc-trim-threshold": None}), SparkContext("local[1]") as ctx:
+        assert ctx.parallelize([0], 1).map(_faults_of_a_reused_buffer).collect()[0] >= 1024
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator settings")
+def test_an_mmap_threshold_glibc_refuses_is_named(monkeypatch) -> None:
+    monkeypatch.setattr(allocator, "_done", False)
+    with dask.config.set({"dlscale.worker.malloc-mmap-threshold": "64MiB"}):
+        with pytest.raises(ValueError, match="dlscale.worker.malloc-mmap-threshold is 67108864 bytes"):
+            allocator.tune()
 
 
 def test_a_module_on_the_driver_path_imports_on_the_workers(tmp_path: Path, monkeypatch) -> None:

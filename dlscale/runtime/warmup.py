@@ -1,4 +1,5 @@
-"""A worker preload that imports the modules of ``dlscale.worker.imports`` before the worker joins.
+"""A worker preload that sets the worker's allocator for training (:mod:`dlscale.runtime.allocator`) and
+imports the modules of ``dlscale.worker.imports`` before the worker joins.
 
 A fresh worker process imports torch and dlscale's training modules on its first task, and torch's
 optimizers import ``torch._dynamo`` on first use: about 2.5 s on one core, which made the first fit of
@@ -15,13 +16,18 @@ import logging
 from typing import Any
 
 from dlscale import config
+from dlscale.runtime import allocator
 
 logger = logging.getLogger("dlscale")
 
 
 def dask_setup(worker: Any) -> None:
-    """Dask's preload hook: import the configured modules; one that fails is logged, not raised (a task
-    that needs it raises the error itself)."""
+    """Dask's preload hook: set the allocator for training (:mod:`dlscale.runtime.allocator`) and import
+    the configured modules; what fails is logged, not raised (a fit raises the error itself)."""
+    try:
+        allocator.tune()
+    except ValueError as e:
+        logger.warning("worker left its allocator as it started: %s", e)
     for name in config.get("worker.imports"):
         try:
             importlib.import_module(name)

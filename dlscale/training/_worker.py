@@ -24,6 +24,7 @@ from dlscale.data.loaders import prefetch
 from dlscale.errors import NonFiniteUpdateError
 from dlscale.nn import shipping
 from dlscale.nn.network import Network, cpu_copy
+from dlscale.runtime import allocator
 
 
 def replica(key: str, blob: bytes, local: int = 0, per_worker: int = 1) -> tuple[Network, threading.Semaphore]:
@@ -40,7 +41,9 @@ _TRAINING_LOCK = threading.Lock()
 def training_replica(key: str, blob: bytes, local: int = 0, per_worker: int = 1) -> Network:
     """:func:`replica` for a trainer that trains it for the whole fit, never one another trainer here
     trains: when this process's copy already is (workers as threads of one process, or a trainer moved
-    from a lost worker), a copy of its own. Give it back with :func:`release_replica`."""
+    from a lost worker), a copy of its own. Give it back with :func:`release_replica`. The worker's
+    allocator is set for training first, where no preload has (:func:`dlscale.runtime.allocator.tune`)."""
+    allocator.tune()
     network, _ = replica(key, blob, local, per_worker)
     with _TRAINING_LOCK:
         if id(network) in _TRAINING:
