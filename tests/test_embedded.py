@@ -226,7 +226,8 @@ def test_workers_keep_freed_tensor_memory_for_the_next_step_unless_told_not_to()
         assert ctx.parallelize([0], 1).map(_faults_of_a_reused_buffer).collect()[0] < 256
     if _huge_pages_always():  # 2 MiB pages: a handful of faults either way
         return
-    with dask.config.set({"dlscale.worker.malloc-trim-threshold": None}), SparkContext("local[1]") as ctx:
+    unset = {f"dlscale.worker.malloc-{name}": None for name in allocator.PARAMETERS}
+    with dask.config.set(unset), SparkContext("local[1]") as ctx:
         assert ctx.parallelize([0], 1).map(_faults_of_a_reused_buffer).collect()[0] >= 1024
 
 

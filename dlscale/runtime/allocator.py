@@ -1,16 +1,17 @@
-"""The C allocator of a worker process, set for training: large tensors reused from the heap, not mapped
-afresh at every step.
+"""The C allocator of a worker process, set for training: what a step frees is reused by the next step,
+not handed back to the system and faulted in again.
 
 Dask's nanny starts each worker with ``MALLOC_TRIM_THRESHOLD_=65536`` (its
-``distributed.nanny.pre-spawn-environ``), so that memory a task frees goes back to the system. Setting any
-of glibc's thresholds also turns off glibc's sliding mmap threshold, which stays at 128 KiB: every tensor
-above it is a fresh ``mmap`` that the kernel faults in page by page, and unmaps when freed. A training step
-allocates its activations and gradients anew each time, so on compare's MLP (5.8M parameters) a plain
-step in a Dask worker took 26% longer than in a plain process, with 7x the page faults. This sets glibc's
-mmap threshold to ``dlscale.worker.malloc-mmap-threshold`` (at most 32 MiB, glibc's ceiling) and its trim
-threshold to ``dlscale.worker.malloc-trim-threshold``: what a step frees is reused by the next, and free
-memory above the trim threshold at the top of a heap still goes back to the system, so a worker holds at
-most that much freed memory per heap. Only glibc's allocator has these settings; elsewhere this does
+``distributed.nanny.pre-spawn-environ``), so that memory a task frees goes back to the system at once;
+setting it also turns off glibc's sliding mmap threshold, which then stays at 128 KiB. A training step
+allocates its activations and gradients anew each time, so every step faulted them in again, page by
+page: on compare's MLP (5.8M parameters) a plain step in a Dask worker took 1.3-1.7x as long as in a
+plain process, with 6,700 page faults a step against none (``benchmarks.allocator``). This sets glibc's
+mmap threshold (tensors below it come from the heap; at most 32 MiB, glibc's ceiling), its trim
+threshold (free memory at the top of a heap beyond it goes back to the system) and its top pad (what a
+thread's heap grows by, and keeps, beyond a request) from ``dlscale.worker.malloc-*``. Without the pad a
+thread's heap still gave back and faulted in 16 MiB a step. A worker so holds at most the trim threshold
+and the pad of freed memory per heap. Only glibc's allocator has these settings; elsewhere this does
 nothing.
 """
 
@@ -27,8 +28,8 @@ from dlscale import config
 
 logger = logging.getLogger("dlscale")
 
-_M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
-_M_MMAP_THRESHOLD = -3
+PARAMETERS = {"trim-threshold": -1, "top-pad": -2, "mmap-threshold": -3}
+"""``dlscale.worker.malloc-<name>`` -> glibc's ``mallopt`` parameter (``malloc.h``)."""
 _MMAP_CEILING = 32 * 2**20  # glibc refuses an mmap threshold above HEAP_MAX_SIZE / 2 on 64-bit
 
 _lock = threading.Lock()
@@ -46,19 +47,14 @@ def tune() -> None:
         if _done:
             return
         if platform.libc_ver()[0] == "glibc":
-            mmap_threshold, trim_threshold = (
-                None if value is None else parse_bytes(value)
-                for value in (config.get("worker.malloc-mmap-threshold"), config.get("worker.malloc-trim-threshold"))
-            )
-            if mmap_threshold is not None and not 0 <= mmap_threshold <= _MMAP_CEILING:
+            settings = {name: config.get(f"worker.malloc-{name}") for name in PARAMETERS}
+            values = {name: parse_bytes(value) for name, value in settings.items() if value is not None}
+            if not 0 <= values.get("mmap-threshold", 0) <= _MMAP_CEILING:
                 raise ValueError(
-                    f"dlscale.worker.malloc-mmap-threshold is {mmap_threshold} bytes: glibc takes 0 to 32 MiB"
+                    f"dlscale.worker.malloc-mmap-threshold is {values['mmap-threshold']} bytes: glibc takes 0 to 32 MiB"
                 )
             libc = ctypes.CDLL(None)
-            for name, parameter, value in (
-                ("mmap-threshold", _M_MMAP_THRESHOLD, mmap_threshold),
-                ("trim-threshold", _M_TRIM_THRESHOLD, trim_threshold),
-            ):
-                if value is not None and libc.mallopt(parameter, ctypes.c_int(value)) != 1:
+            for name, value in values.items():
+                if libc.mallopt(PARAMETERS[name], ctypes.c_int(value)) != 1:
                     logger.warning("glibc refused dlscale.worker.malloc-%s = %d bytes", name, value)
         _done = True
