@@ -37,6 +37,8 @@ from dlscale.training import _worker
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
 MOMENTUM = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
+
+
 def mlp_network(optimizer=SGD, seed: int = 0, norm: bool = False) -> Network:
     torch.manual_seed(seed)
     layers = (
