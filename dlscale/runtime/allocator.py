@@ -5,7 +5,7 @@ Dask's nanny starts each worker with ``MALLOC_TRIM_THRESHOLD_=65536`` (its
 ``distributed.nanny.pre-spawn-environ``), so that memory a task frees goes back to the system at once;
 setting it also turns off glibc's sliding mmap threshold, which then stays at 128 KiB. A training step
 allocates its activations and gradients anew each time, so every step faulted them in again, page by
-page: on compare's MLP (5.8M parameters) a plain step in a Dask worker took 1.3-1.7x as long as in a
+page: on compare's MLP (5.8M parameters) a plain step in a Dask worker took 1.28x as long as in a
 plain process, with 6,700 page faults a step against none (``benchmarks.allocator``). This sets glibc's
 mmap threshold (tensors below it come from the heap; at most 32 MiB, glibc's ceiling), its trim
 threshold (free memory at the top of a heap beyond it goes back to the system) and its top pad (what a
