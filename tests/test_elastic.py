@@ -122,7 +122,17 @@ def test_a_worker_that_joins_a_sharing_fit_trains_a_share_of_the_rest() -> None:
 def _replay(rounds: list[Any]) -> Network:
     """The network that parameter averaging's recorded ``rounds`` make, replayed in this process: each
     round's shares fitted from the round's starting state by replicas of their own, then averaged by
-    examples (the same arithmetic, to float32 rounding)."""
+    examples (the same arithmetic, to float32 rounding), with one thread as each worker computes (a
+    matrix product's sums go in another order on two threads, and 600 steps grow that past 1e-3)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _replayed(rounds)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _replayed(rounds: list[Any]) -> Network:
     network = _network()
     network.module.delay = 0.0
     state = _worker.state_of(network, True)

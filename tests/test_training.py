@@ -37,10 +37,6 @@ from dlscale.training import _worker
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
 MOMENTUM = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
-ROUNDING = 1e-7
-"""How far one worker's fit may be from the same steps in this process: the same step on the same
-values but tensors at other addresses can round differently in float32 (measured: 4e-9 between two
-copies of a network stepped alike in one thread, 1.5e-8 after 26 steps with momentum)."""
 
 
 def mlp_network(optimizer=SGD, seed: int = 0, norm: bool = False) -> Network:
@@ -121,10 +117,10 @@ def test_one_worker_equals_one_process_exactly(sc1, tmp_path, one_thread) -> Non
         (share,) = shares
         for path in share:
             reference.fit_batch(load(path))
-    torch.testing.assert_close(spark_net.network.params(), reference.params(), rtol=0, atol=ROUNDING)
+    assert torch.equal(spark_net.network.params(), reference.params())
     state, ref_state = spark_net.network.optimizer_state()["state"], reference.optimizer_state()["state"]
     for i in ref_state:
-        torch.testing.assert_close(state[i]["momentum_buffer"], ref_state[i]["momentum_buffer"], rtol=0, atol=ROUNDING)
+        assert torch.equal(state[i]["momentum_buffer"], ref_state[i]["momentum_buffer"])
 
 
 @pytest.mark.parametrize("mask", ["per example", "per output"])
@@ -159,7 +155,7 @@ def test_labels_masks_reach_the_workers_and_train_as_in_one_process(sc1, tmp_pat
             assert batch.labels_mask is not None and batch.labels_mask.shape == (len(batch.features), *keep.shape[1:])
             reference.fit_batch(batch)
             unmasked.fit_batch(DataSet(batch.features, batch.labels))
-    torch.testing.assert_close(spark_net.network.params(), reference.params(), rtol=0, atol=ROUNDING)
+    assert torch.equal(spark_net.network.params(), reference.params())
     assert not torch.allclose(unmasked.params(), reference.params(), atol=0.05)  # the masks matter
 
 
@@ -181,7 +177,7 @@ def test_without_save_updater_the_optimizer_restarts_every_round(sc1, tmp_path, 
         reference.optimizer.state.clear()
         for path in share:
             reference.fit_batch(load(path))
-    torch.testing.assert_close(spark_net.network.params(), reference.params(), rtol=0, atol=ROUNDING)
+    assert torch.equal(spark_net.network.params(), reference.params())
 
 
 def test_buffers_and_optimizer_state_are_averaged_by_examples(sc, tmp_path, one_thread) -> None:

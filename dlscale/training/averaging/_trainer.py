@@ -235,7 +235,7 @@ class _Trainer:
                 if exchange is not None and exchange.attempt == committed and exchange.run(self.spec.poll):
                     return self._commit(k, committed, exchange.reports, flat, outer, exchange.result)
                 return self._adopt(k, committed, status["holders"], flat, outer)
-            members = status["members"]
+            members = list(status["members"])  # a tuple after Dask's comms
             if members == [self.name]:  # alone: its state is the round's
                 return self._commit(k, status["attempt"], [report], flat, outer, None)
             if exchange is None or exchange.attempt != status["attempt"]:
