@@ -343,8 +343,7 @@ def run_dlscale(
                 edges.append(_edges(spark_net.training_stats, wall, time.time()))
                 curve.append((elapsed, accuracy(net.module, tx, ty)))
     stats = spark_net.training_stats  # of every epoch's fit
-    if master_name == "sharing":
-        out["fit_edges_seconds"] = edges
+    out["fit_edges_seconds"] = edges
     if stats.trainers:
         sent = sum(t.bytes_sent for t in stats.trainers)
         steps = sum(t.minibatches for t in stats.trainers)
@@ -382,14 +381,16 @@ def averaging(runner: str) -> dict[str, Any]:
 
 
 def _edges(stats: Any, start: float, end: float) -> list[float]:
-    """A gradient-sharing fit's fixed costs, from its trainers' timelines: seconds from the call of
-    ``fit_paths`` to the first trainer's first step (the network sent, or the last fit's trainers
-    taken back), and from the last trainer's last phase to the call's return (their states
-    gathered and averaged on the driver)."""
-    phases = [p for t in stats.trainers if t.phases for p in t.phases if start <= p[1] <= end]
-    if not phases:
+    """A fit's fixed costs, from its trainers' timelines (gradient sharing) or rounds (parameter
+    averaging): seconds from the call of ``fit_paths`` to the first trainer's first step (the network
+    sent, or the last fit's trainers taken back), and from the last trainer's last step to the
+    call's return (the last round's averaging, the states gathered)."""
+    spans = [(p[1], p[1] + p[2]) for t in stats.trainers if t.phases for p in t.phases]
+    spans += [(w.start, w.end) for r in stats.rounds for w in r.workers]
+    spans = [s for s in spans if start <= s[0] <= end]
+    if not spans:
         return [float("nan"), float("nan")]
-    return [min(p[1] for p in phases) - start, end - max(p[1] + p[2] for p in phases)]
+    return [min(s[0] for s in spans) - start, end - max(s[1] for s in spans)]
 
 
 def inner(link: str, workload_name: str, runner: str, workers: int, quick: bool, device: str) -> dict[str, Any]:

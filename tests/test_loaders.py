@@ -25,6 +25,7 @@ from dlscale.data import (
     resolve_loader,
     save,
 )
+from dlscale.data.loaders import WAITED
 from dlscale.nn.partitions import minibatches
 from dlscale.registry import UnknownNameError
 
@@ -36,12 +37,14 @@ def batches(tmp_path: Path) -> list[str]:
 
 
 class Recording:
-    """A loader that notes when each path was loaded."""
+    """A loader that notes when each path was loaded, waiting ``wait`` seconds first (storage's latency)."""
 
-    def __init__(self) -> None:
+    def __init__(self, wait: float = 0.0) -> None:
         self.loaded: list[str] = []
+        self.wait = wait
 
     def __call__(self, path: str) -> DataSet:
+        time.sleep(self.wait)
         self.loaded.append(path)
         return load(path)
 
@@ -53,7 +56,7 @@ def test_prefetch_yields_every_batch_in_order(batches: list[str]) -> None:
 
 
 def test_prefetch_reads_ahead_but_no_further_than_its_depth(batches: list[str]) -> None:
-    loader = Recording()
+    loader = Recording(wait=10 * WAITED)
     it = prefetch(batches, loader, depth=2)
     next(it)
     time.sleep(0.3)  # let the thread fill the queue
@@ -66,8 +69,19 @@ def test_prefetch_reads_ahead_but_no_further_than_its_depth(batches: list[str]) 
     assert not [t for t in threading.enumerate() if t.name == "dlscale-prefetch"]
 
 
-def test_prefetch_depth_comes_from_the_config(batches: list[str]) -> None:
+def test_loads_that_do_not_wait_on_storage_are_not_read_ahead(batches: list[str]) -> None:
+    """A load that is all computation gains nothing from a thread: each minibatch is loaded when asked for."""
     loader = Recording()
+    it = prefetch(batches, loader, depth=2)
+    for i in range(3):
+        next(it)
+        time.sleep(0.1)
+        assert len(loader.loaded) == i + 1
+        assert not [t for t in threading.enumerate() if t.name == "dlscale-prefetch"]
+
+
+def test_prefetch_depth_comes_from_the_config(batches: list[str]) -> None:
+    loader = Recording(wait=10 * WAITED)
     with dask.config.set({"dlscale.data.prefetch": 1}):
         it = prefetch(batches, loader)
         next(it)
