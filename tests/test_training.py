@@ -11,6 +11,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import dask
 import pytest
 import torch
 
@@ -33,6 +34,7 @@ from dlscale.data import (
     save,
 )
 from dlscale.nn import Network, ScoreIterationListener
+from dlscale.nn.listeners import TrainingListener
 from dlscale.training import _worker
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
@@ -509,3 +511,71 @@ def test_a_foreign_file_among_minibatch_files_is_named(sc, tmp_path, master: str
     )
     with pytest.raises(CorruptDataError, match=r"README.txt: not a dlscale minibatch file"):
         SparkNet(sc, mlp_network(), chosen).fit_paths(paths)
+
+
+def _parked_replicas(sc: SparkContext) -> dict[str, dict[str, int]]:
+    """Each worker's parked parameter-averaging replicas: ``{worker: {session: id of the network}}``."""
+    from dlscale.training.averaging._worker_plugin import plugin
+
+    return sc.client.run(lambda dask_worker: {s: id(n) for s, n in plugin(dask_worker).parked.items()})
+
+
+def _networks_held(sc: SparkContext) -> set[str]:
+    """The pickled networks (scattered ``bytes-...`` keys) the workers hold now."""
+    keys = sc.client.run(lambda dask_worker: [str(k) for k in dask_worker.data])
+    return {k for ks in keys.values() for k in ks if k.startswith("bytes-")}
+
+
+class _SentNetworks(TrainingListener):
+    """Looks, at the first round of every fit, for a pickled network on the workers that was not there
+    before the fit (``before``, set by the caller): ``held`` has one flag per fit."""
+
+    def __init__(self, sc: SparkContext) -> None:
+        self.sc, self.held, self.before, self.looked = sc, [], set(), False
+
+    def iteration_done(self, network: Network, iteration: int, epoch: int, score: float, examples: int) -> None:
+        if not self.looked:
+            self.held.append(bool(_networks_held(self.sc) - self.before))
+            self.looked = True
+
+    def fit_done(self, network: Network) -> None:
+        self.looked = False
+
+
+def test_a_fit_loop_goes_on_with_the_last_fits_replicas_unless_the_network_changed(sc, tmp_path, one_thread) -> None:
+    """One ``fit`` per epoch, as DL4J's examples train: the second fit's trainers go on with the first's
+    replicas, parked on their workers (the network is not sent again), and end exactly where fits
+    that are sent the network each time end; a network changed on the driver in between is sent."""
+    rdd = rdd_of(sc, 96, 8, 2)
+
+    def loop(keep: bool, sent: _SentNetworks | None = None) -> tuple[Network, list[dict[str, dict[str, int]]]]:
+        master = ParameterAveragingTrainingMaster(
+            16, averaging_frequency=2, rng_seed=1, export_directory=str(tmp_path / f"export-{keep}")
+        )
+        spark_net = SparkNet(sc, mlp_network(MOMENTUM, norm=True), master)
+        if sent is not None:
+            spark_net.set_listeners(sent)
+        parked = []
+        with dask.config.set({"dlscale.sharing.keep-trainers": keep}):
+            for fit in range(3):
+                if fit == 2:
+                    spark_net.network.optimizer.param_groups[0]["lr"] /= 2
+                if sent is not None:
+                    sent.before = _networks_held(sc)
+                spark_net.fit(rdd)
+                parked.append(_parked_replicas(sc))
+        return spark_net.network, parked
+
+    sent = _SentNetworks(sc)
+    kept, parked = loop(True, sent)
+    assert sent.held == [True, False, True]  # the network sent to the first fit and the third alone
+    for w in parked[0]:
+        (first,), (second,), (third,) = (p[w].items() for p in parked)
+        assert first[0] != second[0] and first[1] == second[1]  # a new session, the same replica
+        assert third[1] != second[1]  # the network changed on the driver: a replica anew
+    sent_each_time, parked = loop(False)
+    assert not any(p for ps in parked for p in ps.values())
+    assert torch.equal(kept.params(), sent_each_time.params())
+    assert torch.equal(kept.module[1].running_mean, sent_each_time.module[1].running_mean)
+    state, other = kept.optimizer_state()["state"], sent_each_time.optimizer_state()["state"]
+    assert all(torch.equal(state[i]["momentum_buffer"], other[i]["momentum_buffer"]) for i in other)

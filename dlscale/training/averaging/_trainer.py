@@ -53,6 +53,8 @@ class TrainerSpec:
     dtype: str
     poll: float  # seconds between a waiting trainer's calls to the scheduler
     timeout: float  # seconds a trainer waits for a round's average to be taken from a peer
+    keep: bool  # whether a trainer that ends with the session's state parks its replica for the next fit
+    warm: str | None = None  # the session whose parked replicas this one's trainers go on with
 
 
 class _Control:
@@ -121,7 +123,15 @@ class _Trainer:
         self.name, self.session = control.trainer, control.session
         self.plugin = plugin(worker)
         self.mailbox = self.plugin.mailboxes[self.session]  # opened by the driver before any trainer started
-        self.network = training_replica(key, blob)
+        if spec.warm is None:
+            self.network = training_replica(key, blob)
+        else:  # the last fit's replica goes on
+            self.network = self.plugin.unpark(spec.warm)
+            if self.network is None:
+                raise RuntimeError(
+                    f"the replica of the last fit, to go on here, is no longer on worker {worker.address} "
+                    "(the worker was restarted): fit again to send the network anew"
+                )
         self.refs, self.names, self.loader = refs, names, loader
         self.dtype = DTYPES[spec.dtype]
 
@@ -159,7 +169,10 @@ class _Trainer:
             last_exchange = time.perf_counter() - fitted
             self.mailbox.forget(k)
             k += 1
-        return {**state_of(net, with_optimizer=spec.save_updater), "trainer": self.name}
+        state = state_of(net, with_optimizer=spec.save_updater)
+        # the replica goes on in the next fit, if the driver's network is then this state
+        self.plugin.park(self.session, net if spec.keep else None)
+        return {**state, "trainer": self.name}
 
     def _leave(self, k: int) -> str:
         """Leave the session before round ``k`` as this trainer's worker retires: ``"left"``; ``"stay"``

@@ -1,6 +1,7 @@
 """The data plane of parameter averaging on every worker: the ``dlscale_averaging_part`` handler that
 puts a peer's part of a round's allreduce in the trainer's mailbox, the ``dlscale_averaging_result``
-handler that hands a round's average to a peer that missed part of it, and the sends to peers.
+handler that hands a round's average to a peer that missed part of it, the sends to peers, and the
+replica a trainer parks for the next fit (``dlscale.training._parking``; one session's at most).
 
 Sends are made on the worker's event loop through ``worker.rpc`` (Dask's pooled connections, TLS
 included), the arrays as Dask-serialised frames (no copy into a message); the trainer does not wait
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -39,9 +41,11 @@ class AveragingWorkerPlugin(WorkerPlugin):
         self.mailboxes: dict[str, Mailbox] = {}
         self.results: dict[str, tuple[int, int, dict[str, Any], Any]] = {}  # session: (round, attempt, header, array)
         self.busy: set[str] = set()  # sessions whose trainer here is at work: a closing worker waits for it to leave
+        self.parked: dict[str, Any] = {}  # session: the replica its trainer here left for the next fit
 
     def setup(self, worker: Worker) -> None:
         self.worker = worker
+        self._parking = threading.Lock()  # made here: the plugin is pickled to reach the worker
         worker.handlers["dlscale_averaging_part"] = self.part
         worker.handlers["dlscale_averaging_result"] = self.result
 
@@ -73,6 +77,22 @@ class AveragingWorkerPlugin(WorkerPlugin):
     def close(self, session: str) -> None:
         self.mailboxes.pop(session, None)
         self.results.pop(session, None)
+
+    def park(self, session: str, network: Any | None) -> None:
+        """Keep the replica that the trainer of ``session`` trained for the next fit (``None``: keep
+        nothing); any other session's is forgotten."""
+        with self._parking:
+            self.parked = {} if network is None else {session: network}
+
+    def unpark(self, session: str) -> Any | None:
+        """The replica parked by ``session``'s trainer, taken away (``None`` if none is)."""
+        with self._parking:
+            return self.parked.pop(session, None)
+
+    def forget(self, session: str) -> None:
+        """Drop the replica parked by ``session``'s trainer."""
+        with self._parking:
+            self.parked.pop(session, None)
 
     def keep(self, session: str, round: int, attempt: int, header: dict[str, Any], array: Any) -> None:
         """Hold round ``round``'s average for peers that missed part of it (until the next round's)."""

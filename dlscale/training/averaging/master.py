@@ -6,7 +6,9 @@ every trainer fits ``averaging_frequency`` minibatches on its own replica, then 
 their states (parameters, buffers and, with ``save_updater``, the optimizer's state) weighted by
 examples, peer to peer (an allreduce over Dask's comms, ``_exchange``), never through the scheduler or
 the driver. The driver plans the rounds, opens a session on the scheduler (``_scheduler_plugin``) and
-follows the settled rounds' reports; at the end it takes the trainers' common state. A lost trainer's
+follows the settled rounds' reports; at the end it takes the trainers' common state, and the trainers
+park their replicas for the next fit of the network (``dlscale.training._parking``): a loop of one
+``fit`` per epoch sends the network once. A lost trainer's
 share goes to the others and the round completes with the survivors' states; a checkpoint due, or a
 worker that joined, ends a *segment* at a round's end: the driver takes the state there and goes on
 with a new session on the workers there are.
@@ -22,13 +24,15 @@ import math
 import time
 import uuid
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from distributed import Future, wait
+from distributed import Future, get_worker, wait
 
+from dlscale.data.loaders import prefetch
 from dlscale.errors import TrainerLostWarning
 from dlscale.monitor.stats import RoundStats, WorkerRound
 from dlscale.runtime.cluster import cluster_workers
@@ -37,6 +41,7 @@ from dlscale.runtime.retirement import retired
 from dlscale.runtime.tasks import check_count
 from dlscale.training import _sources, _worker
 from dlscale.training._driver import FitRun, workers
+from dlscale.training._parking import Warm, fingerprint
 from dlscale.training.averaging import _trainer
 from dlscale.training.averaging._exchange import DTYPES
 from dlscale.training.averaging._extension import AVERAGING
@@ -83,6 +88,7 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
     repartition: str = "always"
     outer_optimizer: Callable[..., torch.optim.Optimizer] | None = None
     exchange_dtype: str = "float32"
+    _warm: Warm | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -115,6 +121,21 @@ def _open_node(session: str, dask_worker: Any = None) -> None:
 
 def _close_node(session: str, dask_worker: Any = None) -> None:
     plugin(dask_worker).close(session)
+
+
+def _is_parked(session: str, dask_worker: Any = None) -> bool:
+    return session in plugin(dask_worker).parked
+
+
+def _forget_parked(session: str, dask_worker: Any = None) -> None:
+    plugin(dask_worker).forget(session)
+
+
+def _probe_parked(session: str, ref: Any, loader: Any) -> None:
+    """Load one minibatch and compute the loss on it with the replica parked here (what
+    ``_worker.probe`` does with a network sent)."""
+    network = plugin(get_worker()).parked[session]
+    network.score(next(prefetch([ref], loader, 0)))
 
 
 def _network_state(result: dict[str, Any]) -> dict[str, Any]:
@@ -152,7 +173,9 @@ class _Averaging:
             master.exchange_dtype,
             self.config.poll_interval * 10,
             self.config.end_timeout,
+            self.config.keep_trainers,
         )
+        self.parked: list[tuple[str, list[str], bool]] = []  # each segment's session, trainers, and whether all parked
 
     def _order(self, start: int = 0) -> list[int]:
         """Work items epoch after epoch from the fit's epoch ``start`` (item ``e * n + i``: minibatch ``i``
@@ -175,11 +198,17 @@ class _Averaging:
     def train(self, probe: bool) -> None:
         run, client = self.run, self.client
         install(client, AVERAGING)
-        if probe:
+        nodes = workers(client)
+        warm = self._take_parked(nodes)
+        if probe and warm is None:
             run.probe()
+        elif probe:
+            b = self.batches
+            client.submit(_probe_parked, warm, b.refs[0], b.loader, workers=[nodes[0]], pure=False).result()
         run.show_progress()
         remaining = self._remaining()
         self.left.update(item // self.n for item in remaining)
+        kept = False
         try:
             if self.held:
                 client.publish_dataset(**{self.batches.loader.dataset: self.held})
@@ -187,20 +216,53 @@ class _Averaging:
             while remaining:
                 if segment:  # the fit goes on from a round's end: the network and the workers there now
                     run.reship()
-                workers_now = workers(client)
-                self._note_lost(workers_now)
-                remaining, due = self._segment(remaining, workers_now, f"{self.fit}-{segment}")
+                    nodes, warm = workers(client), None
+                self._note_lost(nodes)
+                remaining, due = self._segment(remaining, nodes, f"{self.fit}-{segment}", warm)
                 epoch = min(remaining) // self.n if remaining else run.epochs
                 run.write_checkpoint(due, run.position(epoch, remaining=tuple(remaining)), lambda network: None)
                 segment += 1
+            session, trainers, complete = self.parked[-1] if self.parked else (None, [], False)
+            if complete and self.config.keep_trainers:  # every trainer parked: the next fit can go on with them
+                self.master._warm = Warm(
+                    session, weakref.ref(run.network), fingerprint(run.network), repr(self.master), tuple(trainers)
+                )
+                kept = True
         except Exception as e:
             lost = sorted(set(self.seen) - set(cluster_workers(client)))
             if lost:
                 e.add_note(f"worker(s) {', '.join(lost)} left the cluster during the fit")
             raise
         finally:
+            self._forget(keep=self.parked[-1][0] if kept else None)
             if self.held:
                 client.unpublish_dataset(self.batches.loader.dataset)
+
+    def _take_parked(self, nodes: list[str]) -> str | None:
+        """The session whose trainers' replicas, parked on ``nodes`` by the last fit, go on in this one:
+        the network and the master are as that fit left them, and its trainers were on these workers.
+        Otherwise ``None``, and the parked replicas are forgotten."""
+        warm, self.master._warm = self.master._warm, None
+        if warm is None:
+            return None
+        usable = self.run.resume is None and warm.matches(self.run.network, repr(self.master), tuple(nodes))
+        if usable:
+            usable = all(self.client.run(_is_parked, warm.session, workers=nodes).values())
+        if not usable:
+            alive = set(cluster_workers(self.client))
+            trainers = [w for w in warm.trainers if w in alive]
+            self.client.run(_forget_parked, warm.session, workers=trainers, on_error="ignore")
+            return None
+        return warm.session
+
+    def _forget(self, keep: str | None) -> None:
+        """Drop the replicas that this fit's segments parked, but those of session ``keep``."""
+        with contextlib.suppress(Exception):  # after a failure, the failure matters, not this
+            alive = set(cluster_workers(self.client))
+            for session, trainers, _ in self.parked:
+                if session != keep:
+                    on = [w for w in trainers if w in alive]
+                    self.client.run(_forget_parked, session, workers=on, on_error="ignore")
 
     def _note_lost(self, alive: list[str]) -> None:
         """Warn once about each worker of the fit that was lost (not retired): the others train its share."""
@@ -235,9 +297,12 @@ class _Averaging:
                 return k + 1
         return None
 
-    def _segment(self, remaining: list[int], nodes: list[str], session: str) -> tuple[list[int], list[Any]]:
-        """Train ``remaining`` on the trainers of ``nodes`` until done or a segment's end; sets the driver's
-        network to their state. Returns the items left and the checkpoint listeners due."""
+    def _segment(
+        self, remaining: list[int], nodes: list[str], session: str, warm: str | None
+    ) -> tuple[list[int], list[Any]]:
+        """Train ``remaining`` on the trainers of ``nodes`` (going on with the replicas parked by session
+        ``warm``, if any) until done or a segment's end; sets the driver's network to their state.
+        Returns the items left and the checkpoint listeners due."""
         run, client = self.run, self.client
         plan = plan_rounds(remaining, nodes, self.frequency, self.n, self.owner)
         stop_at = self._stop_before(plan)
@@ -253,9 +318,11 @@ class _Averaging:
         )
         try:
             client.run(_open_node, session, workers=nodes)
-            futures = self._start(session, nodes)
+            self.parked.append((session, nodes, False))
+            futures = self._start(session, nodes, warm)
             due = self._follow(session, futures)
-            state = self._state(futures)
+            state, complete = self._state(futures)
+            self.parked[-1] = (session, nodes, complete)
         finally:
             left = client.sync(client.scheduler.dlscale_averaging_close, session=session)
             alive = set(cluster_workers(client))
@@ -270,9 +337,12 @@ class _Averaging:
         )
         return left, due
 
-    def _start(self, session: str, nodes: list[str]) -> dict[str, Future]:
-        """One trainer task on each of ``nodes``, by worker."""
-        blob, key, b = self.run.blob, self.run.replicas[0], self.batches
+    def _start(self, session: str, nodes: list[str], warm: str | None) -> dict[str, Future]:
+        """One trainer task on each of ``nodes``, by worker: on the network sent, or (``warm``) on the
+        replicas parked there."""
+        b = self.batches
+        blob, key = (self.run.blob, self.run.replicas[0]) if warm is None else (None, None)
+        spec = dataclasses.replace(self.spec, warm=warm)
         return {
             w: self.client.submit(
                 _trainer.run,
@@ -283,7 +353,7 @@ class _Averaging:
                 b.refs,
                 b.names,
                 b.loader,
-                self.spec,
+                spec,
                 workers=[w],
                 allow_other_workers=True,
                 pure=False,
@@ -292,13 +362,14 @@ class _Averaging:
             for j, w in enumerate(nodes)
         }
 
-    def _state(self, futures: dict[str, Future]) -> dict[str, Any]:
-        """The trainers' common state, from one trainer that ended with it."""
-        for f in futures.values():
-            if f.status == "finished":
-                result = self.client.submit(_summary, f, pure=False).result()
-                if result:
-                    return _network_state(f.result())
+    def _state(self, futures: dict[str, Future]) -> tuple[dict[str, Any], bool]:
+        """The trainers' common state, from one trainer that ended with it, and whether every trainer
+        did (and so parked its replica)."""
+        finished = [f for f in futures.values() if f.status == "finished"]
+        held = self.client.gather([self.client.submit(_summary, f, pure=False) for f in finished])
+        for f, has_state in zip(finished, held, strict=True):
+            if has_state:
+                return _network_state(f.result()), len(finished) == len(futures) and all(held)
         raise RuntimeError("every parameter-averaging trainer was lost; the network is unchanged")
 
     def _follow(self, session: str, futures: dict[str, Future]) -> list[Any]:

@@ -21,9 +21,7 @@ import warnings
 import weakref
 from typing import Any, ClassVar
 
-import crc32c
 import numpy as np
-import torch
 from distributed import Future, get_worker, wait
 
 from dlscale.data.loaders import prefetch
@@ -37,6 +35,7 @@ from dlscale.runtime.extensions import install
 from dlscale.runtime.tasks import check_count
 from dlscale.training import _sources, _worker
 from dlscale.training._driver import FitRun, workers
+from dlscale.training._parking import Warm, fingerprint
 from dlscale.training.checkpoints import FitPosition
 from dlscale.training.master import TrainingMaster
 from dlscale.training.sharing import _mesh, _trainer
@@ -85,7 +84,7 @@ class SharedTrainingMaster(TrainingMaster):
     worker_gc_frequency_ms: int = 5000
     momentum_masking: bool = True
     prefetch: int = 2
-    _warm: _Warm | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    _warm: Warm | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -112,45 +111,6 @@ class SharedTrainingMaster(TrainingMaster):
         self, run: FitRun, batches: _sources.Minibatches, *, partitions: int | None = None, probe: bool = False
     ) -> None:
         _Session(self, run, batches, held=partitions is not None).train(probe)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Warm:
-    """A fit's trainers, parked on their workers under its last ``session``, and what the next fit must
-    match to take them back: the same ``network`` (a weak reference), unchanged since (its
-    ``fingerprint``), the master's same ``settings`` and the same ``trainers`` on the same workers."""
-
-    session: str
-    network: weakref.ref[Any]
-    fingerprint: tuple[int, str]
-    settings: str
-    trainers: tuple[tuple[str, tuple[str, int]], ...]
-
-
-def fingerprint(network: Any) -> tuple[int, str]:
-    """A digest of ``network``'s state: the CRC-32C of its parameters, buffers and optimizer state
-    tensors, with the rest of the optimizer's state (its settings, such as the learning rate) as text.
-    A fit's trainers go on in the next fit only if the network has not changed in between."""
-    crc, rest = 0, []
-
-    def visit(value: Any) -> None:
-        nonlocal crc
-        if isinstance(value, torch.Tensor):
-            data = value.detach().reshape(-1).contiguous().cpu()
-            crc = crc32c.crc32c(data.view(torch.uint8).numpy() if data.numel() else b"", crc)
-            rest.append(f"{data.dtype}{tuple(value.shape)}")
-        elif isinstance(value, dict):
-            for k in sorted(value, key=repr):
-                rest.append(repr(k))
-                visit(value[k])
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                visit(v)
-        else:
-            rest.append(repr(value))
-
-    visit([network.params(), dict(network.module.named_buffers()), network.optimizer_state()])
-    return crc, "|".join(rest)
 
 
 def _parked(session: str, dask_worker: Any = None) -> list[int]:
@@ -262,7 +222,7 @@ class _Session:
                 run.write_checkpoint(due, run.position(epoch, remaining=tuple(remaining)), lambda network: None)
                 segment += 1
             if self.complete and self.config.keep_trainers:  # every trainer parked: the next fit can go on with them
-                master._warm = _Warm(
+                master._warm = Warm(
                     self.session,
                     weakref.ref(run.network),
                     fingerprint(run.network),
@@ -306,11 +266,8 @@ class _Session:
         alive = set(cluster_workers(self.client))
         usable = (
             self.run.resume is None
-            and warm.network() is self.run.network
-            and warm.trainers == tuple(sorted(self.trainers.items()))
-            and warm.settings == repr(self.master)
             and alive.issuperset(nodes)
-            and warm.fingerprint == fingerprint(self.run.network)
+            and warm.matches(self.run.network, repr(self.master), tuple(sorted(self.trainers.items())))
         )
         if usable:
             held = self.client.run(_parked, warm.session, workers=nodes)

@@ -1,0 +1,66 @@
+"""Trainers parked between fits: what a fit leaves on its workers for the next fit of the same network.
+
+DL4J's examples train one ``fit`` per epoch. A fit whose trainers all end with the driver's state
+leaves them *parked* on their workers (their replicas, and what else they train with); the next fit
+takes them back instead of sending the network again, if nothing changed in between: the same
+network object, its state unchanged (:func:`fingerprint`), the master's same settings and the same
+trainers on the same workers (:class:`Warm`). Otherwise the parked trainers are forgotten and the
+network is sent as for a first fit. ``dlscale.sharing.keep-trainers`` turns parking off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any
+
+import crc32c
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Warm:
+    """A fit's trainers, parked on their workers under its last ``session``, and what the next fit must
+    match to take them back: the same ``network`` (a weak reference), unchanged since (its
+    ``fingerprint``), the master's same ``settings`` and the same ``trainers`` (where each is)."""
+
+    session: str
+    network: weakref.ref[Any]
+    fingerprint: tuple[int, str]
+    settings: str
+    trainers: tuple[Any, ...]
+
+    def matches(self, network: Any, settings: str, trainers: tuple[Any, ...]) -> bool:
+        """Whether a fit of ``network`` with ``settings`` on ``trainers`` can go on with these."""
+        return (
+            self.network() is network
+            and self.settings == settings
+            and self.trainers == trainers
+            and self.fingerprint == fingerprint(network)
+        )
+
+
+def fingerprint(network: Any) -> tuple[int, str]:
+    """A digest of ``network``'s state: the CRC-32C of its parameters, buffers and optimizer state
+    tensors, with the rest of the optimizer's state (its settings, such as the learning rate) as text.
+    A fit's trainers go on in the next fit only if the network has not changed in between."""
+    crc, rest = 0, []
+
+    def visit(value: Any) -> None:
+        nonlocal crc
+        if isinstance(value, torch.Tensor):
+            data = value.detach().reshape(-1).contiguous().cpu()
+            crc = crc32c.crc32c(data.view(torch.uint8).numpy() if data.numel() else b"", crc)
+            rest.append(f"{data.dtype}{tuple(value.shape)}")
+        elif isinstance(value, dict):
+            for k in sorted(value, key=repr):
+                rest.append(repr(k))
+                visit(value[k])
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                visit(v)
+        else:
+            rest.append(repr(value))
+
+    visit([network.params(), dict(network.module.named_buffers()), network.optimizer_state()])
+    return crc, "|".join(rest)
