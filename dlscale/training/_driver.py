@@ -140,8 +140,9 @@ def start_workers(client: Client) -> list[str]:
 class FitRun:
     """One fit of ``master`` on ``batches`` for ``epochs`` epochs, used as a context manager.
 
-    The network (pickled in ``blob``) is sent once to every worker when first needed: :attr:`blob` is its
-    future and :attr:`replicas` the keys under which workers keep an unpickled copy (a master that keeps
+    The network (pickled in ``blob``; if that is ``None``, pickled when first needed, which a fit that
+    goes on with the last fit's parked trainers never is) is sent once to every worker when first
+    needed: :attr:`blob` is its future and :attr:`replicas` the keys under which workers keep an unpickled copy (a master that keeps
     several per worker lists them there). A step's report goes to :meth:`step`. On a clean exit the epoch
     counter moves on by ``epochs`` and the statistics are recorded; after an error the network's
     counters are restored (its parameters are only replaced by a master once training succeeded).
@@ -151,7 +152,7 @@ class FitRun:
         self,
         context: FitContext,
         master: TrainingMaster,
-        blob: bytes,
+        blob: bytes | None,
         batches: Minibatches,
         epochs: int,
         resume: FitPosition | None = None,
@@ -191,6 +192,8 @@ class FitRun:
         """The pickled network's future, held on every worker (one copy would die with its worker): sent
         when first asked for, so that a fit that trains networks the workers still hold sends nothing."""
         if self._shipped is None:
+            if self._blob is None:
+                self._blob = shipping.serialise(self.network)
             self._shipped = shipping.ship_blob(self.client, self._blob)
             self.replicas = [self._shipped.key]
         return self._shipped

@@ -30,14 +30,13 @@ class Warm:
     settings: str
     trainers: tuple[Any, ...]
 
+    def same(self, network: Any, settings: str) -> bool:
+        """Whether ``network``, trained with ``settings``, is the one these trainers left, unchanged."""
+        return self.network() is network and self.settings == settings and self.fingerprint == fingerprint(network)
+
     def matches(self, network: Any, settings: str, trainers: tuple[Any, ...]) -> bool:
         """Whether a fit of ``network`` with ``settings`` on ``trainers`` can go on with these."""
-        return (
-            self.network() is network
-            and self.settings == settings
-            and self.trainers == trainers
-            and self.fingerprint == fingerprint(network)
-        )
+        return self.trainers == trainers and self.same(network, settings)
 
 
 def fingerprint(network: Any) -> tuple[int, str]:

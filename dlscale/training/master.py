@@ -13,6 +13,7 @@ from dlscale.nn import shipping
 from dlscale.runtime.tasks import check_count
 from dlscale.training import _sources
 from dlscale.training._driver import FitContext, FitRun
+from dlscale.training._parking import Warm
 
 if TYPE_CHECKING:
     from dlscale.facade.rdd import RDD
@@ -44,6 +45,7 @@ class TrainingMaster(abc.ABC):
     collect_training_stats: bool = False
     rng_seed: int | None = None
     _exports: _sources.ExportCache = dataclasses.field(default_factory=_sources.ExportCache, init=False, repr=False)
+    _warm: Warm | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_count("batch_size_per_worker", self.batch_size_per_worker)
@@ -53,7 +55,7 @@ class TrainingMaster(abc.ABC):
         """Train ``context.network`` on an RDD of DataSet or MultiDataSet (from ``resume``, a checkpoint's
         position, onwards)."""
         check_epochs(epochs)
-        blob = serialise(context.network)
+        blob = self._blob(context.network)
         probe_rdd(context.network, rdd, self.batch_size_per_worker)
         if self.rdd_training_approach == "direct":
             batches = _sources.in_memory(rdd, self.batch_size_per_worker, self.storage_level)
@@ -75,10 +77,17 @@ class TrainingMaster(abc.ABC):
         """Train ``context.network`` on the minibatches that ``loader`` reads from ``paths`` (from ``resume``,
         a checkpoint's position, onwards)."""
         check_epochs(epochs)
-        blob = serialise(context.network)
+        blob = self._blob(context.network)
         batches = _sources.from_paths(paths, loader)
         with FitRun(context, self, blob, batches, epochs, resume) as run:
             self._train(run, batches, probe=True)
+
+    def _blob(self, network: Network) -> bytes | None:
+        """``network`` pickled for the workers, or ``None`` when the last fit's trainers, parked, may go on
+        with it (it is unchanged since: see ``_parking``); the fit pickles it then only if they cannot."""
+        if network.optimizer is not None and self._warm is not None and self._warm.same(network, repr(self)):
+            return None
+        return serialise(network)
 
     def delete_temp_files(self) -> None:
         """Delete the minibatch files this master exported (DL4J's ``deleteTempFiles``)."""

@@ -88,7 +88,6 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
     repartition: str = "always"
     outer_optimizer: Callable[..., torch.optim.Optimizer] | None = None
     exchange_dtype: str = "float32"
-    _warm: Warm | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()

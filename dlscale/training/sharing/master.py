@@ -84,7 +84,6 @@ class SharedTrainingMaster(TrainingMaster):
     worker_gc_frequency_ms: int = 5000
     momentum_masking: bool = True
     prefetch: int = 2
-    _warm: Warm | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
