@@ -330,7 +330,7 @@ def run_dlscale(
         SparkNet(sc, warm, master()).fit_paths(sc.parallelize(paths.take(4 * workers)))  # imports, connections
         net = Network(workload["module"](), "cross_entropy", SGD)
         spark_net = SparkNet(sc, net, master())
-        elapsed, curve, edges = 0.0, [], []
+        elapsed, curve, edges, rounds = 0.0, [], [], []
         rdd = sc.parallelize(DataSet(x, y).batch_by(BATCH), workers) if master_name.endswith("_rdd") else None
         with measured(out):
             for _ in range(epochs):
@@ -341,6 +341,7 @@ def run_dlscale(
                     spark_net.fit(rdd)
                 elapsed += time.perf_counter() - start
                 edges.append(_edges(spark_net.training_stats, wall, time.time()))
+                rounds.append(spark_net.training_stats.rounds[sum(map(len, rounds)) :])  # this fit's
                 curve.append((elapsed, accuracy(net.module, tx, ty)))
     stats = spark_net.training_stats  # of every epoch's fit
     out["fit_edges_seconds"] = edges
@@ -353,6 +354,8 @@ def run_dlscale(
         out["steps"] = steps
     else:
         steps = sum(len(w.batches) for r in stats.rounds for w in r.workers)
+        per_fit = [_round_seconds(r) for r in rounds]
+        out["trainer_seconds"] = {k: sum(f[k] for f in per_fit) for k in ("fit", "wait", "straggler", "averaging")}
     dense = 4 * net.num_params()
     out.update(samples=steps * BATCH, seconds=elapsed, minibatches=steps, curve=curve, dense_update_bytes=dense)
     if master_name == "sharing":  # each message goes to every peer (plain mode)
@@ -378,6 +381,27 @@ def averaging(runner: str) -> dict[str, Any]:
     if parts[0] == "diloco":
         settings["outer_optimizer"] = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
     return settings
+
+
+def _round_seconds(rounds: list[Any]) -> dict[str, float]:
+    """Where a parameter-averaging trainer's time went in one fit's ``rounds``, summed over its rounds
+    and averaged over the trainers: fitting (``fit``, minibatches' loading included), of which waiting
+    for a minibatch (``wait``); between one round's fitting and the next's, waiting for the slowest
+    trainer to end its fitting (``straggler``), then the averaging itself (``averaging``: the
+    allreduce, the commit, the next round's start)."""
+    totals = {"fit": 0.0, "wait": 0.0, "straggler": 0.0, "averaging": 0.0}
+    trainers = {w.worker for r in rounds for w in r.workers}
+    for r in rounds:
+        totals["fit"] += sum(w.fit_seconds for w in r.workers)
+        totals["wait"] += sum(w.wait_seconds for w in r.workers)
+    for a, b in zip(rounds, rounds[1:]):
+        last = max(w.end for w in a.workers)
+        starts = {w.worker: w.start for w in b.workers}
+        for w in a.workers:
+            if w.worker in starts:
+                totals["straggler"] += last - w.end
+                totals["averaging"] += starts[w.worker] - last
+    return {k: v / max(1, len(trainers)) for k, v in totals.items()}
 
 
 def _edges(stats: Any, start: float, end: float) -> list[float]:
