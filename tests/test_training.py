@@ -36,6 +36,7 @@ from dlscale.data import (
 from dlscale.nn import Network, ScoreIterationListener
 from dlscale.nn.listeners import TrainingListener
 from dlscale.training import _worker
+from dlscale.training.averaging._worker_plugin import plugin
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
 MOMENTUM = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
@@ -515,8 +516,6 @@ def test_a_foreign_file_among_minibatch_files_is_named(sc, tmp_path, master: str
 
 def _parked_replicas(sc: SparkContext) -> dict[str, dict[str, int]]:
     """Each worker's parked parameter-averaging replicas: ``{worker: {session: id of the network}}``."""
-    from dlscale.training.averaging._worker_plugin import plugin
-
     return sc.client.run(lambda dask_worker: {s: id(n) for s, n in plugin(dask_worker).parked.items()})
 
 
@@ -545,7 +544,8 @@ class _SentNetworks(TrainingListener):
 def test_a_fit_loop_goes_on_with_the_last_fits_replicas_unless_the_network_changed(sc, tmp_path, one_thread) -> None:
     """One ``fit`` per epoch, as DL4J's examples train: the second fit's trainers go on with the first's
     replicas, parked on their workers (the network is not sent again), and end exactly where fits
-    that are sent the network each time end; a network changed on the driver in between is sent."""
+    that are sent the network each time end; a network changed on the driver in between is sent, and
+    so is one whose parked replicas are gone from the workers (as from a restarted worker's)."""
     rdd = rdd_of(sc, 96, 8, 2)
 
     def loop(keep: bool, sent: _SentNetworks | None = None) -> tuple[Network, list[dict[str, dict[str, int]]]]:
@@ -557,9 +557,11 @@ def test_a_fit_loop_goes_on_with_the_last_fits_replicas_unless_the_network_chang
             spark_net.set_listeners(sent)
         parked = []
         with dask.config.set({"dlscale.sharing.keep-trainers": keep}):
-            for fit in range(3):
+            for fit in range(4):
                 if fit == 2:
                     spark_net.network.optimizer.param_groups[0]["lr"] /= 2
+                if fit == 3:
+                    sc.client.run(lambda dask_worker: plugin(dask_worker).parked.clear())
                 if sent is not None:
                     sent.before = _networks_held(sc)
                 spark_net.fit(rdd)
@@ -568,9 +570,9 @@ def test_a_fit_loop_goes_on_with_the_last_fits_replicas_unless_the_network_chang
 
     sent = _SentNetworks(sc)
     kept, parked = loop(True, sent)
-    assert sent.held == [True, False, True]  # the network sent to the first fit and the third alone
+    assert sent.held == [True, False, True, True]  # not to the second fit alone
     for w in parked[0]:
-        (first,), (second,), (third,) = (p[w].items() for p in parked)
+        (first,), (second,), (third,), _ = (p[w].items() for p in parked)
         assert first[0] != second[0] and first[1] == second[1]  # a new session, the same replica
         assert third[1] != second[1]  # the network changed on the driver: a replica anew
     sent_each_time, parked = loop(False)
