@@ -142,10 +142,11 @@ class FitRun:
 
     The network (pickled in ``blob``; if that is ``None``, pickled when first needed, which a fit that
     goes on with the last fit's parked trainers never is) is sent once to every worker when first
-    needed: :attr:`blob` is its future and :attr:`replicas` the keys under which workers keep an unpickled copy (a master that keeps
-    several per worker lists them there). A step's report goes to :meth:`step`. On a clean exit the epoch
-    counter moves on by ``epochs`` and the statistics are recorded; after an error the network's
-    counters are restored (its parameters are only replaced by a master once training succeeded).
+    needed: :attr:`blob` is its future and :attr:`replicas` the keys under which workers keep an
+    unpickled copy (a master that keeps several per worker lists them there). A step's report goes to
+    :meth:`step`. On a clean exit the epoch counter moves on by ``epochs`` and the statistics are
+    recorded; after an error the network's counters are restored (its parameters are only replaced by
+    a master once training succeeded).
     """
 
     def __init__(
