@@ -6,11 +6,14 @@ trainer) and the values of the floating buffers (batch-norm statistics) and, wit
 of the optimizer's floating state (momentum). With ``m`` members, member ``c`` owns the ``c``-th of
 ``m`` chunks: every member sends each other owner its chunk with its weight (the examples it fitted),
 each owner averages its chunk, weighted, and sends the average to every other member. Each member sends
-and receives about twice the vector's bytes times ``(m - 1) / m`` whatever ``m``, in two hops. What a
+and receives about twice the vector's bytes times ``(m - 1) / m`` whatever ``m``, in two hops. Two
+members send each other their whole vectors instead and both average all of it: the same bytes, in
+one hop (a round trip less a round, which counts where rounds are short). What a
 step keeps aside (step counts, integer buffers) is taken from the first member that fitted examples,
 as one process's averaging of states takes it from the first state. The chunks travel in
 ``dtype`` (float32, or float16/bfloat16 to halve the bytes); an owner rounds its own average the same
-way, so every replica holds the same values.
+way, so every replica holds the same values (two members round their own vectors as they send them,
+and sum alike).
 """
 
 from __future__ import annotations
@@ -226,6 +229,9 @@ class Exchange:
         self.result: tuple[torch.Tensor, list[list[Any]], dict[str, Any]] | None = None
         self.reports: list[dict[str, Any]] = []
         self._header = {"weight": mine.weight, "length": mine.vector.numel(), "report": mine.report}
+        self.direct = len(self.members) == 2  # one hop: each sends the other its whole vector
+        if self.direct:
+            self._header.update(layout=mine.layout, kept=mine.kept)
         # set as the chunk this member owns is averaged (phase 2): the average, the first member
         # that fitted examples, and what this member's averaged chunk travels with
         self._out: torch.Tensor | None = None
@@ -266,12 +272,14 @@ class Exchange:
         return True
 
     def _scatter(self) -> None:
-        """Phase 1: send each other owner its chunk of this member's vector, with its weight."""
+        """Phase 1: send each other owner its chunk of this member's vector (two members: all of it),
+        with its weight."""
         v, m = self.mine.vector, len(self.members)
         edges = bounds(v.numel(), m)
         for c, peer in enumerate(self.members):
             if peer != self.me:
-                self._emit(peer, 1, self._header, v[edges[c] : edges[c + 1]] if self.mine.weight else None)
+                chunk = v if self.direct else v[edges[c] : edges[c + 1]]
+                self._emit(peer, 1, self._header, chunk if self.mine.weight else None)
         self.phase = 1
 
     def _reduce(self, got: dict[str, tuple[dict[str, Any], Any]]) -> None:
@@ -291,8 +299,11 @@ class Exchange:
             )
         length = lengths.pop() if lengths else v.numel()
         edges = bounds(length, len(members))
-        lo, hi = edges[self.rank], edges[self.rank + 1]
-        own = torch.zeros(hi - lo, dtype=torch.float32, device=v.device)
+        lo, hi = (0, length) if self.direct else (edges[self.rank], edges[self.rank + 1])
+        self._out = mine.average(length) if mine.average is not None else torch.empty(length, device=v.device)
+        # two members average all of it, in place; an owner its chunk, apart, to send it
+        own = self._out if self.direct else torch.empty(hi - lo, dtype=torch.float32, device=v.device)
+        own.zero_()
         if total:
             for t in members:  # in the members' order: every owner sums alike
                 if not weights[t]:
@@ -303,16 +314,17 @@ class Exchange:
                 own.add_(chunk, alpha=weights[t] / total)
         else:  # nobody fitted anything: the state stays
             own.copy_(v[lo:hi])
-        if self.dtype != torch.float32:
+        if self.dtype != torch.float32 and not self.direct:
             own = own.to(self.dtype).float()  # as the others receive it
         self._leader = next((t for t in members if weights[t]), members[0])
         self._average_header = {"length": length}
         if self._leader == self.me:
             self._average_header.update(layout=mine.layout, kept=mine.kept)
-        if mine.average is not None:
-            self._out = mine.average(length)
-        else:
-            self._out = torch.empty(length, dtype=torch.float32, device=v.device)
+        if self.direct:  # every member summed all of it alike
+            head = parts[self._leader][0] if self._leader != self.me else self._header
+            self.result = (self._out, head["layout"], head["kept"])
+            self.phase = 3
+            return
         self._out[lo:hi] = own
         for peer in members:
             if peer != self.me:
