@@ -21,6 +21,7 @@ from dlscale.data import (
     export_minibatches,
     list_paths,
     load,
+    loaders,
     prefetch,
     resolve_loader,
     save,
@@ -69,8 +70,11 @@ def test_prefetch_reads_ahead_but_no_further_than_its_depth(batches: list[str]) 
     assert not [t for t in threading.enumerate() if t.name == "dlscale-prefetch"]
 
 
-def test_loads_that_do_not_wait_on_storage_are_not_read_ahead(batches: list[str]) -> None:
-    """A load that is all computation gains nothing from a thread: each minibatch is loaded when asked for."""
+def test_loads_that_do_not_wait_on_storage_are_not_read_ahead(batches: list[str], monkeypatch) -> None:
+    """A load that is all computation gains nothing from a thread: each minibatch is loaded when asked for.
+    (The bound is raised for the test: on a loaded machine a local load may be descheduled for longer
+    than the half millisecond a waiting load is told by, and then is read ahead, as one that waits.)"""
+    monkeypatch.setattr(loaders, "WAITED", 1.0)
     loader = Recording()
     it = prefetch(batches, loader, depth=2)
     for i in range(3):
