@@ -173,7 +173,8 @@ def train_rank(
             if state is not None:  # elements all-reduced in the compressed steps
                 result["powersgd_elements"] = state.total_numel_after_compression
             result["state_dict"] = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
-            torch.save(result, Path(tmp) / "result.pt")
+            torch.save(result, Path(tmp) / "result.pt.part")
+            os.replace(Path(tmp) / "result.pt.part", Path(tmp) / "result.pt")  # whole, or not there
     finally:
         dist.destroy_process_group()
 
@@ -287,14 +288,19 @@ def ddp_samples_per_s(
     127.0.0.1:``port`` (a free port by default); ``options`` are :func:`train_with`'s keywords.
 
     gloo sometimes aborts a process as it ends ("terminate called without an active exception",
-    ``SIGABRT``): such a run is run again, up to :data:`TRIES` runs in all, and the result says how
-    many were (``aborted_before``)."""
+    ``SIGABRT``). A run whose result was written before that (every rank had ended its training:
+    rank 0 writes it after gathering from every rank) counts; one aborted before is run again, up
+    to :data:`TRIES` runs in all, and the result says how many were (``aborted_before``)."""
 
     def launch(tmp: str, args: tuple[Any, ...]) -> dict[str, Any]:
+        result = Path(tmp) / "result.pt"
         for attempt in range(TRIES):
+            result.unlink(missing_ok=True)
             try:
                 mp.spawn(_worker, nprocs=world_size, join=True, args=(world_size, port or free_port(), tmp, *args))
             except mp.ProcessExitedException as e:
+                if e.signal_name == "SIGABRT" and result.exists():
+                    return {"aborted_before": attempt}  # at its end: the training was done and recorded
                 if e.signal_name != "SIGABRT" or attempt == TRIES - 1:
                     raise
                 continue
