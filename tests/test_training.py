@@ -34,9 +34,9 @@ from dlscale.data import (
     save,
 )
 from dlscale.nn import Network, ScoreIterationListener
-from dlscale.nn.listeners import TrainingListener
 from dlscale.training import _worker
 from dlscale.training.averaging._worker_plugin import plugin
+from tests.test_sharing import _networks_held, _SentNetworks
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
 MOMENTUM = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
@@ -517,28 +517,6 @@ def test_a_foreign_file_among_minibatch_files_is_named(sc, tmp_path, master: str
 def _parked_replicas(sc: SparkContext) -> dict[str, dict[str, int]]:
     """Each worker's parked parameter-averaging replicas: ``{worker: {session: id of the network}}``."""
     return sc.client.run(lambda dask_worker: {s: id(n) for s, n in plugin(dask_worker).parked.items()})
-
-
-def _networks_held(sc: SparkContext) -> set[str]:
-    """The pickled networks (scattered ``bytes-...`` keys) the workers hold now."""
-    keys = sc.client.run(lambda dask_worker: [str(k) for k in dask_worker.data])
-    return {k for ks in keys.values() for k in ks if k.startswith("bytes-")}
-
-
-class _SentNetworks(TrainingListener):
-    """Looks, at the first round of every fit, for a pickled network on the workers that was not there
-    before the fit (``before``, set by the caller): ``held`` has one flag per fit."""
-
-    def __init__(self, sc: SparkContext) -> None:
-        self.sc, self.held, self.before, self.looked = sc, [], set(), False
-
-    def iteration_done(self, network: Network, iteration: int, epoch: int, score: float, examples: int) -> None:
-        if not self.looked:
-            self.held.append(bool(_networks_held(self.sc) - self.before))
-            self.looked = True
-
-    def fit_done(self, network: Network) -> None:
-        self.looked = False
 
 
 def test_a_fit_loop_goes_on_with_the_last_fits_replicas_unless_the_network_changed(sc, tmp_path, one_thread) -> None:

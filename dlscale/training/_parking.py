@@ -30,6 +30,11 @@ class Warm:
     settings: str
     trainers: tuple[Any, ...]
 
+    @classmethod
+    def left(cls, session: str, network: Any, settings: str, trainers: tuple[Any, ...]) -> Warm:
+        """What the trainers of ``session``, parked as a fit of ``network`` with ``settings`` ends, leave."""
+        return cls(session, weakref.ref(network), fingerprint(network), settings, trainers)
+
     def same(self, network: Any, settings: str) -> bool:
         """Whether ``network``, trained with ``settings``, is the one these trainers left, unchanged."""
         return self.network() is network and self.settings == settings and self.fingerprint == fingerprint(network)

@@ -317,14 +317,14 @@ class Exchange:
         if self.dtype != torch.float32 and not self.direct:
             own = own.to(self.dtype).float()  # as the others receive it
         self._leader = next((t for t in members if weights[t]), members[0])
-        self._average_header = {"length": length}
-        if self._leader == self.me:
-            self._average_header.update(layout=mine.layout, kept=mine.kept)
-        if self.direct:  # every member summed all of it alike
-            head = parts[self._leader][0] if self._leader != self.me else self._header
+        if self.direct:  # every member summed all of it alike; the leader's layout came with its vector
+            head = parts[self._leader][0]
             self.result = (self._out, head["layout"], head["kept"])
             self.phase = 3
             return
+        self._average_header = {"length": length}
+        if self._leader == self.me:
+            self._average_header.update(layout=mine.layout, kept=mine.kept)
         self._out[lo:hi] = own
         for peer in members:
             if peer != self.me:

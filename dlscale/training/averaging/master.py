@@ -24,7 +24,6 @@ import math
 import time
 import uuid
 import warnings
-import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -41,7 +40,7 @@ from dlscale.runtime.retirement import retired
 from dlscale.runtime.tasks import check_count
 from dlscale.training import _sources, _worker
 from dlscale.training._driver import FitRun, workers
-from dlscale.training._parking import Warm, fingerprint
+from dlscale.training._parking import Warm
 from dlscale.training.averaging import _trainer
 from dlscale.training.averaging._exchange import DTYPES
 from dlscale.training.averaging._extension import AVERAGING
@@ -223,9 +222,7 @@ class _Averaging:
                 segment += 1
             session, trainers, complete = self.parked[-1] if self.parked else (None, [], False)
             if complete and self.config.keep_trainers:  # every trainer parked: the next fit can go on with them
-                self.master._warm = Warm(
-                    session, weakref.ref(run.network), fingerprint(run.network), repr(self.master), tuple(trainers)
-                )
+                self.master._warm = Warm.left(session, run.network, repr(self.master), tuple(trainers))
                 kept = True
         except Exception as e:
             lost = sorted(set(self.seen) - set(cluster_workers(client)))

@@ -18,7 +18,6 @@ import logging
 import time
 import uuid
 import warnings
-import weakref
 from typing import Any, ClassVar
 
 import numpy as np
@@ -35,7 +34,7 @@ from dlscale.runtime.extensions import install
 from dlscale.runtime.tasks import check_count
 from dlscale.training import _sources, _worker
 from dlscale.training._driver import FitRun, workers
-from dlscale.training._parking import Warm, fingerprint
+from dlscale.training._parking import Warm
 from dlscale.training.checkpoints import FitPosition
 from dlscale.training.master import TrainingMaster
 from dlscale.training.sharing import _mesh, _trainer
@@ -221,13 +220,7 @@ class _Session:
                 run.write_checkpoint(due, run.position(epoch, remaining=tuple(remaining)), lambda network: None)
                 segment += 1
             if self.complete and self.config.keep_trainers:  # every trainer parked: the next fit can go on with them
-                master._warm = Warm(
-                    self.session,
-                    weakref.ref(run.network),
-                    fingerprint(run.network),
-                    repr(master),
-                    tuple(sorted(self.trainers.items())),
-                )
+                master._warm = Warm.left(self.session, run.network, repr(master), tuple(sorted(self.trainers.items())))
                 kept = True
         finally:
             if not kept:
