@@ -103,10 +103,13 @@ AVERAGING = (
     "diloco_f50",
     "averaging_auto",
     "averaging_f50_rdd",
+    "streaming_f10",
+    "streaming_f50",
+    "streaming_auto",
 )
 """dlscale's parameter averaging: every 10 or 50 minibatches, the states exchanged in 16 bits, DiLoCo's
-Nesterov outer step (lr 0.7, momentum 0.9), "auto", and ``fit(rdd)`` (the default export, its first
-epoch exporting) in place of ``fit_paths``."""
+Nesterov outer step (lr 0.7, momentum 0.9), "auto", ``fit(rdd)`` (the default export, its first
+epoch exporting) in place of ``fit_paths``, and streaming rounds (``streaming=True``)."""
 RUNNERS = ("single", "ceiling", "ddp", "ddp_powersgd", "torch_distributor", *AVERAGING, "sharing")
 DEVICE_RUNNERS = ("single", "ceiling", *AVERAGING, "sharing")  # those that run on one shared GPU
 # Runs that move dense tensors every step or round take minutes a epoch at 100 Mbit/s: there they
@@ -378,6 +381,8 @@ def averaging(runner: str) -> dict[str, Any]:
     settings: dict[str, Any] = {"averaging_frequency": "auto" if parts[1] == "auto" else int(parts[1][1:])}
     if "fp16" in parts:
         settings["exchange_dtype"] = "float16"
+    if parts[0] == "streaming":
+        settings["streaming"] = True
     if parts[0] == "diloco":
         settings["outer_optimizer"] = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
     return settings

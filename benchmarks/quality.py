@@ -13,6 +13,7 @@ Run from the repository root::
     python -m benchmarks.quality --compressors "" --workers 2    # DDP rows alone
     python -m benchmarks.quality --compressors topk --masking off   # without momentum masking
     python -m benchmarks.quality --averaging 5,20,auto --compressors "" --peers ""   # parameter averaging
+    python -m benchmarks.quality --averaging 5,s5 --compressors "" --peers ""   # and with streaming rounds
     python -m benchmarks.quality --report     # the table again from the last results
 
 Models (``MODELS``): scikit-learn's digits (1,200 training and 597 test images) with an MLP, a
@@ -229,13 +230,14 @@ def averaged(
     seed: int,
     epochs: int,
     frequency: int | str,
+    streaming: bool = False,
 ) -> dict[str, Any]:
-    """Test accuracy after parameter averaging on ``sc``'s workers every ``frequency`` minibatches, and
-    the bytes its allreduces sent (each trainer 2 (W - 1) / W times its state, parameters and momentum,
-    a round)."""
+    """Test accuracy after parameter averaging on ``sc``'s workers every ``frequency`` minibatches (with
+    streaming rounds or not), and the bytes its allreduces sent (each trainer 2 (W - 1) / W times its
+    state, parameters and momentum, a round)."""
     net = Network(model.module(seed), "cross_entropy", model.optimizer)
     master = ParameterAveragingTrainingMaster(
-        model.batch, averaging_frequency=frequency, rng_seed=seed, collect_training_stats=True
+        model.batch, averaging_frequency=frequency, streaming=streaming, rng_seed=seed, collect_training_stats=True
     )
     spark_net = SparkNet(sc, net, master)
     start = time.perf_counter()
@@ -387,6 +389,16 @@ def _names(value: str, known: tuple[str, ...], what: str, parser: argparse.Argum
     return names
 
 
+def _averaging(value: str, parser: argparse.ArgumentParser) -> tuple[str, int | str, bool]:
+    """A row of ``--averaging`` (``5``, ``auto``, ``s20``): its method's name, frequency and streaming."""
+    streaming = value.startswith("s")
+    frequency = value[streaming:]
+    if frequency != "auto" and not frequency.isdigit():
+        parser.error(f"--averaging: {value!r} is not a frequency, 'auto', or either after 's'")
+    frequency = frequency if frequency == "auto" else int(frequency)
+    return f"{'streaming' if streaming else 'averaging'} f{frequency}", frequency, streaming
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = command_line(__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one seed, 2 workers, few epochs, less data")
@@ -412,7 +424,8 @@ def main(argv: list[str] | None = None) -> None:
         "--averaging",
         default="5",
         help="comma-separated frequencies of parameter averaging to run (rows 'averaging f<frequency>'; "
-        "'auto' too; empty: none; default 5, the master's own)",
+        "'auto' too; s<frequency>: with streaming rounds, rows 'streaming f<frequency>'; empty: none; "
+        "default 5, the master's own)",
     )
     parser.add_argument("--report", action="store_true", help="the table again from the last results")
     args = parse(parser, argv, RESULTS, quick=True, models="digits_mlp", compressors=DEFAULT, peers="ddp")
@@ -424,7 +437,7 @@ def main(argv: list[str] | None = None) -> None:
     aggregations = _names(args.aggregations, AGGREGATIONS, "aggregations", parser)
     maskings = tuple(m == "on" for m in _names(args.masking, ("on", "off"), "masking", parser))
     peers = _names(args.peers, tuple(PEERS), "peers", parser) if args.peers else ()
-    frequencies = tuple(f if f == "auto" else int(f) for f in args.averaging.split(",")) if args.averaging else ()
+    frequencies = tuple(_averaging(f, parser) for f in args.averaging.split(",")) if args.averaging else ()
     workers = tuple(int(w) for w in (args.workers or ("2" if args.quick else ",".join(map(str, WORKERS)))).split(","))
     seeds = tuple(int(s) for s in (args.seeds or ("0" if args.quick else ",".join(map(str, SEEDS)))).split(","))
     path = RESULTS.with_name("quality-quick.json") if args.quick and args.out == RESULTS else args.out
@@ -442,9 +455,7 @@ def main(argv: list[str] | None = None) -> None:
             for s in seeds
         }
         mine |= {(m, p, None, w, s) for m in models for p in peers for w in workers for s in seeds}
-        mine |= {
-            (m, f"averaging f{f}", None, w, s) for m in models for f in frequencies for w in workers for s in seeds
-        }
+        mine |= {(m, f[0], None, w, s) for m in models for f in frequencies for w in workers for s in seeds}
         report["runs"] = [r for r in json.loads(path.read_text())["runs"] if _key(r) not in mine]
     report["setup"] = {
         "optimizer": "SGD momentum 0.9",
@@ -517,9 +528,8 @@ def main(argv: list[str] | None = None) -> None:
                     model = MODELS[name]
                     _, paths, test = exported[name]
                     epochs = model.quick_epochs if args.quick else model.epochs
-                    for frequency, seed in itertools.product(frequencies, seeds):
-                        r = averaged(sc, model, paths, test, seed, epochs, frequency)
-                        method = f"averaging f{frequency}"
+                    for (method, frequency, streaming), seed in itertools.product(frequencies, seeds):
+                        r = averaged(sc, model, paths, test, seed, epochs, frequency, streaming)
                         print(
                             f"{name:14s} {method:13s} {w} workers seed {seed}: accuracy {r['accuracy']:.3f} "
                             f"({r['seconds']:.0f} s)",

@@ -19,7 +19,8 @@ epochs (1,500 minibatches), each run ``REPEATS`` times (the median goes in the t
 - **averaging**: dlscale's ``ParameterAveragingTrainingMaster`` on ``local[1]`` (its default frequency)
   and ``local[2]``, one ``fit_paths`` of the 20 epochs timed whole, averaging every 5 minibatches (its
   default), once an epoch (``averaging_frequency`` 38: each worker's share of an epoch's 75
-  minibatches) and ``"auto"``: what a user with a small model could pick instead of gradient sharing.
+  minibatches) and ``"auto"``: what a user with a small model could pick instead of gradient sharing;
+  on 2 workers each of these also with streaming rounds (``streaming=True``).
 
 Targets: sharing on 2 workers at least as fast as the single process over the whole fit; the best
 averaging on 2 workers at least 1.3x the single process, and no 2-worker fit with a master's
@@ -106,12 +107,14 @@ def sharing(sc: SparkContext, paths: Any, data: tuple[torch.Tensor, ...], **opti
     }
 
 
-def averaging(sc: SparkContext, paths: Any, data: tuple[torch.Tensor, ...], frequency: int | str) -> dict[str, Any]:
+def averaging(
+    sc: SparkContext, paths: Any, data: tuple[torch.Tensor, ...], frequency: int | str, streaming: bool = False
+) -> dict[str, Any]:
     """One ``fit_paths`` of every epoch with ``ParameterAveragingTrainingMaster``, timed whole."""
     x, _, tx, ty = data
     net = Network(digits_mlp(0), "cross_entropy", OPTIMIZER)
     master = ParameterAveragingTrainingMaster(
-        BATCH, averaging_frequency=frequency, rng_seed=0, collect_training_stats=True
+        BATCH, averaging_frequency=frequency, streaming=streaming, rng_seed=0, collect_training_stats=True
     )
     spark_net = SparkNet(sc, net, master)
     start = time.perf_counter()
@@ -177,6 +180,10 @@ def main(argv: list[str] | None = None) -> None:
                 averaging(sc, sc.parallelize(paths.take(2 * workers), workers), data, frequency)  # its first pickling
                 name = f"averaging ({workers} worker{'s' * (workers > 1)}, frequency {frequency})"
                 rows[name] = median_run([averaging(sc, paths, data, frequency) for _ in range(REPEATS)])
+                if workers > 1:
+                    rows[f"{name[:-1]}, streaming)"] = median_run(
+                        [averaging(sc, paths, data, frequency, streaming=True) for _ in range(REPEATS)]
+                    )
     base = rows["single"]["examples_per_s"]
     for row in rows.values():
         row["vs_single"] = row["examples_per_s"] / base

@@ -4,7 +4,9 @@ the example-weighted mean of states that one process computes (``_worker.average
 
 from __future__ import annotations
 
+import collections
 import functools
+import random
 import threading
 from collections import Counter
 from typing import Any
@@ -52,6 +54,7 @@ def test_a_round_settles_when_every_live_trainer_holds_its_average() -> None:
     s = Rounds("s", plan_rounds(list(range(12)), T, 2, 12), T)
     assert s.begin("a", 0) == {
         "end": False,
+        "round": 0,
         "items": [0, 1],
         "attempt": 0,
         "members": T,
@@ -115,6 +118,104 @@ def test_a_retiring_trainer_leaves_between_settled_rounds_unless_it_is_the_last(
     assert s.leave("a", 0) == "stay"
 
 
+def test_a_streaming_trainer_is_handed_the_next_round_with_each_commit() -> None:
+    s = Rounds("s", plan_rounds(list(range(12)), ["a", "b"], 2, 12), ["a", "b"])
+    first = s.begin("a", 0, ahead=1)
+    assert (first["items"], first["next"]["items"]) == ([0, 1], [4, 5])
+    s.begin("b", 0, ahead=1)
+    assert s.frontier() == 1 and s.unplanned() == 2
+    report = [_report(t, s.rounds[0].shares[t]) for t in ("a", "b")]
+    reply = s.commit("a", 0, 0, report, ahead=1)
+    assert reply["items"] == [8, 9] and reply["current"] == s.sync("a", 1)
+    assert s.frontier() == 2 and s.unplanned() == 3
+    assert s.commit("b", 0, 0, report, ahead=1)["items"] == [10, 11]
+    assert s.commit("a", 1, 0, report, ahead=1)["end"]
+
+
+def _simulate(seed: int, trainers: int, items: int, per: int, losses: int, ahead: int) -> None:
+    """Trainers, streaming their rounds with ``ahead=1`` (each fits round k + 1 while round k's averaging
+    is in flight), stepped in a random order, with ``losses`` trainers lost at random moments: every item
+    is reported fitted once, by the trainer it was handed to, in a round of its epoch (of 20 items), and
+    no share changes once handed out."""
+    rng = random.Random(seed)
+    names = [f"t{i}" for i in range(trainers)]
+    s = Rounds("s", plan_rounds(list(range(items)), names, per, 20), names)
+    handed: dict[tuple[int, str], list[int]] = {}  # (round, trainer): its share as handed out
+    sent: dict[tuple[int, int], set[str]] = collections.defaultdict(set)  # (round, attempt): members that sent
+    state = {t: {"k": 0, "phase": "start", "attempt": None} for t in names}
+
+    def take(t: str, reply: dict[str, Any]) -> None:
+        while reply is not None and not reply["end"]:
+            assert (reply["round"], t) not in handed
+            handed[reply["round"], t] = reply["items"]
+            reply = reply.get("next")
+
+    def send(t: str, k: int, status: dict[str, Any]) -> None:
+        state[t].update(attempt=status["attempt"], members=status["members"])
+        sent[k, status["attempt"]].add(t)
+
+    def step(t: str) -> None:
+        st = state[t]
+        k = st["k"]
+        if st["phase"] == "start":
+            reply = s.begin(t, 0, ahead=ahead)
+            take(t, reply)
+            if reply["end"]:
+                st["phase"] = "done"
+                return
+            send(t, 0, reply)  # round 0 fitted, its parts sent (streaming: round 1 being fitted)
+            st["phase"] = "averaging"
+            return
+        if st["phase"] != "averaging":
+            return
+        status = s.sync(t, k)
+        committed = status["committed"]
+        if committed is not None and committed != st["attempt"]:
+            reply = s.commit(t, k, committed, [], ahead=ahead)  # adopts a holder's average
+        elif committed is None and status["attempt"] != st["attempt"]:
+            send(t, k, status)  # a member was lost: the round's averaging again, without it
+            return
+        elif set(st["members"]) <= sent[k, st["attempt"]]:
+            members = st["members"]
+            report = [_report(m, handed.get((k, m), [])) for m in members]
+            reply = s.commit(t, k, st["attempt"], report, ahead=ahead)
+            assert "adopt" not in reply or reply == {"adopt": reply["adopt"]}
+            if "adopt" in reply:
+                return
+        else:
+            return
+        take(t, reply)
+        st["k"] = k + 1
+        if (k + 1, t) not in handed:  # nothing to fit: the session ends for this trainer
+            st["phase"] = "done"
+            return
+        send(t, k + 1, reply["current"])
+
+    lost = 0
+    for _ in range(10_000):
+        alive = sorted(s.alive)
+        active = [t for t in alive if state[t]["phase"] != "done"]
+        if not active:
+            break
+        if lost < losses and len(alive) > 1 and rng.random() < 0.05:
+            s.lose(rng.choice(alive))
+            lost += 1
+            continue
+        step(rng.choice(active))
+    assert s.settled(), s
+    assert _fitted(s) == Counter(range(items))
+    for r in s.reports:
+        for m in r["members"]:
+            assert m["items"] == handed[r["round"], m["trainer"]]
+        assert len({i // 20 for m in r["members"] for i in m["items"]}) <= 1, r
+
+
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_rounds_fit_every_item_once_under_losses_streaming_or_not(ahead: int) -> None:
+    for seed in range(300):
+        _simulate(seed, trainers=2 + seed % 4, items=40 + seed % 23, per=1 + seed % 4, losses=seed % 4, ahead=ahead)
+
+
 # -- the allreduce -----------------------------------------------------------------------------------
 def _net(seed: int, norm: bool = True) -> Network:
     torch.manual_seed(seed)
@@ -135,7 +236,13 @@ def _step(net: Network, seed: int, n: int) -> int:
 
 
 def _allreduce(nets: list[Network], weights: list[int], flats: list[FlatState], dtype=torch.float32):
-    names = [f"t{i}" for i in range(len(nets))]
+    for flat, (average, layout, kept) in zip(flats, _exchanged(weights, flats, dtype), strict=True):
+        flat.apply(average, layout, kept)
+
+
+def _exchanged(weights: list[int], flats: list[FlatState], dtype=torch.float32) -> list[Any]:
+    """Every member's average (and layout, values set aside) from an allreduce of ``flats`` in threads."""
+    names = [f"t{i}" for i in range(len(flats))]
     boxes = {t: Mailbox() for t in names}
 
     def run(i: int) -> None:
@@ -149,14 +256,13 @@ def _allreduce(nets: list[Network], weights: list[int], flats: list[FlatState], 
         assert ex.run(10.0)
         results[i] = ex.result
 
-    results: list[Any] = [None] * len(nets)
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(nets))]
+    results: list[Any] = [None] * len(flats)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(flats))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    for flat, (average, layout, kept) in zip(flats, results, strict=True):
-        flat.apply(average, layout, kept)
+    return results
 
 
 @pytest.mark.parametrize("members", [2, 3, 4])
@@ -208,6 +314,38 @@ def test_16_bit_exchange_leaves_every_replica_alike_and_near_the_mean(dtype: tor
     change = (expected["params"] - flats[0].anchor).abs().max()
     tolerance = float(change) * (2**-8 if dtype == torch.bfloat16 else 2**-11) * 2
     torch.testing.assert_close(nets[0].params(), expected["params"], rtol=0, atol=tolerance)
+
+
+def test_a_streaming_trainer_takes_the_average_keeping_what_it_fitted_since_it_sent() -> None:
+    """``FlatState.settle``: the state becomes the round's average plus the change since ``mark``
+    (parameters, batch-norm statistics, momentum); without a step since, exactly the average, as
+    ``apply`` sets it; the anchor becomes the averaged parameters on every member alike."""
+    nets = [_net(0) for _ in range(3)]
+    flats = [FlatState(n, True) for n in nets]
+    weights = [_step(n, seed=30 + i, n=2) for i, n in enumerate(nets[:2])]
+    _worker.apply_state(nets[2], _worker.state_of(nets[1], True))  # a copy of the second, to apply plainly
+    for f in flats[:2]:
+        f.vector()
+        f.mark()
+    results = _exchanged(weights, flats[:2])
+    sent = _worker.state_of(nets[0], True)
+    _step(nets[0], seed=40, n=3)  # the first fits on while the average comes; the second does not
+    now = _worker.state_of(nets[0], True)
+    for f, (average, layout, kept) in zip(flats[:2], results, strict=True):
+        f.settle(average, layout, kept)
+    flats[2].apply(*results[1])
+    plain = _worker.state_of(nets[2], True)
+    settled = _worker.state_of(nets[1], True)
+    assert torch.equal(settled["params"], plain["params"])
+    assert all(torch.equal(settled["buffers"][k], v) for k, v in plain["buffers"].items())
+    assert torch.equal(flats[0].anchor, flats[1].anchor) and torch.equal(flats[1].anchor, plain["params"])
+    carried = _worker.state_of(nets[0], True)
+    torch.testing.assert_close(carried["params"], plain["params"] + now["params"] - sent["params"], rtol=0, atol=1e-6)
+    mean = "1.running_mean"
+    expected = plain["buffers"][mean] + now["buffers"][mean] - sent["buffers"][mean]
+    torch.testing.assert_close(carried["buffers"][mean], expected, rtol=0, atol=1e-6)
+    momentum = [s["optimizer"]["state"][0]["momentum_buffer"] for s in (carried, plain, now, sent)]
+    torch.testing.assert_close(momentum[0], momentum[1] + momentum[2] - momentum[3], rtol=0, atol=1e-6)
 
 
 def test_chunk_bounds_cover_the_vector() -> None:

@@ -10,6 +10,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import dask
 import pytest
@@ -106,11 +107,17 @@ def test_two_workers_equal_one_process_with_twice_the_batch(sc, tmp_path, one_th
     assert spark_net.network.epoch == 2 and spark_net.network.iteration == 24
 
 
-def test_one_worker_equals_one_process_exactly(sc1, tmp_path, one_thread) -> None:
+@pytest.mark.parametrize("streaming", [False, True])
+def test_one_worker_equals_one_process_exactly(sc1, tmp_path, one_thread, streaming) -> None:
     """One worker carrying momentum across rounds of 3 minibatches is single-process training."""
     rdd = rdd_of(sc1, 200, 9, 2)
     master = ParameterAveragingTrainingMaster(
-        16, averaging_frequency=3, collect_training_stats=True, rng_seed=2, export_directory=str(tmp_path / "export")
+        16,
+        averaging_frequency=3,
+        streaming=streaming,
+        collect_training_stats=True,
+        rng_seed=2,
+        export_directory=str(tmp_path / "export"),
     )
     spark_net = SparkNet(sc1, mlp_network(MOMENTUM), master)
     spark_net.fit(rdd, epochs=2)
@@ -267,6 +274,92 @@ def test_diloco_s_outer_step_moves_the_parameters_by_the_averaged_change(sc, tmp
         plain = SparkNet(sc, mlp_network(MOMENTUM), again)
         plain.fit(rdd, epochs=2)
         torch.testing.assert_close(plain.network.params(), spark_net.network.params(), rtol=0, atol=1e-5)
+
+
+def _carried(average: dict[str, Any], sent: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
+    """A streaming trainer's state as it takes a round's ``average`` one round late: the average plus
+    what it fitted since it ``sent`` its state (for every averaged tensor)."""
+
+    def carry(a: Any, s: Any, n: Any) -> Any:
+        return a + (n - s) if torch.is_tensor(a) and a.is_floating_point() and a.dim() > 0 else a
+
+    states = average["optimizer"]["state"]
+    return {
+        "params": carry(average["params"], sent["params"], now["params"]),
+        "buffers": {k: carry(v, sent["buffers"][k], now["buffers"][k]) for k, v in average["buffers"].items()},
+        "optimizer": {
+            **average["optimizer"],
+            "state": {
+                i: {
+                    key: carry(v, sent["optimizer"]["state"][i][key], now["optimizer"]["state"][i][key])
+                    for key, v in st.items()
+                }
+                for i, st in states.items()
+            },
+        },
+    }
+
+
+def test_streaming_rounds_take_each_average_during_the_next_round(sc, tmp_path, one_thread) -> None:
+    """``streaming=True``: each trainer fits round k + 1 from its own state while round k is averaged,
+    and takes round k's average, plus what it fitted since (parameters, batch-norm statistics and
+    momentum alike), as soon as it is whole, after half of round k + 1 at the latest (as recorded);
+    the fit ends on the last round's average. Checked against the same rounds replayed in this
+    process, and unlike plain averaging of them."""
+    rdd = rdd_of(sc, 160, 10, 2)
+    master = ParameterAveragingTrainingMaster(
+        10,
+        averaging_frequency=4,
+        streaming=True,
+        collect_training_stats=True,
+        rng_seed=3,
+        export_directory=str(tmp_path / "export"),
+    )
+    spark_net = SparkNet(sc, mlp_network(MOMENTUM, norm=True), master)
+    spark_net.fit(rdd, epochs=4)
+
+    start = _worker.state_of(mlp_network(MOMENTUM, norm=True), True)
+    replicas: dict[str, Network] = {}
+    sent: dict[str, dict[str, Any]] = {}
+    average = plain = start
+    rounds = spark_net.training_stats.rounds
+    assert len(rounds) == 8 and all(len(r.workers) == 2 for r in rounds)
+    for r in rounds:
+        for share in r.workers:
+            if share.worker not in replicas:
+                replicas[share.worker] = mlp_network(MOMENTUM, norm=True)
+            net = replicas[share.worker]
+            assert share.late_steps <= (len(share.batches) + 1) // 2 and (share.late_steps > 0) == bool(sent)
+            for path in share.batches[: share.late_steps]:
+                net.fit_batch(load(path))
+            if sent:  # the last round's average comes: carried over what was fitted since
+                _worker.apply_state(net, _carried(average, sent[share.worker], _worker.state_of(net, True)))
+            for path in share.batches[share.late_steps :]:
+                net.fit_batch(load(path))
+        sent = {w: _worker.state_of(net, True) for w, net in replicas.items()}
+        average = _worker.average(
+            *[
+                {**sent[share.worker], "examples": share.examples, "batches": 1, "score": 0.0, "shares": []}
+                for share in r.workers
+            ]
+        )
+        states = []
+        for share in r.workers:  # plain averaging of the same rounds, for contrast
+            net = mlp_network(MOMENTUM, norm=True)
+            _worker.apply_state(net, plain)
+            for path in share.batches:
+                net.fit_batch(load(path))
+            states.append(
+                {**_worker.state_of(net, True), "examples": share.examples, "batches": 1, "score": 0.0, "shares": []}
+            )
+        plain = _worker.average(*states)
+    result = _worker.state_of(spark_net.network, True)
+    torch.testing.assert_close(result["params"], average["params"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(result["buffers"], average["buffers"], rtol=0, atol=1e-5)
+    momentum = {i: s["momentum_buffer"] for i, s in result["optimizer"]["state"].items()}
+    expected = {i: s["momentum_buffer"] for i, s in average["optimizer"]["state"].items()}
+    torch.testing.assert_close(momentum, expected, rtol=0, atol=1e-5)
+    assert float((result["params"] - plain["params"]).abs().max()) > 1e-3
 
 
 def test_direct_trains_like_export_and_never_moves_minibatches(sc, tmp_path) -> None:

@@ -93,24 +93,36 @@ def _victim(ctx: SparkContext, rng: random.Random) -> tuple[str, int]:
     return address, pids[address]
 
 
-def _averaging(approach: str, seed: int) -> ParameterAveragingTrainingMaster:
+def _averaging(approach: str, seed: int, streaming: bool = False) -> ParameterAveragingTrainingMaster:
     return ParameterAveragingTrainingMaster(
-        BATCH, averaging_frequency=5, rdd_training_approach=approach, rng_seed=seed, collect_training_stats=True
+        BATCH,
+        averaging_frequency=5,
+        rdd_training_approach=approach,
+        streaming=streaming,
+        rng_seed=seed,
+        collect_training_stats=True,
     )
 
 
-def _fit_averaging(ctx: SparkContext, data: tuple[torch.Tensor, ...], approach: str, seed: int) -> float:
+def _fit_averaging(
+    ctx: SparkContext, data: tuple[torch.Tensor, ...], approach: str, seed: int, streaming: bool = False
+) -> float:
     """Test accuracy of the same fit as :func:`_fit_averaging_killed` without a fault, which a fault
     must not cost more than 2 points of (one process with another shuffle differs from it by as
     much as seeds do, 1.5 points measured)."""
     x, y, tx, ty = data
     net = mlp(SIZES, lr=LR)
-    SparkNet(ctx, net, _averaging(approach, seed)).fit(examples_rdd(ctx, x, y, 3), epochs=EPOCHS)
+    SparkNet(ctx, net, _averaging(approach, seed, streaming)).fit(examples_rdd(ctx, x, y, 3), epochs=EPOCHS)
     return accuracy(net, tx, ty)
 
 
 def _fit_averaging_killed(
-    ctx: SparkContext, data: tuple[torch.Tensor, ...], approach: str, seed: int, epoch_end: bool = False
+    ctx: SparkContext,
+    data: tuple[torch.Tensor, ...],
+    approach: str,
+    seed: int,
+    epoch_end: bool = False,
+    streaming: bool = False,
 ) -> Network:
     """Fit with parameter averaging, killing a random worker after a random number of rounds (or, with
     ``epoch_end``, as the third epoch's last round settles: its trainer has just averaged and begins
@@ -121,7 +133,7 @@ def _fit_averaging_killed(
     at = ROUND_ITERATIONS * (ROUNDS * 3 if epoch_end else rng.randint(1, EPOCHS * ROUNDS - 2))
     killer = _KillAt(_victim(ctx, rng)[1], at)
     net = mlp(SIZES, lr=LR)
-    spark_net = SparkNet(ctx, net, _averaging(approach, seed))
+    spark_net = SparkNet(ctx, net, _averaging(approach, seed, streaming))
     spark_net.set_listeners(killer)
     with pytest.warns(TrainerLostWarning, match=r"parameter averaging lost worker\(s\) tcp://127\.0\.0\.1:\d+;"):
         spark_net.fit(examples_rdd(ctx, x, y, 3), epochs=EPOCHS)
@@ -132,16 +144,20 @@ def _fit_averaging_killed(
     return net
 
 
+@pytest.mark.parametrize("streaming", [False, True], ids=["rounds", "streaming"])
 def test_averaging_finishes_when_a_worker_dies_as_an_epoch_ends(
-    sc3: SparkContext, data: tuple[torch.Tensor, ...]
+    sc3: SparkContext, data: tuple[torch.Tensor, ...], streaming: bool
 ) -> None:
-    unfaulted = _fit_averaging(sc3, data, "export", seed=3)
-    net = _fit_averaging_killed(sc3, data, "export", seed=3, epoch_end=True)
+    unfaulted = _fit_averaging(sc3, data, "export", seed=3, streaming=streaming)
+    net = _fit_averaging_killed(sc3, data, "export", seed=3, epoch_end=True, streaming=streaming)
     assert accuracy(net, data[2], data[3]) >= unfaulted - 0.02
 
 
 @pytest.mark.slow
-def test_averaging_survives_kills_at_random_points(sc3: SparkContext, data: tuple[torch.Tensor, ...]) -> None:
+@pytest.mark.parametrize("streaming", [False, True], ids=["rounds", "streaming"])
+def test_averaging_survives_kills_at_random_points(
+    sc3: SparkContext, data: tuple[torch.Tensor, ...], streaming: bool
+) -> None:
     """Ten fits, each killing a worker at a random round: every one finishes with each minibatch fitted
     once, and the kills cost no accuracy on average (mean within 1 point of the same fits unfaulted;
     measured 0.2 below). A kill changes the rounds that follow (two workers share what three did), which
@@ -151,8 +167,9 @@ def test_averaging_survives_kills_at_random_points(sc3: SparkContext, data: tupl
     unfaulted, faulted = [], []
     for seed in range(10):
         approach = "export" if seed % 2 else "direct"
-        unfaulted.append(_fit_averaging(sc3, data, approach, seed=100 + seed))
-        faulted.append(accuracy(_fit_averaging_killed(sc3, data, approach, seed=100 + seed), data[2], data[3]))
+        unfaulted.append(_fit_averaging(sc3, data, approach, seed=100 + seed, streaming=streaming))
+        killed = _fit_averaging_killed(sc3, data, approach, seed=100 + seed, streaming=streaming)
+        faulted.append(accuracy(killed, data[2], data[3]))
     assert sum(faulted) / 10 >= sum(unfaulted) / 10 - 0.01, (faulted, unfaulted)
     assert all(f >= u - 0.04 for f, u in zip(faulted, unfaulted, strict=True)), (faulted, unfaulted)
 

@@ -25,6 +25,8 @@ class WorkerRound:
 
     ``fit_seconds`` is the whole task; ``wait_seconds`` the part spent waiting for minibatches to load
     (a high share means storage, not compute, is the bottleneck). ``start`` and ``end`` are Unix times.
+    With streaming rounds, ``late_steps`` is how many of these minibatches the worker fitted before it
+    took the previous round's average.
     """
 
     worker: str
@@ -35,6 +37,7 @@ class WorkerRound:
     wait_seconds: float
     start: float
     end: float
+    late_steps: int = 0
 
 
 @dataclass

@@ -59,11 +59,69 @@ class FlatState:
         # missed part of it while the next is assembled
         self._averages = [torch.empty(0, dtype=torch.float32, device=self.params.device) for _ in range(2)]
         self._turn = 0
+        self._layout: list[list[Any]] = []  # the layout of the last vector
+        self._sent = torch.empty(0, dtype=torch.float32, device=self.params.device)  # streaming: see mark
 
     def begin(self) -> None:
         """The round begins from the parameters as they are now."""
         self.anchor.copy_(self.params)
         self._turn ^= 1
+
+    def renew(self) -> None:
+        """Take a new buffer for the next vector: sends still in flight read the last one."""
+        self._buffer = torch.empty(0, dtype=torch.float32, device=self.params.device)
+
+    # -- streaming rounds: the average taken one round late ---------------------------------------
+    def mark(self) -> None:
+        """The state was just sent (:meth:`vector`): what is fitted from here on is this trainer's own
+        progress, which :meth:`settle` carries over the round's average."""
+        if self._sent.shape != self.params.shape:
+            self._sent = torch.empty_like(self.params)
+        self._sent.copy_(self.params)
+
+    def settle(
+        self,
+        average: torch.Tensor,
+        layout: list[list[Any]],
+        kept: dict[str, Any],
+        outer: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
+        """Take the average of the round sent at :meth:`mark` (:meth:`apply`), the anchor becoming the
+        averaged parameters, and add the progress made since: the parameters' and, for every averaged
+        tensor, its change since it was sent (one that was not sent keeps its own value). With no step
+        since, the state is the average exactly."""
+        with torch.no_grad():
+            progress = self.params - self._sent
+            sent = self._sent_parts()
+            carried = {}
+            for name, t in self._parts()[0]:
+                carried[name] = (t - sent[name], True) if name in sent else (t.clone(), False)
+            self.apply(average, layout, kept, outer)
+            self.anchor.copy_(self.params)
+            self.params.add_(progress)
+            averaged = {name for name, _ in layout}
+            for name, t in self._parts()[0]:
+                if name in averaged and name in carried:
+                    value, is_change = carried[name]
+                    if is_change:
+                        t.add_(value)
+                    else:
+                        t.copy_(value)
+        self._turn ^= 1
+
+    def keep_own(self) -> None:
+        """A lone trainer's round: its state as sent is the round's average (nothing to apply)."""
+        self.anchor.copy_(self._sent)
+        self._turn ^= 1
+
+    def _sent_parts(self) -> dict[str, torch.Tensor]:
+        """The tensors after the parameters as the last vector holds them, by name."""
+        out, offset = {}, self.params.numel()
+        for name, shape in self._layout:
+            size = int(np.prod(shape)) if shape else 1
+            out[name] = self._buffer[offset : offset + size].view(shape)
+            offset += size
+        return out
 
     def _parts(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
         """The floating tensors after the parameters, by name, and the values set aside."""
@@ -98,7 +156,8 @@ class FlatState:
         for _, t in tensors:
             v[offset : offset + t.numel()].copy_(t.detach().reshape(-1))
             offset += t.numel()
-        return v, [[name, list(t.shape)] for name, t in tensors], kept
+        self._layout = [[name, list(t.shape)] for name, t in tensors]
+        return v, self._layout, kept
 
     def average_buffer(self, length: int) -> torch.Tensor:
         """A buffer of ``length`` for this round's average (the same for every attempt; reused every

@@ -15,6 +15,13 @@ attempt the lost one took part in (the lost one's state is in that average), tha
 the moved items are taken back from the later rounds: every item is fitted once. A committed round
 whose every holder is lost before it settled is open again (nobody alive has its average, so nobody has
 gone on from it).
+
+A share once *handed out* (the trainer asked for it: :meth:`Rounds.begin`) no longer changes: the
+trainer may be fitting it. A trainer that streams its rounds (fits round ``k + 1`` while round ``k``'s
+averaging is in flight) is handed round ``k + 1`` with round ``k`` and round ``k + 2`` as it commits
+round ``k``. So a lost trainer's shares of the rounds handed out to anyone go to rounds inserted
+after the last of them (one for each, so that a round's items stay in one epoch), never into a
+share handed out, and items are taken back only from rounds not yet handed out.
 """
 
 from __future__ import annotations
@@ -78,6 +85,7 @@ class Round:
     holders: set[str] = field(default_factory=set)  # live trainers that hold the committed average
     report: list[dict[str, Any]] = field(default_factory=list)  # the committed attempt's members' statistics
     moved: dict[str, list[int]] = field(default_factory=dict)  # a lost member's share, moved to later rounds
+    handed: set[str] = field(default_factory=set)  # trainers given their share: the shares stay as they are
     settled: bool = False
 
     def items(self) -> list[int]:
@@ -113,19 +121,28 @@ class Rounds:
         end = len(self.rounds) if self.stop_at is None else min(self.stop_at, len(self.rounds))
         return all(r.settled for r in self.rounds[:end])
 
+    def frontier(self) -> int:
+        """The last round handed out to a trainer (``-1`` before any): rounds after it may be planned anew."""
+        return max((k for k, r in enumerate(self.rounds) if r.handed), default=-1)
+
     def left(self) -> list[int]:
         """The items of the rounds not committed, in order: what a next session trains."""
         return [i for r in self.rounds if r.committed is None for i in r.items()]
 
     # -- the trainers' calls -------------------------------------------------------------------
-    def begin(self, trainer: str, k: int) -> dict[str, Any]:
-        """``trainer``'s share of round ``k`` (after it holds round ``k - 1``'s average) and the round's
-        averaging as it stands (:meth:`sync`), or the end."""
+    def begin(self, trainer: str, k: int, ahead: int = 0) -> dict[str, Any]:
+        """``trainer``'s share of round ``k`` (after it holds round ``k - 1``'s average, or, streaming,
+        as it commits round ``k - 2``) and the round's averaging as it stands (:meth:`sync`), or the end;
+        with ``ahead``, also its shares of that many rounds after ``k`` (under ``"next"``)."""
         self._check(trainer)
         if k >= len(self.rounds) or (self.stop_at is not None and k >= self.stop_at):
-            return {"end": True, "items": [], "next_items": []}
+            return {"end": True, "round": k, "items": []}
         r = self.rounds[k]
-        return {"end": False, "items": list(r.shares.get(trainer, [])), **self.sync(trainer, k)}
+        r.handed.add(trainer)
+        reply = {"end": False, "round": k, "items": list(r.shares.get(trainer, [])), **self.sync(trainer, k)}
+        if ahead:
+            reply["next"] = self.begin(trainer, k + 1, ahead - 1)
+        return reply
 
     def sync(self, trainer: str, k: int) -> dict[str, Any]:
         """Round ``k``'s averaging as ``trainer`` is to take part in it now."""
@@ -138,10 +155,15 @@ class Rounds:
             "holders": sorted(r.holders & self.alive),
         }
 
-    def commit(self, trainer: str, k: int, attempt: int, report: list[dict[str, Any]]) -> dict[str, Any]:
+    def commit(
+        self, trainer: str, k: int, attempt: int, report: list[dict[str, Any]], ahead: int = 0
+    ) -> dict[str, Any]:
         """``trainer`` holds the average of round ``k``'s ``attempt`` (``report``: what each member fitted).
         Returns ``{"adopt": holders}`` when the round took another attempt's average (the trainer takes
-        that from a holder, then commits it), else its share of round ``k + 1`` (:meth:`begin`)."""
+        that from a holder, then commits it), else its shares of the rounds up to ``k + 1 + ahead`` not
+        yet handed to it (:meth:`begin`; a trainer streaming its rounds, ``ahead=1``, has round
+        ``k + 1``'s already, unless that round was inserted since) and how round ``k + 1``'s averaging
+        stands (under ``"current"``)."""
         self._check(trainer)
         r = self.rounds[k]
         if r.committed is None:
@@ -160,7 +182,14 @@ class Rounds:
             return {"adopt": sorted(r.holders & self.alive)}
         r.holders.add(trainer)
         self._settle(k)
-        return self.begin(trainer, k + 1)
+        first = next(
+            (j for j in range(k + 1, k + 1 + ahead) if j >= len(self.rounds) or trainer not in self.rounds[j].handed),
+            k + 1 + ahead,
+        )
+        reply = self.begin(trainer, first, k + 1 + ahead - first)
+        if k + 1 < len(self.rounds):
+            reply["current"] = self.sync(trainer, k + 1)
+        return reply
 
     def join(self, trainer: str) -> None:
         """A trainer starting; one lost before it started, or started a second time (its task rerun
@@ -183,15 +212,20 @@ class Rounds:
         return "left"
 
     def replan(self, per_trainer: int, per_epoch: int, owner: dict[int, str] | None = None) -> None:
-        """Plan the rounds after the next one again with ``per_trainer`` items a trainer a round (no
-        trainer can have begun them: the open round is not committed)."""
-        k = self.open_round() + 1
+        """Plan the rounds not yet handed out again with ``per_trainer`` items a trainer a round (from the
+        round after the open one at the earliest)."""
+        k = self.unplanned()
         items = [i for r in self.rounds[k:] for i in r.items()]
         plan = plan_rounds(items, sorted(self.alive), per_trainer, per_epoch, owner)
         rounds = [Round(shares) for shares in plan]
         for r in rounds:
             r.members[0] = self._members(r)
         self.rounds[k:] = rounds
+
+    def unplanned(self) -> int:
+        """The first round that may still be planned anew or stopped before: after the open round and
+        after every round handed out."""
+        return max(self.open_round(), self.frontier()) + 1
 
     def fail(self, who: str, error: str) -> None:
         if self.failed is None:
@@ -213,16 +247,26 @@ class Rounds:
         if 0 < k and not self.rounds[k - 1].settled and not (self.rounds[k - 1].holders & self.alive):
             k -= 1
             self._reopen(k)
-        for j, r in enumerate(list(self.rounds[k:]), start=k):  # the rounds as they are, before any insertion
-            share = r.shares.pop(trainer, None)
-            if j == k and share:
-                r.moved[trainer] = share
-                self._insert_after(k, share)
-            elif share:
-                self._spread(r, share)
+        last = max(k, self.frontier())  # shares up to this round may be being fitted: they stay as handed out
+        moved: list[list[int]] = []  # the lost shares of those rounds, a round each (an epoch's items apart)
+        for j, r in enumerate(self.rounds[k:], start=k):
+            # the trainer's share, and in a round opened again those of trainers lost while it was committed
+            lost = []
+            for t in [t for t in r.shares if t not in self.alive]:
+                share = r.shares.pop(t)
+                if share and j <= last:
+                    if j == k:  # its state may yet be in the open round's average: then taken back
+                        r.moved[t] = share
+                    lost += share
+                elif share:
+                    self._spread(r, share)
+            if lost:
+                moved.append(lost)
             if trainer in r.members.get(r.attempt, ()):
                 r.attempt += 1
                 r.members[r.attempt] = self._members(r)
+        for n, items in enumerate(moved):
+            self._insert_after(last + n, items, self.rounds[k])
         for j in range(max(0, k - 1), len(self.rounds)):
             self._settle(j)
 
@@ -232,8 +276,9 @@ class Rounds:
         r.attempt += 1
         r.members[r.attempt] = self._members(r)
 
-    def _insert_after(self, k: int, items: list[int]) -> None:
-        survivors = sorted(t for t in self.rounds[k].shares if t in self.alive) or sorted(self.alive)
+    def _insert_after(self, k: int, items: list[int], among: Round) -> None:
+        """A round after round ``k`` for ``items``, split among ``among``'s live trainers (or all alive)."""
+        survivors = sorted(t for t in among.shares if t in self.alive) or sorted(self.alive)
         if not survivors:
             return
         inserted = Round({t: [] for t in survivors})
@@ -250,11 +295,12 @@ class Rounds:
             r.members[r.attempt] = self._members(r)
 
     def _take_back(self, k: int, items: set[int]) -> None:
-        """Remove ``items`` from the rounds after ``k`` (they were moved there from round ``k``)."""
+        """Remove ``items`` from the rounds after ``k`` (they were moved there from round ``k``, into a
+        round not handed out: see :meth:`_drop`); a round left empty goes unless it was handed out."""
         for r in self.rounds[k + 1 :]:
             for t in r.shares:
                 r.shares[t] = [i for i in r.shares[t] if i not in items]
-        self.rounds[k + 1 :] = [r for r in self.rounds[k + 1 :] if r.items() or r.committed is not None]
+        self.rounds[k + 1 :] = [r for r in self.rounds[k + 1 :] if r.items() or r.handed or r.committed is not None]
 
     def _settle(self, k: int) -> None:
         if k >= len(self.rounds):

@@ -113,11 +113,11 @@ class AveragingSchedulerPlugin(SchedulerPlugin):
     def stop(self, session: str) -> None:
         """End the session at the next round's end (a checkpoint is due, or a worker joined)."""
         s = self.sessions[session]
-        at = s.open_round() + 1
+        at = s.unplanned()
         s.stop_at = at if s.stop_at is None else min(s.stop_at, at)
 
     def replan(self, session: str, per_trainer: int, per_epoch: int, owner: dict[int, str] | None = None) -> None:
-        """Rounds of ``per_trainer`` minibatches a trainer from the round after the next on."""
+        """Rounds of ``per_trainer`` minibatches a trainer from the first round not handed out on."""
         owner = None if owner is None else {int(i): w for i, w in owner.items()}
         self.sessions[session].replan(per_trainer, per_epoch, owner)
 
@@ -130,16 +130,16 @@ class AveragingSchedulerPlugin(SchedulerPlugin):
     def join(self, session: str, trainer: str) -> dict[str, Any]:
         return self._reply(session, lambda s: s.join(trainer) or {})
 
-    def begin(self, session: str, trainer: str, round: int) -> dict[str, Any]:
-        return self._reply(session, lambda s: s.begin(trainer, round))
+    def begin(self, session: str, trainer: str, round: int, ahead: int = 0) -> dict[str, Any]:
+        return self._reply(session, lambda s: s.begin(trainer, round, ahead))
 
     def sync(self, session: str, trainer: str, round: int) -> dict[str, Any]:
         return self._reply(session, lambda s: s.sync(trainer, round))
 
     def commit(
-        self, session: str, trainer: str, round: int, attempt: int, report: list[dict[str, Any]]
+        self, session: str, trainer: str, round: int, attempt: int, report: list[dict[str, Any]], ahead: int = 0
     ) -> dict[str, Any]:
-        return self._reply(session, lambda s: s.commit(trainer, round, attempt, report))
+        return self._reply(session, lambda s: s.commit(trainer, round, attempt, report, ahead))
 
     def leave(self, session: str, trainer: str, round: int) -> dict[str, Any]:
         return self._reply(session, lambda s: {"outcome": s.leave(trainer, round)})

@@ -1,12 +1,19 @@
 """One parameter-averaging trainer: a long-lived task that fits its share of each round and then averages
 its state with the other trainers', peer to peer, until the session's rounds are done.
 
-A round: the trainer asks the scheduler for its share (with the commit of the round before: one call a
-round), fits it, reading ahead (``prefetch``), and takes part in the round's allreduce
+A round: the trainer is handed its share by the scheduler (with the commit of the round before: one
+call a round), fits it, reading ahead (``prefetch``), and takes part in the round's allreduce
 (``_exchange``) with the members the scheduler names. When the allreduce has every part, the trainer
 commits the round on the scheduler and takes the average: the parameters move by the averaged change,
 or as the outer optimizer (DiLoCo) moves them given it; the buffers and the optimizer's state take the
-averaged values. A trainer alone fits as one process does, its state untouched. While parts are
+averaged values. A trainer alone fits as one process does, its state untouched.
+
+Streaming (``TrainerSpec.streaming``), a trainer sends round ``k``'s state and fits round ``k + 1``
+(handed out with round ``k``) while the allreduce is in flight, advancing it between steps; it takes
+round ``k``'s average as soon as it is whole, keeping the progress made since it sent its state
+(``FlatState.settle``), and waits for it after half of round ``k + 1``'s steps at the latest (an
+average taken later costs accuracy): a round's communication and the wait for a slower trainer hide
+behind the next round's steps. While parts are
 missing the trainer asks the scheduler every ``poll`` seconds how the round stands: a member lost
 means a new attempt without it; a round committed with another attempt (or a part lost in flight)
 means taking the average from a trainer that holds it. A trainer whose worker retires leaves between
@@ -54,6 +61,7 @@ class TrainerSpec:
     poll: float  # seconds between a waiting trainer's calls to the scheduler
     timeout: float  # seconds a trainer waits for a round's average to be taken from a peer
     keep: bool  # whether a trainer that ends with the session's state parks its replica for the next fit
+    streaming: bool = False  # whether a round's averaging overlaps the next round's steps
     warm: str | None = None  # the session whose parked replicas this one's trainers go on with
 
 
@@ -134,6 +142,11 @@ class _Trainer:
                 )
         self.refs, self.names, self.loader = refs, names, loader
         self.dtype = DTYPES[spec.dtype]
+        self.last_exchange = float("nan")  # seconds the last round's averaging took to end
+        self.flat: FlatState
+        self.outer: _Outer | None = None
+        self.shares: dict[int, list[int]] = {}  # this trainer's shares handed out and not yet fitted, by round
+        self.status: dict[str, Any] | None = None  # how the next round's averaging stood when last heard
 
     def _send(self, peer: str, key: tuple[int, int, int], header: dict[str, Any], payload: Any) -> None:
         self.plugin.send(self.session, peer, key, header, payload)
@@ -149,30 +162,57 @@ class _Trainer:
     def _train(self) -> dict[str, Any]:
         match_threads()
         net, spec = self.network, self.spec
-        flat = FlatState(net, spec.save_updater)
-        outer = _Outer(spec.outer_optimizer, flat) if spec.outer_optimizer is not None else None
-        reply, k = self.control("begin", round=0), 0
-        staying, last_exchange = False, float("nan")
-        while not reply["end"]:
+        self.flat = FlatState(net, spec.save_updater)
+        self.outer = _Outer(spec.outer_optimizer, self.flat) if spec.outer_optimizer is not None else None
+        reply = self.control("begin", round=0, ahead=self.ahead)
+        self.shares, self.status = _handed(reply), reply  # its shares by round; how round 0's averaging stands
+        k, staying = 0, False
+        pending: _RoundAverage | None = None  # streaming: the last round's averaging, in flight
+        while True:
+            if pending is not None and k not in self.shares:  # nothing to fit (or a round inserted since)
+                self._finish(pending)
+                pending = None
+            if k not in self.shares:
+                break
+            if not spec.save_updater:
+                net.optimizer.state.clear()  # DL4J without save_updater: the updater starts afresh each round
+            if not spec.streaming:
+                self.flat.begin()
+            report = self._fit(k, self.shares.pop(k), pending)  # ends the pending averaging
             if not staying and self.worker.status in LEAVING:
                 outcome = self._leave(k)
                 if outcome == "left":
                     return {"trainer": self.name, "retired": True}
                 staying = outcome == "stay"
-            if not spec.save_updater:
-                net.optimizer.state.clear()  # DL4J without save_updater: the updater starts afresh each round
-            flat.begin()
-            report = self._fit(k, reply["items"])
-            fitted = time.perf_counter()
-            report["last_exchange_seconds"] = last_exchange  # the averaging that ended its previous round
-            reply = self._average(k, flat, outer, report, reply)
-            last_exchange = time.perf_counter() - fitted
-            self.mailbox.forget(k)
+            report["last_exchange_seconds"] = self.last_exchange  # the averaging that ended before it
+            if self.plugin.sending(self.session):
+                self.flat.renew()  # the last vector is still being sent
+            pending = _RoundAverage(self, k, report, self.status)
+            if not spec.streaming:
+                self._finish(pending)
+                pending = None
             k += 1
         state = state_of(net, with_optimizer=spec.save_updater)
         # the replica goes on in the next fit, if the driver's network is then this state
         self.plugin.park(self.session, net if spec.keep else None)
         return {**state, "trainer": self.name}
+
+    @property
+    def ahead(self) -> int:
+        """How many rounds after the one it fits a trainer is handed: one when streaming."""
+        return int(self.spec.streaming)
+
+    def _finish(self, pending: _RoundAverage) -> None:
+        """End ``pending``: its commit hands out this trainer's next shares and says how the next round's
+        averaging stands."""
+        t0 = time.perf_counter()
+        reply = pending.finish()
+        waited = time.perf_counter() - t0
+        # streaming: the averaging from the state's sending on (it overlapped the steps since)
+        self.last_exchange = time.perf_counter() - pending.started if self.spec.streaming else waited
+        self.shares.update(_handed(reply))
+        self.mailbox.forget(pending.k)
+        self.status = reply.get("current")
 
     def _leave(self, k: int) -> str:
         """Leave the session before round ``k`` as this trainer's worker retires: ``"left"``; ``"stay"``
@@ -191,11 +231,14 @@ class _Trainer:
             )
         return outcome
 
-    def _fit(self, k: int, items: list[int]) -> dict[str, Any]:
-        """Fit round ``k``'s share ``items``, reading ahead; returns what this trainer reports of it."""
+    def _fit(self, k: int, items: list[int], pending: _RoundAverage | None) -> dict[str, Any]:
+        """Fit round ``k``'s share ``items``, reading ahead; returns what this trainer reports of it.
+        Streaming, the last round's averaging (``pending``) is advanced between the steps and its average
+        taken as soon as it is whole, after half the steps at the latest (then waited for), or at the end."""
         net, n = self.network, len(self.refs)
         start, t0 = time.time(), time.perf_counter()
         examples, score, waited = 0, float("nan"), 0.0
+        late, latest = 0, (len(items) + 1) // 2
         losses = []  # where the network computes, unread until the round's steps are queued
         batches = prefetch([self.refs[i % n] for i in items], self.loader, self.spec.prefetch)
         try:
@@ -209,6 +252,13 @@ class _Trainer:
                     e.add_note(f"while fitting minibatch {self.names[item % n]}")
                     raise
                 examples += batch.num_examples()
+                if pending is not None:
+                    late += 1
+                    if pending.poll() or late >= latest:
+                        self._finish(pending)
+                        pending = None
+            if pending is not None:  # an empty share
+                self._finish(pending)
             if items:  # the round's losses in one read; a non-finite one names its minibatch
                 scores = torch.stack(losses).tolist()
                 for item, value in zip(items, scores, strict=True):
@@ -232,56 +282,40 @@ class _Trainer:
             "wait_seconds": waited,
             "start": start,
             "end": time.time(),
+            "late_steps": late,
         }
 
-    def _average(
-        self, k: int, flat: FlatState, outer: _Outer | None, report: dict[str, Any], status: dict[str, Any]
-    ) -> dict[str, Any]:
-        """Round ``k``'s averaging, among the members that ``status`` (the scheduler's reply as the round
-        began) names unless that changed since; returns the scheduler's reply to its commit (the next
-        round's share)."""
-        exchange: Exchange | None = None
-        contribution: Contribution | None = None
-        while True:
-            committed = status["committed"]
-            if committed is not None:  # a peer committed: this trainer's own attempt may be about to end too
-                if exchange is not None and exchange.attempt == committed and exchange.run(self.spec.poll):
-                    return self._commit(k, committed, exchange.reports, flat, outer, exchange.result)
-                return self._adopt(k, committed, status["holders"], flat, outer)
-            members = list(status["members"])  # a tuple after Dask's comms
-            if members == [self.name]:  # alone: its state is the round's
-                return self._commit(k, status["attempt"], [report], flat, outer, None)
-            if exchange is None or exchange.attempt != status["attempt"]:
-                if contribution is None:
-                    vector, layout, kept = flat.vector()
-                    contribution = Contribution(vector, layout, kept, report["examples"], report, flat.average_buffer)
-                exchange = Exchange(
-                    self.name, k, status["attempt"], members, contribution, self.mailbox, self._send, self.dtype
-                )
-            if exchange.run(self.spec.poll):
-                return self._commit(k, exchange.attempt, exchange.reports, flat, outer, exchange.result)
-            status = self.control("sync", round=k)
+    def _take(self, average: torch.Tensor, layout: list[list[Any]], kept: dict[str, Any]) -> None:
+        """Take a round's average: at once, or streaming, carrying the progress made since (``settle``)."""
+        outer = None if self.outer is None else self.outer.step
+        if self.spec.streaming:
+            self.flat.settle(average, layout, kept, outer)
+        else:
+            self.flat.apply(average, layout, kept, outer)
 
     def _commit(
         self,
         k: int,
         attempt: int,
         reports: list[dict[str, Any]],
-        flat: FlatState,
-        outer: _Outer | None,
         result: tuple[torch.Tensor, list[list[Any]], dict[str, Any]] | None,
     ) -> dict[str, Any]:
-        reply = self.control("commit", round=k, attempt=attempt, report=reports)
+        """Commit round ``k``'s ``attempt`` and take its average (``result``; ``None``: this trainer was
+        alone, its state is the round's)."""
+        reply = self.control("commit", round=k, attempt=attempt, report=reports, ahead=self.ahead)
         if "adopt" in reply:  # the round took another attempt's average
             status = self.control("sync", round=k)
-            return self._adopt(k, status["committed"], status["holders"], flat, outer)
-        if result is not None:
-            average, layout, kept = result
-            flat.apply(average, layout, kept, None if outer is None else outer.step)
-            self.plugin.keep(self.session, k, attempt, {"layout": layout, "kept": kept}, average.cpu().numpy())
+            return self._adopt(k, status["committed"], status["holders"])
+        if result is None:
+            if self.spec.streaming:
+                self.flat.keep_own()
+            return reply
+        average, layout, kept = result
+        self._take(average, layout, kept)
+        self.plugin.keep(self.session, k, attempt, {"layout": layout, "kept": kept}, average.cpu().numpy())
         return reply
 
-    def _adopt(self, k: int, attempt: int, holders: list[str], flat: FlatState, outer: _Outer | None) -> dict[str, Any]:
+    def _adopt(self, k: int, attempt: int, holders: list[str]) -> dict[str, Any]:
         """Take round ``k``'s average (of ``attempt``) from one of ``holders``, and commit it."""
         deadline = time.monotonic() + self.spec.timeout
         while True:
@@ -295,10 +329,10 @@ class _Trainer:
                         callback_timeout=self.spec.timeout,
                     )
                     if got is not None and got["attempt"] == attempt:
-                        average = torch.from_numpy(np.asarray(got["payload"]).copy()).to(flat.params.device)
+                        average = torch.from_numpy(np.asarray(got["payload"]).copy()).to(self.flat.params.device)
                         header = got["header"]
-                        reply = self.control("commit", round=k, attempt=attempt, report=[])
-                        flat.apply(average, header["layout"], header["kept"], None if outer is None else outer.step)
+                        reply = self.control("commit", round=k, attempt=attempt, report=[], ahead=self.ahead)
+                        self._take(average, header["layout"], header["kept"])
                         self.plugin.keep(self.session, k, attempt, header, average.cpu().numpy())
                         logger.info("trainer %s took round %d's average from %s", self.name, k, holder)
                         return reply
@@ -310,6 +344,82 @@ class _Trainer:
             time.sleep(self.spec.poll)
             status = self.control("sync", round=k)
             attempt, holders = status["committed"], status["holders"]
+
+
+def _handed(reply: dict[str, Any]) -> dict[int, list[int]]:
+    """The shares a ``begin`` or ``commit`` reply hands out, by round."""
+    shares = {}
+    while reply is not None and not reply["end"]:
+        shares[reply["round"]] = reply["items"]
+        reply = reply.get("next")
+    return shares
+
+
+class _RoundAverage:
+    """Round ``k``'s averaging as ``trainer`` takes part in it, among the members that ``status`` (how the
+    round stood when this trainer last heard) names unless that changed since: begun as the round's
+    share is fitted (the state sent), advanced without waiting (:meth:`poll`, between the next round's
+    steps when streaming), ended by :meth:`finish` with the commit."""
+
+    def __init__(self, trainer: _Trainer, k: int, report: dict[str, Any], status: dict[str, Any] | None) -> None:
+        self.trainer, self.k, self.report = trainer, k, report
+        self.status = status if status is not None else trainer.control("sync", round=k)
+        self.exchange: Exchange | None = None
+        self.contribution: Contribution | None = None
+        self.started = time.perf_counter()
+        if trainer.spec.streaming:
+            trainer.flat.mark()  # the state as sent: what is fitted from now on is carried over the average
+            if self._members() != [trainer.name]:
+                self._contribute()
+                self.poll()
+
+    def _members(self) -> list[str]:
+        return list(self.status["members"])  # a tuple after Dask's comms
+
+    def _contribute(self) -> Contribution:
+        if self.contribution is None:
+            flat = self.trainer.flat
+            vector, layout, kept = flat.vector()
+            self.contribution = Contribution(
+                vector, layout, kept, self.report["examples"], self.report, flat.average_buffer
+            )
+        return self.contribution
+
+    def _exchange(self) -> Exchange:
+        """The exchange of the round's current attempt (a new one when the attempt changed)."""
+        t, attempt = self.trainer, self.status["attempt"]
+        if self.exchange is None or self.exchange.attempt != attempt:
+            self.exchange = Exchange(
+                t.name, self.k, attempt, self._members(), self._contribute(), t.mailbox, t._send, t.dtype
+            )
+        return self.exchange
+
+    def poll(self) -> bool:
+        """Send this trainer's parts, or average what has come, without waiting; returns whether the
+        average can be taken now (it is whole, or this trainer is alone)."""
+        if self.status["committed"] is not None:
+            return False  # a peer committed: ask the scheduler (finish)
+        if self._members() == [self.trainer.name]:
+            return True
+        return self._exchange().run(0)
+
+    def finish(self) -> dict[str, Any]:
+        """Wait for the average (asking the scheduler how the round stands while parts are missing),
+        commit it and take it; returns the scheduler's reply to the commit (this trainer's next shares)."""
+        t, k = self.trainer, self.k
+        while True:
+            committed = self.status["committed"]
+            exchange = self.exchange
+            if committed is not None:  # a peer committed: this trainer's own attempt may be about to end too
+                if exchange is not None and exchange.attempt == committed and exchange.run(t.spec.poll):
+                    return t._commit(k, committed, exchange.reports, exchange.result)
+                return t._adopt(k, committed, self.status["holders"])
+            if self._members() == [t.name]:  # alone: its state is the round's
+                return t._commit(k, self.status["attempt"], [self.report], None)
+            exchange = self._exchange()
+            if exchange.run(t.spec.poll):
+                return t._commit(k, exchange.attempt, exchange.reports, exchange.result)
+            self.status = t.control("sync", round=k)
 
 
 class _Outer:

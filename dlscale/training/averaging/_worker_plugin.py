@@ -42,10 +42,12 @@ class AveragingWorkerPlugin(WorkerPlugin):
         self.results: dict[str, tuple[int, int, dict[str, Any], Any]] = {}  # session: (round, attempt, header, array)
         self.busy: set[str] = set()  # sessions whose trainer here is at work: a closing worker waits for it to leave
         self.parked: dict[str, Any] = {}  # session: the replica its trainer here left for the next fit
+        self.in_flight: dict[str, int] = {}  # session: its sends not yet done (they read the trainer's buffers)
 
     def setup(self, worker: Worker) -> None:
         self.worker = worker
         self._parking = threading.Lock()  # made here: the plugin is pickled to reach the worker
+        self._counting = threading.Lock()
         worker.handlers["dlscale_averaging_part"] = self.part
         worker.handlers["dlscale_averaging_result"] = self.result
 
@@ -99,8 +101,16 @@ class AveragingWorkerPlugin(WorkerPlugin):
         self.results[session] = (round, attempt, header, array)
 
     def send(self, session: str, peer: str, key: tuple[int, int, int], header: dict[str, Any], payload: Any) -> None:
-        """Send a part to ``peer`` from any thread, without waiting."""
+        """Send a part to ``peer`` from any thread, without waiting (``payload`` is read until it is
+        sent: see :meth:`sending`)."""
+        with self._counting:
+            self.in_flight[session] = self.in_flight.get(session, 0) + 1
         self.worker.loop.add_callback(self._send, session, peer, key, header, payload)
+
+    def sending(self, session: str) -> bool:
+        """Whether a part of ``session`` is still being sent."""
+        with self._counting:
+            return self.in_flight.get(session, 0) > 0
 
     async def _send(
         self, session: str, peer: str, key: tuple[int, int, int], header: dict[str, Any], payload: Any
@@ -121,6 +131,11 @@ class AveragingWorkerPlugin(WorkerPlugin):
                 type(e).__name__,
                 e,
             )
+        finally:
+            with self._counting:
+                left = self.in_flight.pop(session) - 1
+                if left:
+                    self.in_flight[session] = left
 
 
 def plugin(worker: Worker) -> AveragingWorkerPlugin:

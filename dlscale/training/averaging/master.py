@@ -55,6 +55,7 @@ logger = logging.getLogger("dlscale.training.averaging")
 REPARTITION = ("always", "never", "num_partitions_workers_differs")
 AUTO_START = 10  # the frequency "auto" starts with, before the averaging is measured
 AUTO_SHARE = 0.05  # the share of a round's fitting that "auto" lets its averaging cost
+AUTO_STREAMING_SHARE = 0.25  # streaming: the share of the next round's fitting that its averaging may overlap
 
 
 @dataclasses.dataclass
@@ -66,12 +67,18 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
     (with the optimizer's state when ``save_updater``; without, the optimizer starts afresh every
     round). ``averaging_frequency="auto"`` starts at :data:`AUTO_START` and, once the trainers have
     averaged twice, takes the smallest frequency whose averaging costs at most :data:`AUTO_SHARE` of a
-    round's fitting, as measured (recorded as ``TrainingStats.averaging_frequency``).
+    round's fitting, as measured (recorded as ``TrainingStats.averaging_frequency``; streaming, the
+    smallest whose averaging takes at most :data:`AUTO_STREAMING_SHARE` of the round it overlaps).
     ``outer_optimizer`` (DiLoCo, arXiv 2311.08105) is a factory of a torch optimizer, such as
     ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)``, stepped once a round
     with the averaged change of the parameters, negated, as their gradient; ``None`` (the default) moves
     them by the averaged change: plain averaging, DL4J's semantics. ``exchange_dtype`` ("float32",
-    "float16", "bfloat16") is the precision the states' parts travel in. ``repartition`` applies to
+    "float16", "bfloat16") is the precision the states' parts travel in. ``streaming=True`` overlaps
+    each round's averaging with the next round's steps (Streaming DiLoCo, arXiv 2501.18512): a trainer
+    fits round ``k + 1`` from its own state while round ``k``'s averaging is in flight, and takes round
+    ``k``'s average, keeping the progress made since, as soon as it is whole (after half of round
+    ``k + 1`` at the latest), so a round costs its steps and not its communication; the last round's
+    average is taken whole, every trainer ends with the same state. ``repartition`` applies to
     ``rdd_training_approach="direct"``: "never" trains every minibatch on the worker that holds it,
     "always" spreads the minibatches evenly over the workers, and "num_partitions_workers_differs" does
     the latter only when the RDD does not have exactly one partition per worker. Exported files are
@@ -87,6 +94,7 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
     repartition: str = "always"
     outer_optimizer: Callable[..., torch.optim.Optimizer] | None = None
     exchange_dtype: str = "float32"
+    streaming: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -95,6 +103,8 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
         check_count("worker_prefetch_num_batches", self.worker_prefetch_num_batches, 0)
         if self.repartition not in REPARTITION:
             raise ValueError(f"repartition must be one of {REPARTITION}, got {self.repartition!r}")
+        if not isinstance(self.streaming, bool):
+            raise TypeError(f"streaming must be True or False, got {self.streaming!r}")
         if self.exchange_dtype not in DTYPES:
             raise ValueError(f"exchange_dtype must be one of {tuple(DTYPES)}, got {self.exchange_dtype!r}")
         if self.outer_optimizer is not None and not callable(self.outer_optimizer):
@@ -172,6 +182,7 @@ class _Averaging:
             self.config.poll_interval * 10,
             self.config.end_timeout,
             self.config.keep_trainers,
+            master.streaming,
         )
         self.parked: list[tuple[str, list[str], bool]] = []  # each segment's session, trainers, and whether all parked
 
@@ -416,13 +427,16 @@ class _Averaging:
     def _choose_frequency(self, session: str, members: list[dict[str, Any]]) -> None:
         """``averaging_frequency="auto"``: once a round's members report their last averaging's time, the
         smallest frequency whose averaging costs at most :data:`AUTO_SHARE` of a round's fitting. The
-        averaging is timed by the member that came to it last (the others' times include waiting for it)."""
+        averaging is timed by the member that came to it last (the others' times include waiting for it).
+        Streaming, the averaging is timed from the state's sending to the average's taking, and may take
+        :data:`AUTO_STREAMING_SHARE` of the round it overlaps (it is hidden, up to half the round)."""
         fitted = [m for m in members if m["items"]]
         times = [m["last_exchange_seconds"] for m in members]
         if len(members) < 2 or not fitted or not all(t == t for t in times):  # NaN before a first averaging
             return
         step = sorted(m["fit_seconds"] / len(m["items"]) for m in fitted)[len(fitted) // 2]
-        frequency = max(1, min(math.ceil(min(times) / (AUTO_SHARE * step)), math.ceil(self.n / len(members))))
+        share = AUTO_STREAMING_SHARE if self.master.streaming else AUTO_SHARE
+        frequency = max(1, min(math.ceil(min(times) / (share * step)), math.ceil(self.n / len(members))))
         self.measuring = False
         self.frequency = frequency
         if self.run.stats is not None:
@@ -500,6 +514,7 @@ class _Averaging:
                             m["wait_seconds"],
                             m["start"],
                             m["end"],
+                            m["late_steps"],
                         )
                         for m in fitted
                     ],
