@@ -357,7 +357,7 @@ def run_dlscale(
         out["steps"] = steps
     else:
         steps = sum(len(w.batches) for r in stats.rounds for w in r.workers)
-        per_fit = [_round_seconds(r) for r in rounds]
+        per_fit = [_round_seconds(r, averaging(master_name).get("streaming", False)) for r in rounds]
         out["trainer_seconds"] = {k: sum(f[k] for f in per_fit) for k in ("fit", "wait", "straggler", "averaging")}
     dense = 4 * net.num_params()
     out.update(samples=steps * BATCH, seconds=elapsed, minibatches=steps, curve=curve, dense_update_bytes=dense)
@@ -388,22 +388,29 @@ def averaging(runner: str) -> dict[str, Any]:
     return settings
 
 
-def _round_seconds(rounds: list[Any]) -> dict[str, float]:
+def _round_seconds(rounds: list[Any], streaming: bool = False) -> dict[str, float]:
     """Where a parameter-averaging trainer's time went in one fit's ``rounds``, summed over its rounds
     and averaged over the trainers: fitting (``fit``, minibatches' loading included), of which waiting
     for a minibatch (``wait``); between one round's fitting and the next's, waiting for the slowest
     trainer to end its fitting (``straggler``), then the averaging itself (``averaging``: the
-    allreduce, the commit, the next round's start)."""
+    allreduce, the commit, the next round's start). With ``streaming`` rounds a trainer goes on without
+    waiting at a round's end: ``averaging`` is the time it spent taking the last round's average
+    during its fitting (waiting for a slower trainer included) and between its rounds, ``fit`` the rest."""
     totals = {"fit": 0.0, "wait": 0.0, "straggler": 0.0, "averaging": 0.0}
     trainers = {w.worker for r in rounds for w in r.workers}
     for r in rounds:
-        totals["fit"] += sum(w.fit_seconds for w in r.workers)
+        totals["fit"] += sum(w.fit_seconds - w.averaging_seconds for w in r.workers)
         totals["wait"] += sum(w.wait_seconds for w in r.workers)
+        totals["averaging"] += sum(w.averaging_seconds for w in r.workers)
     for a, b in zip(rounds, rounds[1:]):
         last = max(w.end for w in a.workers)
         starts = {w.worker: w.start for w in b.workers}
         for w in a.workers:
-            if w.worker in starts:
+            if w.worker not in starts:
+                continue
+            if streaming:
+                totals["averaging"] += starts[w.worker] - w.end
+            else:
                 totals["straggler"] += last - w.end
                 totals["averaging"] += starts[w.worker] - last
     return {k: v / max(1, len(trainers)) for k, v in totals.items()}

@@ -26,7 +26,8 @@ class WorkerRound:
     ``fit_seconds`` is the whole task; ``wait_seconds`` the part spent waiting for minibatches to load
     (a high share means storage, not compute, is the bottleneck). ``start`` and ``end`` are Unix times.
     With streaming rounds, ``late_steps`` is how many of these minibatches the worker fitted before it
-    took the previous round's average.
+    took the previous round's average, and ``averaging_seconds`` the part of ``fit_seconds`` spent
+    taking it (waiting for it, committing and applying it).
     """
 
     worker: str
@@ -38,6 +39,7 @@ class WorkerRound:
     start: float
     end: float
     late_steps: int = 0
+    averaging_seconds: float = 0.0
 
 
 @dataclass

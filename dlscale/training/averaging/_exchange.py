@@ -86,27 +86,9 @@ class FlatState:
         kept: dict[str, Any],
         outer: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
-        """Take the average of the round sent at :meth:`mark` (:meth:`apply`), the anchor becoming the
-        averaged parameters, and add the progress made since: the parameters' and, for every averaged
-        tensor, its change since it was sent (one that was not sent keeps its own value). With no step
-        since, the state is the average exactly."""
-        with torch.no_grad():
-            progress = self.params - self._sent
-            sent = self._sent_parts()
-            carried = {}
-            for name, t in self._parts()[0]:
-                carried[name] = (t - sent[name], True) if name in sent else (t.clone(), False)
-            self.apply(average, layout, kept, outer)
-            self.anchor.copy_(self.params)
-            self.params.add_(progress)
-            averaged = {name for name, _ in layout}
-            for name, t in self._parts()[0]:
-                if name in averaged and name in carried:
-                    value, is_change = carried[name]
-                    if is_change:
-                        t.add_(value)
-                    else:
-                        t.copy_(value)
+        """Take the average of the round sent at :meth:`mark` keeping the progress made since:
+        :meth:`apply` with ``carry``, the anchor becoming the averaged parameters."""
+        self.apply(average, layout, kept, outer, carry=True)
         self._turn ^= 1
 
     def keep_own(self) -> None:
@@ -172,16 +154,29 @@ class FlatState:
         layout: list[list[Any]],
         kept: dict[str, Any],
         outer: Callable[[torch.Tensor], None] | None = None,
+        carry: bool = False,
     ) -> None:
         """Set the state from ``average`` (laid out by ``layout``, with ``kept`` set aside): the
         parameters move by the averaged change (or as ``outer``, given the parameters' averaged change,
-        moves them), the rest takes the averaged values."""
+        moves them), the rest takes the averaged values. With ``carry`` (streaming) every tensor then
+        adds its own change since :meth:`mark` (one that was not sent keeps its own value) and the
+        anchor becomes the averaged parameters: with no step since, the state is the average exactly."""
         n = self.params.numel()
         with torch.no_grad():
-            if outer is None:
-                torch.add(self.anchor, average[:n], out=self.params)
+            if not carry:
+                if outer is None:
+                    torch.add(self.anchor, average[:n], out=self.params)
+                else:
+                    outer(average[:n])
+            elif outer is None:  # in place: the progress since it was sent, on the averaged parameters
+                self.params.sub_(self._sent)
+                self.anchor.add_(average[:n])
+                self.params.add_(self.anchor)
             else:
-                outer(average[:n])
+                progress = self.params - self._sent
+                outer(average[:n])  # the anchor and the parameters take the outer step
+                self.params.add_(progress)
+            sent = self._sent_parts() if carry else {}
             named = dict(self.network.module.named_buffers())
             optimizer = self.network.optimizer
             params = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else []
@@ -192,15 +187,18 @@ class FlatState:
                 offset += size
                 kind, _, rest = name.partition("/")
                 if kind == "buffer":
-                    named[rest].copy_(value)
+                    target = named[rest]
                 else:
                     index, _, key = rest.partition("/")
                     state = optimizer.state[params[int(index)]]
                     target = state.get(key)
-                    if isinstance(target, torch.Tensor) and target.shape == value.shape:
-                        target.copy_(value)
-                    else:
+                    if not (isinstance(target, torch.Tensor) and target.shape == value.shape):
                         state[key] = value.clone()
+                        continue
+                if not carry:
+                    target.copy_(value)
+                elif name in sent:  # its own change since it was sent, on the average
+                    target.sub_(sent[name]).add_(value)
             for name, value in kept.items():
                 kind, _, rest = name.partition("/")
                 value = _unplain(value, self.params.device)

@@ -202,17 +202,18 @@ class _Trainer:
         """How many rounds after the one it fits a trainer is handed: one when streaming."""
         return int(self.spec.streaming)
 
-    def _finish(self, pending: _RoundAverage) -> None:
+    def _finish(self, pending: _RoundAverage) -> float:
         """End ``pending``: its commit hands out this trainer's next shares and says how the next round's
-        averaging stands."""
+        averaging stands. Returns the seconds it took."""
         t0 = time.perf_counter()
         reply = pending.finish()
-        waited = time.perf_counter() - t0
-        # streaming: the averaging from the state's sending on (it overlapped the steps since)
-        self.last_exchange = time.perf_counter() - pending.started if self.spec.streaming else waited
         self.shares.update(_handed(reply))
         self.mailbox.forget(pending.k)
         self.status = reply.get("current")
+        end = time.perf_counter()
+        # streaming: the averaging from the state's sending on (it overlapped the steps since)
+        self.last_exchange = end - (pending.started if self.spec.streaming else t0)
+        return end - t0
 
     def _leave(self, k: int) -> str:
         """Leave the session before round ``k`` as this trainer's worker retires: ``"left"``; ``"stay"``
@@ -238,7 +239,7 @@ class _Trainer:
         net, n = self.network, len(self.refs)
         start, t0 = time.time(), time.perf_counter()
         examples, score, waited = 0, float("nan"), 0.0
-        late, latest = 0, (len(items) + 1) // 2
+        late, latest, averaging = 0, (len(items) + 1) // 2, 0.0
         losses = []  # where the network computes, unread until the round's steps are queued
         batches = prefetch([self.refs[i % n] for i in items], self.loader, self.spec.prefetch)
         try:
@@ -255,10 +256,10 @@ class _Trainer:
                 if pending is not None:
                     late += 1
                     if pending.poll() or late >= latest:
-                        self._finish(pending)
+                        averaging = self._finish(pending)
                         pending = None
             if pending is not None:  # an empty share
-                self._finish(pending)
+                averaging = self._finish(pending)
             if items:  # the round's losses in one read; a non-finite one names its minibatch
                 scores = torch.stack(losses).tolist()
                 for item, value in zip(items, scores, strict=True):
@@ -283,6 +284,7 @@ class _Trainer:
             "start": start,
             "end": time.time(),
             "late_steps": late,
+            "averaging_seconds": averaging,
         }
 
     def _take(self, average: torch.Tensor, layout: list[list[Any]], kept: dict[str, Any]) -> None:

@@ -515,6 +515,7 @@ class _Averaging:
                             m["start"],
                             m["end"],
                             m["late_steps"],
+                            m["averaging_seconds"],
                         )
                         for m in fitted
                     ],
