@@ -16,7 +16,15 @@ import torch
 
 from dlscale.nn import Network
 from dlscale.training import _worker
-from dlscale.training.averaging._exchange import Contribution, Exchange, FlatState, Mailbox, bounds
+from dlscale.training.averaging._exchange import (
+    Contribution,
+    Exchange,
+    FlatState,
+    Mailbox,
+    bounds,
+    dequantize,
+    quantize,
+)
 from dlscale.training.averaging._rounds import Rounds, TrainerLostError, plan_rounds
 
 T = ["a", "b", "c"]
@@ -346,6 +354,37 @@ def test_a_streaming_trainer_takes_the_average_keeping_what_it_fitted_since_it_s
     torch.testing.assert_close(carried["buffers"][mean], expected, rtol=0, atol=1e-6)
     momentum = [s["optimizer"]["state"][0]["momentum_buffer"] for s in (carried, plain, now, sent)]
     torch.testing.assert_close(momentum[0], momentum[1] + momentum[2] - momentum[3], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("members", [2, 3])
+def test_8_bit_exchange_leaves_every_replica_alike_and_near_the_mean(members: int) -> None:
+    """int8 blocks: each value travels rounded to a 127th of its block's largest magnitude (here one
+    block holds every parameter's change and momentum), and an owner's average once more."""
+    nets = [_net(0, norm=False) for _ in range(members)]
+    flats = [FlatState(n, True) for n in nets]
+    weights = [_step(n, seed=20 + i, n=2) for i, n in enumerate(nets)]
+    states = [
+        {**_worker.state_of(n, True), "examples": w, "batches": 1, "score": 0.0, "shares": []}
+        for n, w in zip(nets, weights)
+    ]
+    largest = max(float(f.vector()[0].abs().max()) for f in flats)
+    expected = _worker.average(*states)
+    _allreduce(nets, weights, flats, torch.int8)
+    assert all(torch.equal(nets[0].params(), n.params()) for n in nets[1:])
+    error = float((nets[0].params() - expected["params"]).abs().max())
+    assert 0 < error <= largest / 127, (error, largest)
+
+
+def test_8_bit_blocks_round_each_value_to_its_block_s_scale() -> None:
+    g = torch.Generator().manual_seed(0)
+    values = torch.cat([torch.randn(1500, generator=g), 1000 * torch.randn(700, generator=g)])
+    packed = quantize(values)
+    assert packed.dtype == torch.uint8 and packed.numel() == 2200 + 4 * 3  # three blocks and their scales
+    back = dequantize(packed)
+    for lo, hi in ((0, 1024), (1024, 2048), (2048, 2200)):  # the second block mixes both magnitudes
+        scale = float(values[lo:hi].abs().max()) / 127
+        assert float((back[lo:hi] - values[lo:hi]).abs().max()) <= scale / 2 * (1 + 1e-6)
+    assert torch.equal(dequantize(quantize(torch.zeros(5))), torch.zeros(5))
 
 
 def test_chunk_bounds_cover_the_vector() -> None:

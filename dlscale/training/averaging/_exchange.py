@@ -11,9 +11,10 @@ members send each other their whole vectors instead and both average all of it: 
 one hop (a round trip less a round, which counts where rounds are short). What a
 step keeps aside (step counts, integer buffers) is taken from the first member that fitted examples,
 as one process's averaging of states takes it from the first state. The chunks travel in
-``dtype`` (float32, or float16/bfloat16 to halve the bytes); an owner rounds its own average the same
-way, so every replica holds the same values (two members round their own vectors as they send them,
-and sum alike).
+``dtype`` (float32, float16/bfloat16 to halve the bytes, or int8 to quarter them: blocks of 1,024
+values scaled by their largest magnitude, as INTELLECT-1's int8 all-reduce); an owner rounds its own
+average the same way, so every replica holds the same values (two members round their own vectors as
+they send them, and sum alike).
 """
 
 from __future__ import annotations
@@ -29,7 +30,32 @@ import torch
 
 from dlscale.nn.network import Network
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8}
+BLOCK = 1024  # int8: values quantized together, with one float32 scale (their largest magnitude / 127)
+
+
+def quantize(values: torch.Tensor) -> torch.Tensor:
+    """``values`` in 8 bits, a block of :data:`BLOCK` at a time: the blocks' scales (float32), then the
+    values rounded to a multiple of their block's scale (int8), as one array of bytes."""
+    n = values.numel()
+    blocks = -(-n // BLOCK)
+    padded = torch.zeros(blocks * BLOCK, dtype=torch.float32, device=values.device)
+    padded[:n] = values
+    padded = padded.view(blocks, BLOCK)
+    scale = padded.abs().amax(1) / 127
+    scale[scale == 0] = 1.0
+    q = torch.round(padded / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return torch.cat([scale.view(torch.uint8), q.view(torch.uint8).reshape(-1)[:n]])
+
+
+def dequantize(packed: torch.Tensor) -> torch.Tensor:
+    """The float32 values of :func:`quantize`'s bytes."""
+    blocks = -(-packed.numel() // (BLOCK + 4))
+    n = packed.numel() - 4 * blocks
+    scale = packed[: 4 * blocks].view(torch.float32)
+    q = torch.zeros(blocks * BLOCK, dtype=torch.int8, device=packed.device)
+    q[:n] = packed[4 * blocks :].view(torch.int8)
+    return (q.view(blocks, BLOCK).float() * scale[:, None]).reshape(-1)[:n]
 
 
 # -- the state as a vector ---------------------------------------------------------------------------
@@ -296,7 +322,10 @@ class Exchange:
         self._average_header: dict[str, Any] = {}
 
     def _wire(self, chunk: torch.Tensor) -> np.ndarray:
-        """A chunk as it travels: a CPU array in the exchange's dtype (bfloat16 as its 16 bits)."""
+        """A chunk as it travels: a CPU array in the exchange's dtype (bfloat16 as its 16 bits, int8 as
+        :func:`quantize`'s bytes)."""
+        if self.dtype == torch.int8:
+            return quantize(chunk.detach()).cpu().numpy()
         t = chunk.detach().to(self.dtype).cpu()
         if self.dtype == torch.bfloat16:
             return t.view(torch.int16).numpy()
@@ -304,9 +333,17 @@ class Exchange:
 
     def _unwire(self, array: Any, device: torch.device) -> torch.Tensor:
         t = torch.from_numpy(np.asarray(array))
+        if self.dtype == torch.int8:
+            return dequantize(t.to(device))
         if self.dtype == torch.bfloat16:
             t = t.view(torch.bfloat16)
         return t.to(device=device, dtype=torch.float32)
+
+    def _rounded(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` as they arrive after travelling in the exchange's dtype."""
+        if self.dtype == torch.int8:
+            return dequantize(quantize(values))
+        return values.to(self.dtype).float()
 
     def _emit(self, peer: str, phase: int, header: dict[str, Any], chunk: torch.Tensor | None) -> None:
         payload = None if chunk is None else self._wire(chunk)
@@ -367,12 +404,12 @@ class Exchange:
                     continue
                 chunk = v[lo:hi] if t == self.me else self._unwire(parts[t][1], v.device)
                 if t == self.me and self.dtype != torch.float32:
-                    chunk = chunk.to(self.dtype).float()
+                    chunk = self._rounded(chunk)
                 own.add_(chunk, alpha=weights[t] / total)
         else:  # nobody fitted anything: the state stays
             own.copy_(v[lo:hi])
         if self.dtype != torch.float32 and not self.direct:
-            own = own.to(self.dtype).float()  # as the others receive it
+            own = self._rounded(own)  # as the others receive it
         self._leader = next((t for t in members if weights[t]), members[0])
         if self.direct:  # every member summed all of it alike; the leader's layout came with its vector
             head = parts[self._leader][0]

@@ -210,10 +210,8 @@ class _Trainer:
         self.shares.update(_handed(reply))
         self.mailbox.forget(pending.k)
         self.status = reply.get("current")
-        end = time.perf_counter()
-        # streaming: the averaging from the state's sending on (it overlapped the steps since)
-        self.last_exchange = end - (pending.started if self.spec.streaming else t0)
-        return end - t0
+        self.last_exchange = time.perf_counter() - t0  # streaming: what the steps since did not hide
+        return self.last_exchange
 
     def _leave(self, k: int) -> str:
         """Leave the session before round ``k`` as this trainer's worker retires: ``"left"``; ``"stay"``
@@ -368,7 +366,6 @@ class _RoundAverage:
         self.status = status if status is not None else trainer.control("sync", round=k)
         self.exchange: Exchange | None = None
         self.contribution: Contribution | None = None
-        self.started = time.perf_counter()
         if trainer.spec.streaming:
             trainer.flat.mark()  # the state as sent: what is fitted from now on is carried over the average
             if self._members() != [trainer.name]:

@@ -55,7 +55,6 @@ logger = logging.getLogger("dlscale.training.averaging")
 REPARTITION = ("always", "never", "num_partitions_workers_differs")
 AUTO_START = 10  # the frequency "auto" starts with, before the averaging is measured
 AUTO_SHARE = 0.05  # the share of a round's fitting that "auto" lets its averaging cost
-AUTO_STREAMING_SHARE = 0.25  # streaming: the share of the next round's fitting that its averaging may overlap
 
 
 @dataclasses.dataclass
@@ -68,12 +67,13 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
     round). ``averaging_frequency="auto"`` starts at :data:`AUTO_START` and, once the trainers have
     averaged twice, takes the smallest frequency whose averaging costs at most :data:`AUTO_SHARE` of a
     round's fitting, as measured (recorded as ``TrainingStats.averaging_frequency``; streaming, the
-    smallest whose averaging takes at most :data:`AUTO_STREAMING_SHARE` of the round it overlaps).
+    part of the averaging that the next round's steps did not hide).
     ``outer_optimizer`` (DiLoCo, arXiv 2311.08105) is a factory of a torch optimizer, such as
     ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)``, stepped once a round
     with the averaged change of the parameters, negated, as their gradient; ``None`` (the default) moves
     them by the averaged change: plain averaging, DL4J's semantics. ``exchange_dtype`` ("float32",
-    "float16", "bfloat16") is the precision the states' parts travel in. ``streaming=True`` overlaps
+    "float16", "bfloat16", "int8": blocks of 1,024 values scaled by their largest magnitude) is the
+    precision the states' parts travel in. ``streaming=True`` overlaps
     each round's averaging with the next round's steps (Streaming DiLoCo, arXiv 2501.18512): a trainer
     fits round ``k + 1`` from its own state while round ``k``'s averaging is in flight, and takes round
     ``k``'s average, keeping the progress made since, as soon as it is whole (after half of round
@@ -428,15 +428,13 @@ class _Averaging:
         """``averaging_frequency="auto"``: once a round's members report their last averaging's time, the
         smallest frequency whose averaging costs at most :data:`AUTO_SHARE` of a round's fitting. The
         averaging is timed by the member that came to it last (the others' times include waiting for it).
-        Streaming, the averaging is timed from the state's sending to the average's taking, and may take
-        :data:`AUTO_STREAMING_SHARE` of the round it overlaps (it is hidden, up to half the round)."""
+        Streaming, what counts is the averaging's time that the next round's steps did not hide."""
         fitted = [m for m in members if m["items"]]
         times = [m["last_exchange_seconds"] for m in members]
         if len(members) < 2 or not fitted or not all(t == t for t in times):  # NaN before a first averaging
             return
         step = sorted(m["fit_seconds"] / len(m["items"]) for m in fitted)[len(fitted) // 2]
-        share = AUTO_STREAMING_SHARE if self.master.streaming else AUTO_SHARE
-        frequency = max(1, min(math.ceil(min(times) / (share * step)), math.ceil(self.n / len(members))))
+        frequency = max(1, min(math.ceil(min(times) / (AUTO_SHARE * step)), math.ceil(self.n / len(members))))
         self.measuring = False
         self.frequency = frequency
         if self.run.stats is not None:
