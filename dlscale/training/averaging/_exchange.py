@@ -247,12 +247,21 @@ class Mailbox:
 
     def __init__(self) -> None:
         self._parts: dict[tuple[int, int, int], dict[str, tuple[dict[str, Any], Any]]] = {}
+        self._transit: dict[tuple[int, int, int], float] = {}  # each key's longest part in flight (s)
         self._changed = threading.Condition()
 
     def put(self, key: tuple[int, int, int], sender: str, header: dict[str, Any], payload: Any) -> None:
         with self._changed:
             self._parts.setdefault(key, {})[sender] = (header, payload)
+            flight = time.time() - header.get("sent", time.time())
+            self._transit[key] = max(self._transit.get(key, 0.0), flight)
             self._changed.notify_all()
+
+    def transit(self, key: tuple[int, int, int]) -> float:
+        """The longest time a part of ``key`` was in flight, from its sending (the sender's clock) to
+        its coming here, in seconds."""
+        with self._changed:
+            return self._transit.get(key, 0.0)
 
     def wait(
         self, key: tuple[int, int, int], senders: set[str], timeout: float
@@ -274,6 +283,7 @@ class Mailbox:
         with self._changed:
             for key in [k for k in self._parts if k[0] < before]:
                 del self._parts[key]
+                self._transit.pop(key, None)
 
 
 @dataclass
@@ -311,6 +321,7 @@ class Exchange:
         self.phase = 0
         self.result: tuple[torch.Tensor, list[list[Any]], dict[str, Any]] | None = None
         self.reports: list[dict[str, Any]] = []
+        self.transit = 0.0  # seconds its parts were in flight, the longest of each phase
         self._header = {"weight": mine.weight, "length": mine.vector.numel(), "report": mine.report}
         self.direct = len(self.members) == 2  # one hop: each sends the other its whole vector
         if self.direct:
@@ -358,11 +369,13 @@ class Exchange:
             if got is None:
                 return False
             self._reduce(got)
+            self.transit = self.mailbox.transit((self.k, self.attempt, 1))
         if self.phase == 2:
             got = self.mailbox.wait((self.k, self.attempt, 2), self.others, timeout)
             if got is None:
                 return False
             self._gather(got)
+            self.transit += self.mailbox.transit((self.k, self.attempt, 2))
         return True
 
     def _scatter(self) -> None:
@@ -370,6 +383,7 @@ class Exchange:
         with its weight."""
         v, m = self.mine.vector, len(self.members)
         edges = bounds(v.numel(), m)
+        self._header["sent"] = time.time()
         for c, peer in enumerate(self.members):
             if peer != self.me:
                 chunk = v if self.direct else v[edges[c] : edges[c + 1]]
@@ -420,6 +434,7 @@ class Exchange:
         if self._leader == self.me:
             self._average_header.update(layout=mine.layout, kept=mine.kept)
         self._out[lo:hi] = own
+        self._average_header["sent"] = time.time()
         for peer in members:
             if peer != self.me:
                 self._emit(peer, 2, self._average_header, own)

@@ -210,8 +210,12 @@ class _Trainer:
         self.shares.update(_handed(reply))
         self.mailbox.forget(pending.k)
         self.status = reply.get("current")
-        self.last_exchange = time.perf_counter() - t0  # streaming: what the steps since did not hide
-        return self.last_exchange
+        end = time.perf_counter()
+        self.last_exchange = end - t0
+        if self.spec.streaming and pending.exchange is not None and pending.exchange.result is not None:
+            # as long as it would have held the trainers without streaming: its parts' time in flight
+            self.last_exchange = max(self.last_exchange, pending.exchange.transit)
+        return end - t0
 
     def _leave(self, k: int) -> str:
         """Leave the session before round ``k`` as this trainer's worker retires: ``"left"``; ``"stay"``

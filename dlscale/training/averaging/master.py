@@ -66,8 +66,7 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
     (with the optimizer's state when ``save_updater``; without, the optimizer starts afresh every
     round). ``averaging_frequency="auto"`` starts at :data:`AUTO_START` and, once the trainers have
     averaged twice, takes the smallest frequency whose averaging costs at most :data:`AUTO_SHARE` of a
-    round's fitting, as measured (recorded as ``TrainingStats.averaging_frequency``; streaming, the
-    part of the averaging that the next round's steps did not hide).
+    round's fitting, as measured (recorded as ``TrainingStats.averaging_frequency``).
     ``outer_optimizer`` (DiLoCo, arXiv 2311.08105) is a factory of a torch optimizer, such as
     ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)``, stepped once a round
     with the averaged change of the parameters, negated, as their gradient; ``None`` (the default) moves
@@ -428,7 +427,9 @@ class _Averaging:
         """``averaging_frequency="auto"``: once a round's members report their last averaging's time, the
         smallest frequency whose averaging costs at most :data:`AUTO_SHARE` of a round's fitting. The
         averaging is timed by the member that came to it last (the others' times include waiting for it).
-        Streaming, what counts is the averaging's time that the next round's steps did not hide."""
+        Streaming, the averaging counts at least as long as its parts were in flight (the longest of
+        each phase, from the sender's clock to the receiver's), so that "auto" picks about what it
+        would without streaming, and streaming then hides that averaging behind the next round's steps."""
         fitted = [m for m in members if m["items"]]
         times = [m["last_exchange_seconds"] for m in members]
         if len(members) < 2 or not fitted or not all(t == t for t in times):  # NaN before a first averaging
