@@ -26,6 +26,7 @@ from dlscale.training.averaging._exchange import (
     quantize,
 )
 from dlscale.training.averaging._rounds import Rounds, TrainerLostError, plan_rounds
+from dlscale.training.averaging._trainer import _Outer
 
 T = ["a", "b", "c"]
 
@@ -354,6 +355,33 @@ def test_a_streaming_trainer_takes_the_average_keeping_what_it_fitted_since_it_s
     torch.testing.assert_close(carried["buffers"][mean], expected, rtol=0, atol=1e-6)
     momentum = [s["optimizer"]["state"][0]["momentum_buffer"] for s in (carried, plain, now, sent)]
     torch.testing.assert_close(momentum[0], momentum[1] + momentum[2] - momentum[3], rtol=0, atol=1e-6)
+
+
+def test_a_streaming_trainer_s_outer_step_takes_the_average_as_it_comes() -> None:
+    """``settle`` with an outer optimizer: its step moves the anchor by the averaged change (an outer
+    SGD of lr 1 as plain averaging does) and the progress since the state was sent is kept on top."""
+    results, states = [], []
+    for outer_lr in (None, 1.0, 0.5):
+        nets = [_net(0) for _ in range(2)]
+        flats = [FlatState(n, True) for n in nets]
+        weights = [_step(n, seed=50 + i, n=2) for i, n in enumerate(nets)]
+        for f in flats:
+            f.vector()
+            f.mark()
+        anchor = flats[0].anchor.clone()
+        averages = _exchanged(weights, flats)
+        _step(nets[0], seed=60, n=2)
+        progress = nets[0].params() - flats[0]._sent
+        if outer_lr is None:
+            flats[0].settle(*averages[0])
+        else:
+            outer = _Outer(functools.partial(torch.optim.SGD, lr=outer_lr), flats[0])
+            flats[0].settle(*averages[0], outer.step)
+        results.append(nets[0].params().clone())
+        states.append((anchor, averages[0][0][: anchor.numel()], progress))
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=1e-6)
+    anchor, change, progress = states[2]
+    torch.testing.assert_close(results[2], anchor + 0.5 * change + progress, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("members", [2, 3])
