@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from dlscale.data import (
     save,
 )
 from dlscale.nn import Network, ScoreIterationListener
+from dlscale.nn.listeners import TrainingListener
 from dlscale.training import _worker
 from dlscale.training.averaging._worker_plugin import plugin
 from tests.test_sharing import _networks_held, _SentNetworks
@@ -376,6 +378,48 @@ def test_an_exchange_in_fewer_bits_moves_the_fit_by_its_rounding(sc, tmp_path, d
         spark_net.fit(rdd, epochs=2)
         params[d] = spark_net.network.params()
     assert 0 < float((params[dtype] - params["float32"]).abs().max()) <= bound
+
+
+def _profiling(dask_worker: Any) -> bool:
+    return dask_worker.periodic_callbacks["profile"].is_running()
+
+
+def _profile_training(value: bool, dask_worker: Any = None) -> None:
+    dask.config.set({"dlscale.worker.profile-training": value})
+
+
+class _ProfilerSeen(TrainingListener):
+    """Whether each worker's sampling profiler runs, seen at a fit's first reported step."""
+
+    def __init__(self, sc: SparkContext) -> None:
+        self.sc, self.seen = sc, None
+
+    def iteration_done(self, network: Network, iteration: int, epoch: int, score: float, examples: int) -> None:
+        if self.seen is None:
+            self.seen = set(self.sc.client.run(_profiling).values())
+
+
+@pytest.mark.parametrize("profile_training", [False, True])
+def test_dask_s_profiler_is_paused_while_trainers_train(sc, tmp_path, profile_training) -> None:
+    """The dashboard's sampling profiler stops on a worker while a trainer runs there (it costs the
+    steps), and starts again after; ``dlscale.worker.profile-training: true`` leaves it running."""
+    sc.client.run(_profile_training, profile_training)
+    try:
+        for master in (
+            ParameterAveragingTrainingMaster(10, averaging_frequency=2, export_directory=str(tmp_path / "a")),
+            SharedTrainingMaster(10, export_directory=str(tmp_path / "s")),
+        ):
+            seen = _ProfilerSeen(sc)
+            spark_net = SparkNet(sc, mlp_network(), master)
+            spark_net.set_listeners(seen)
+            spark_net.fit(rdd_of(sc, 400, 10, 2), epochs=3)
+            assert seen.seen == {profile_training}, type(master).__name__
+            deadline = time.monotonic() + 5  # restarted on each worker's event loop
+            while set(sc.client.run(_profiling).values()) != {True} and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert set(sc.client.run(_profiling).values()) == {True}
+    finally:
+        sc.client.run(_profile_training, False)
 
 
 def test_direct_trains_like_export_and_never_moves_minibatches(sc, tmp_path) -> None:

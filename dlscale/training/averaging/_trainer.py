@@ -37,6 +37,7 @@ from distributed import get_client, get_worker, secede
 from distributed.utils import sync
 
 from dlscale.data.loaders import prefetch
+from dlscale.runtime.profiling import profiler_paused
 from dlscale.runtime.retirement import LEAVING
 from dlscale.runtime.tasks import match_threads
 from dlscale.training._heap import training_heap
@@ -99,7 +100,7 @@ def run(
         loader = loader.bind(get_client())
     secede()  # a trainer runs for the whole fit: it does not hold one of the worker's task slots
     try:
-        with training_heap():
+        with training_heap(), profiler_paused(worker):
             return _Trainer(worker, control, key, blob, refs, names, loader, spec).train()
     except SessionStoppedError as e:
         return _stopped(trainer, e)

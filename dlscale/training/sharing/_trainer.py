@@ -48,6 +48,7 @@ from dlscale.data.loaders import prefetch
 from dlscale.encoding import Compressor, CompressorState, Layout
 from dlscale.encoding.dense import DenseCompressor
 from dlscale.errors import NonFiniteUpdateError
+from dlscale.runtime.profiling import profiler_paused
 from dlscale.runtime.retirement import LEAVING, retire_timeout
 from dlscale.training._heap import training_heap
 from dlscale.training._worker import decode, release_replica, state_of, training_replica
@@ -181,7 +182,7 @@ def run(
         loader = loader.bind(get_client())
     secede()  # a trainer runs for the whole fit: it should not hold one of the worker's task slots
     try:
-        with training_heap():
+        with training_heap(), profiler_paused(worker):
             return _Trainer(worker, control, local, key, blob, refs, loader, spec, joined).train()
     except SessionClosedError as e:  # the session ended under it: its driver is gone
         plugin(worker).close(session)
