@@ -244,6 +244,14 @@ def _step(net: Network, seed: int, n: int) -> int:
     return 8 * n
 
 
+def _states(nets: list[Network], weights: list[int]) -> list[dict[str, Any]]:
+    """The states of ``nets`` as one process averages them (``_worker.average``), weighted by ``weights``."""
+    return [
+        {**_worker.state_of(n, True), "examples": w, "batches": 1, "score": 0.0, "shares": []}
+        for n, w in zip(nets, weights, strict=True)
+    ]
+
+
 def _allreduce(nets: list[Network], weights: list[int], flats: list[FlatState], dtype=torch.float32):
     for flat, (average, layout, kept) in zip(flats, _exchanged(weights, flats, dtype), strict=True):
         flat.apply(average, layout, kept)
@@ -279,10 +287,7 @@ def test_the_allreduce_is_the_example_weighted_mean_of_the_states(members: int) 
     nets = [_net(0) for _ in range(members)]
     flats = [FlatState(n, True) for n in nets]
     weights = [_step(n, seed=10 + i, n=1 + i % 2) for i, n in enumerate(nets)]
-    states = [
-        {**_worker.state_of(n, True), "examples": w, "batches": 1, "score": 0.0, "shares": []}
-        for n, w in zip(nets, weights)
-    ]
+    states = _states(nets, weights)
     expected = _worker.average(*states)
     _allreduce(nets, weights, flats)
     for n in nets:  # every replica holds the same state: the weighted mean
@@ -312,10 +317,7 @@ def test_16_bit_exchange_leaves_every_replica_alike_and_near_the_mean(dtype: tor
     nets = [_net(0, norm=False) for _ in range(members)]
     flats = [FlatState(n, True) for n in nets]
     weights = [_step(n, seed=20 + i, n=2) for i, n in enumerate(nets)]
-    states = [
-        {**_worker.state_of(n, True), "examples": w, "batches": 1, "score": 0.0, "shares": []}
-        for n, w in zip(nets, weights)
-    ]
+    states = _states(nets, weights)
     expected = _worker.average(*states)
     _allreduce(nets, weights, flats, dtype)
     assert all(torch.equal(nets[0].params(), n.params()) for n in nets[1:])
@@ -391,10 +393,7 @@ def test_8_bit_exchange_leaves_every_replica_alike_and_near_the_mean(members: in
     nets = [_net(0, norm=False) for _ in range(members)]
     flats = [FlatState(n, True) for n in nets]
     weights = [_step(n, seed=20 + i, n=2) for i, n in enumerate(nets)]
-    states = [
-        {**_worker.state_of(n, True), "examples": w, "batches": 1, "score": 0.0, "shares": []}
-        for n, w in zip(nets, weights)
-    ]
+    states = _states(nets, weights)
     largest = max(float(f.vector()[0].abs().max()) for f in flats)
     expected = _worker.average(*states)
     _allreduce(nets, weights, flats, torch.int8)
