@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,7 +97,7 @@ class FlatState:
         """Take a new buffer for the next vector: sends still in flight read the last one."""
         self._buffer = torch.empty(0, dtype=torch.float32, device=self.params.device)
 
-    # -- streaming rounds: the average taken one round late ---------------------------------------
+    # -- streaming rounds: the average taken during the next round ---------------------------------
     def mark(self) -> None:
         """The state was just sent (:meth:`vector`): what is fitted from here on is this trainer's own
         progress, which :meth:`settle` carries over the round's average."""
@@ -124,12 +124,15 @@ class FlatState:
 
     def _sent_parts(self) -> dict[str, torch.Tensor]:
         """The tensors after the parameters as the last vector holds them, by name."""
-        out, offset = {}, self.params.numel()
-        for name, shape in self._layout:
+        return dict(self._laid_out(self._buffer, self._layout))
+
+    def _laid_out(self, vector: torch.Tensor, layout: list[list[Any]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each tensor after the parameters in ``vector`` laid out by ``layout``: its name and a view."""
+        offset = self.params.numel()
+        for name, shape in layout:
             size = int(np.prod(shape)) if shape else 1
-            out[name] = self._buffer[offset : offset + size].view(shape)
+            yield name, vector[offset : offset + size].view(shape)
             offset += size
-        return out
 
     def _parts(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
         """The floating tensors after the parameters, by name, and the values set aside."""
@@ -206,11 +209,7 @@ class FlatState:
             named = dict(self.network.module.named_buffers())
             optimizer = self.network.optimizer
             params = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else []
-            offset = n
-            for name, shape in layout:
-                size = int(np.prod(shape)) if shape else 1
-                value = average[offset : offset + size].view(shape)
-                offset += size
+            for name, value in self._laid_out(average, layout):
                 kind, _, rest = name.partition("/")
                 if kind == "buffer":
                     target = named[rest]
