@@ -10,6 +10,7 @@ from pathlib import Path
 import dask
 import pytest
 import torch
+from distributed.system import MEMORY_LIMIT
 
 from dlscale import CorruptDataError, SparkContext
 from dlscale.data import (
@@ -26,7 +27,7 @@ from dlscale.data import (
     resolve_loader,
     save,
 )
-from dlscale.data.loaders import WAITED
+from dlscale.data.loaders import WAITED, KeptLoader, keep_loaded
 from dlscale.nn.partitions import minibatches
 from dlscale.registry import UnknownNameError
 
@@ -154,3 +155,33 @@ def test_custom_loader_with_prefetch_on_the_workers(sc: SparkContext, tmp_path: 
     paths = list_paths(sc, str(tmp_path), extensions=["csv"])
     sums = paths.mapPartitions(lambda it: (float(ds.features.sum()) for ds in prefetch(it, csv_loader, 2))).collect()
     assert sums == [float(sum(i * 10 + r for r in range(5))) for i in range(6)]
+
+
+def test_a_kept_loader_loads_each_minibatch_once_within_its_budget(batches: list[str]) -> None:
+    """What a fit's trainer reads again in later epochs comes from memory, as long as every kept minibatch of
+    the process stays within the budget: the first ones loaded are kept, the rest are loaded each time, and
+    leaving the loader gives its bytes back."""
+    size = load(batches[0]).nbytes()
+    recording = Recording()
+    with KeptLoader(recording, 3.5 * size / MEMORY_LIMIT) as kept:  # room for three
+        first = [kept(p) for p in batches]
+        again = [kept(p) for p in batches]
+        assert all(a.equals(load(p)) for a, p in zip(again, batches))
+        assert all(a is f for a, f in zip(again[:3], first[:3])) and kept.nbytes == 3 * size
+        assert recording.loaded == batches + batches[3:]
+        with KeptLoader(recording, 3.5 * size / MEMORY_LIMIT) as other:  # the budget is the process's
+            other(batches[0])
+            assert other.nbytes == 0
+    with KeptLoader(Recording(), 3.5 * size / MEMORY_LIMIT) as kept:
+        [kept(p) for p in batches]
+        assert kept.nbytes == 3 * size
+    nothing = Recording()
+    with KeptLoader(nothing, 0.0) as kept:
+        [kept(p) for p in batches + batches]
+    assert nothing.loaded == batches + batches
+
+
+def test_keep_loaded_must_be_a_fraction() -> None:
+    for bad in (-0.1, 1.5, "10%", True):
+        with dask.config.set({"dlscale.data.keep-loaded": bad}), pytest.raises(ValueError, match="keep-loaded"):
+            keep_loaded()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import os
@@ -712,3 +713,41 @@ def test_a_fit_loop_goes_on_with_the_last_fits_replicas_unless_the_network_chang
     assert torch.equal(kept.module[1].running_mean, sent_each_time.module[1].running_mean)
     state, other = kept.optimizer_state()["state"], sent_each_time.optimizer_state()["state"]
     assert all(torch.equal(state[i]["momentum_buffer"], other[i]["momentum_buffer"]) for i in other)
+
+
+@pytest.mark.parametrize("master_name", ["averaging", "sharing"])
+def test_trainers_load_each_minibatch_once_a_fit_within_the_budget(sc, tmp_path, master_name) -> None:
+    """A fit's trainers keep the minibatches they load for its later epochs (dlscale.data.keep-loaded of
+    their worker's memory): each file is read once by each trainer that fits it, not once an epoch; with
+    nothing kept, once an epoch. Parameter averaging's fit is the same either way, to the last bit."""
+    x, y = data(96)
+    export_minibatches([DataSet(x, y)], str(tmp_path / "data"), 8)
+    paths = list_paths(sc, str(tmp_path / "data"))
+
+    def fit(fraction: float) -> tuple[list[str], torch.Tensor]:
+        log = tmp_path / f"loads-{fraction}"
+        log.touch()
+
+        def logged(path: str) -> DataSet:
+            with open(log, "a") as f:
+                f.write(path + "\n")
+            return load(path)
+
+        network = mlp_network(MOMENTUM)
+        if master_name == "averaging":
+            master = ParameterAveragingTrainingMaster(8, averaging_frequency=2, rng_seed=0)
+        else:
+            master = SharedTrainingMaster(8, rng_seed=0)
+        with dask.config.set({"dlscale.data.keep-loaded": fraction}):
+            SparkNet(sc, network, master).fit_paths(paths, loader=logged, epochs=3)
+        return log.read_text().split(), network.params()
+
+    names = paths.collect()
+    kept, params = fit(0.1)
+    every, reference = fit(0.0)
+    probe = collections.Counter(names[:1])  # a fit first scores its first minibatch, in a task of its own
+    assert collections.Counter(every) - probe == collections.Counter(names * 3)
+    loads = collections.Counter(kept) - probe
+    assert set(loads) == set(names) and max(loads.values()) <= 2  # by each of the 2 trainers at most
+    if master_name == "averaging":
+        assert torch.equal(params, reference)

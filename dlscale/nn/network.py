@@ -87,6 +87,8 @@ class Network:
             raise ValueError(f"all parameters must share one dtype and device to live in one buffer, found {kinds}")
         self._flat = torch.cat([p.detach().reshape(-1) for p in params])
         self._flat_states: dict[str, torch.Tensor] = {}  # see flat_optimizer_state
+        self._params = params  # a step's own walks: its gradients dropped, its modules in training mode
+        self._modules = list(self.module.modules())
         offset = 0
         for p in params:
             n = p.numel()
@@ -203,8 +205,10 @@ class Network:
         unread: on an accelerator the host goes on queuing work instead of waiting for the step to end
         (:meth:`fit_batch` reads it). Listeners are not called."""
         optimizer = self._require_optimizer()
-        self.module.train()
-        self.module.zero_grad(set_to_none=True)  # backward then writes each gradient afresh
+        if not all(m.training for m in self._modules):
+            self.module.train()
+        for p in self._params:
+            p.grad = None  # backward then writes each gradient afresh (zero_grad(set_to_none=True))
         outputs, labels, masks, single = self._forward(batch)
         loss = losses.compute(self.loss, outputs, labels, masks, single)
         loss.backward()
@@ -299,7 +303,11 @@ class Network:
 
     # -- pickling (networks travel to the workers) ----------------------------------------
     def __getstate__(self) -> dict[str, Any]:
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_flat", "_flat_states", "optimizer")}
+        state = {
+            k: v
+            for k, v in self.__dict__.items()
+            if k not in ("_flat", "_flat_states", "_params", "_modules", "optimizer")
+        }
         optimizer_state = self.optimizer.state_dict() if self.optimizer is not None else None
         # Each parameter is a view of the flat buffer, and pickling a view writes its whole storage:
         # the module travels with CPU parameters of their own (the flat buffer once in all, not once

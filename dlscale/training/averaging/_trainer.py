@@ -36,7 +36,7 @@ import torch
 from distributed import get_client, get_worker, secede
 from distributed.utils import sync
 
-from dlscale.data.loaders import prefetch
+from dlscale.data.loaders import KeptLoader, prefetch
 from dlscale.runtime.profiling import profiler_paused
 from dlscale.runtime.retirement import LEAVING
 from dlscale.runtime.tasks import match_threads
@@ -62,6 +62,7 @@ class TrainerSpec:
     poll: float  # seconds between a waiting trainer's calls to the scheduler
     timeout: float  # seconds a trainer waits for a round's average to be taken from a peer
     keep: bool  # whether a trainer that ends with the session's state parks its replica for the next fit
+    keep_loaded: float  # the fraction of its worker's memory a trainer may keep loaded minibatches in
     streaming: bool = False  # whether a round's averaging overlaps the next round's steps
     warm: str | None = None  # the session whose parked replicas this one's trainers go on with
 
@@ -100,8 +101,8 @@ def run(
         loader = loader.bind(get_client())
     secede()  # a trainer runs for the whole fit: it does not hold one of the worker's task slots
     try:
-        with training_heap(), profiler_paused(worker):
-            return _Trainer(worker, control, key, blob, refs, names, loader, spec).train()
+        with training_heap(), profiler_paused(worker), KeptLoader(loader, spec.keep_loaded) as kept:
+            return _Trainer(worker, control, key, blob, refs, names, kept, spec).train()
     except SessionStoppedError as e:
         return _stopped(trainer, e)
     except BaseException as e:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from distributed import Future, get_worker, wait
 
-from dlscale.data.loaders import prefetch
+from dlscale.data.loaders import keep_loaded, prefetch
 from dlscale.errors import TrainerLostWarning
 from dlscale.monitor.stats import RoundStats, WorkerRound
 from dlscale.runtime.cluster import cluster_workers
@@ -181,6 +181,7 @@ class _Averaging:
             self.config.poll_interval * 10,
             self.config.end_timeout,
             self.config.keep_trainers,
+            keep_loaded(),
             master.streaming,
         )
         self.parked: list[tuple[str, list[str], bool]] = []  # each segment's session, trainers, and whether all parked

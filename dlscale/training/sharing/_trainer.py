@@ -44,7 +44,7 @@ import torch
 from distributed import Future, get_client, get_worker, secede
 from distributed.utils import sync
 
-from dlscale.data.loaders import prefetch
+from dlscale.data.loaders import KeptLoader, prefetch
 from dlscale.encoding import Compressor, CompressorState, Layout
 from dlscale.encoding.dense import DenseCompressor
 from dlscale.errors import NonFiniteUpdateError
@@ -81,6 +81,7 @@ class TrainerSpec:
     collect_stats: bool
     gc_seconds: float | None
     momentum_masking: bool
+    keep_loaded: float  # the fraction of its worker's memory a trainer may keep loaded minibatches in
     iteration: int = 0  # the network's iteration count when the fit began
     warm: str | None = None  # the session whose trainers, parked on the workers, go on in this one
 
@@ -182,8 +183,8 @@ def run(
         loader = loader.bind(get_client())
     secede()  # a trainer runs for the whole fit: it should not hold one of the worker's task slots
     try:
-        with training_heap(), profiler_paused(worker):
-            return _Trainer(worker, control, local, key, blob, refs, loader, spec, joined).train()
+        with training_heap(), profiler_paused(worker), KeptLoader(loader, spec.keep_loaded) as kept:
+            return _Trainer(worker, control, local, key, blob, refs, kept, spec, joined).train()
     except SessionClosedError as e:  # the session ended under it: its driver is gone
         plugin(worker).close(session)
         return _stopped(trainer, e)

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import numpy as np
 from distributed import Future, get_worker, wait
 
-from dlscale.data.loaders import prefetch
+from dlscale.data.loaders import keep_loaded, prefetch
 from dlscale.encoding import Compressor, ResidualPostProcessor, ThresholdAlgorithm, compressor
 from dlscale.encoding.registry import DEFAULT as DEFAULT_COMPRESSOR
 from dlscale.errors import TrainerLostWarning
@@ -243,6 +243,7 @@ class _Session:
             master.collect_training_stats,
             master.worker_gc_frequency_ms / 1000 if master.worker_periodic_gc else None,
             master.momentum_masking,
+            keep_loaded(),
             self.run.network.iteration,
             warm,
         )
