@@ -3,11 +3,11 @@
 Run from the repository root with ``python -m benchmarks.faults`` (``--fits 3`` for a short run). On
 ``SparkContext("local[3]")`` (three worker processes of one thread), scikit-learn's digits (1,200
 training and 597 test images) train an MLP 64-32-10 (SGD, lr 0.05, momentum 0.9, minibatches of 16,
-6 epochs) with both training masters (parameter averaging every 5 minibatches; gradient sharing
-with its defaults) and both ways of holding the RDD's minibatches ("export" and "direct"). The
-training RDD is persisted in memory before the fits.
+6 epochs) with both training masters (parameter averaging every 5 minibatches, plain and with streaming
+rounds, ``streaming``; gradient sharing with its defaults) and both ways of holding the RDD's
+minibatches ("export" and "direct"). The training RDD is persisted in memory before the fits.
 
-After one unrecorded fit of each (the workers' first imports), each of the four runs ``--fits`` fits,
+After one unrecorded fit of each (the workers' first imports), each of the six runs ``--fits`` fits,
 each with its own seed (the order of the minibatches), that kill a random worker after a random
 number of steps (10% to 90% of the fit's); the first ``--baseline`` seeds also fit without a fault,
 just before, for the accuracy and time to compare with.
@@ -57,7 +57,7 @@ EPOCHS = 6
 AVERAGING_FREQUENCY = 5
 WORKERS = 3
 FIT_TIMEOUT = 600  # seconds before a fit counts as hung
-CONFIGS = [(m, a) for m in ("averaging", "sharing") for a in ("export", "direct")]
+CONFIGS = [(m, a) for m in ("averaging", "streaming", "sharing") for a in ("export", "direct")]
 
 
 def _network() -> Network:
@@ -67,10 +67,11 @@ def _network() -> Network:
 
 
 def _master(kind: str, approach: str, seed: int, directory: str) -> Any:
-    if kind == "averaging":
+    if kind in ("averaging", "streaming"):
         return ParameterAveragingTrainingMaster(
             BATCH,
             averaging_frequency=AVERAGING_FREQUENCY,
+            streaming=kind == "streaming",
             rdd_training_approach=approach,
             export_directory=directory,
             rng_seed=seed,
@@ -81,7 +82,7 @@ def _master(kind: str, approach: str, seed: int, directory: str) -> Any:
 def _steps(kind: str, examples: int) -> int:
     """The iterations a fit counts: minibatches per worker with averaging, every minibatch with sharing."""
     minibatches = -(-examples // BATCH)
-    if kind == "averaging":
+    if kind in ("averaging", "streaming"):
         rounds = -(-minibatches // (AVERAGING_FREQUENCY * WORKERS))
         return EPOCHS * rounds * AVERAGING_FREQUENCY
     return EPOCHS * minibatches
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
         nargs="+",
         default=[f"{m}:{a}" for m, a in CONFIGS],
         choices=[f"{m}:{a}" for m, a in CONFIGS],
-        help="the masters and approaches to run (default all four); the others' results already in "
+        help="the masters and approaches to run (default all six); the others' results already in "
         "the results file are kept",
     )
     args = parse(parser, argv, RESULTS, fits=1, baseline=1, configs=["averaging:export", "sharing:direct"])
