@@ -24,7 +24,7 @@ from typing import Any, ClassVar, NoReturn, Self
 import dask.config
 import distributed
 from dask.bag import Bag
-from dask.utils import format_bytes
+from dask.utils import format_bytes, parse_timedelta
 from distributed.comm.core import FatalCommClosedError
 from distributed.diagnostics.plugin import UploadFile
 
@@ -113,6 +113,20 @@ def _dashboard_address(setting: Any) -> str | None:
     address = str(setting)
     port = address.removeprefix(":")
     return f"127.0.0.1:{port}" if port.isdigit() else address
+
+
+def _tick(setting: Any) -> dict[str, Any]:
+    """Dask's tick setting for an embedded cluster's processes (``dlscale.local.tick-interval``), checked
+    here, before any process starts; none for ``None`` (Dask's own)."""
+    if setting is None:
+        return {}
+    try:
+        seconds = parse_timedelta(setting)
+    except (TypeError, ValueError, KeyError) as e:
+        raise ValueError(f"dlscale.local.tick-interval must be a duration such as '500ms', got {setting!r}") from e
+    if not seconds or seconds <= 0:
+        raise ValueError(f"dlscale.local.tick-interval must be a positive duration, got {setting!r}")
+    return {"admin": {"tick": {"interval": f"{seconds}s"}}}
 
 
 def _task_cpus(conf: SparkConf) -> int:
@@ -328,7 +342,9 @@ class SparkContext:
             "memory_limit": memory,
             "dashboard_address": _dashboard_address(config.get("local.dashboard-address")),
             "resources": resources,
-            "config": {"distributed": {"worker": {"memory": memory_settings}}},
+            "config": {
+                "distributed": {"worker": {"memory": memory_settings}, **_tick(config.get("local.tick-interval"))}
+            },
         }
 
     @property

@@ -138,7 +138,8 @@ class EmbeddedCluster(SpecCluster):
         }
         worker = {"cls": NannyProcess, "options": {"worker_kwargs": nanny, "env": _environment(config or {})}}
         self._losses: dict[str | int, int] = {}  # losses of a worker of each name so far
-        with warnings.catch_warnings():
+        # the scheduler, in this process, reads the same settings as it starts (its tick among them)
+        with warnings.catch_warnings(), dask.config.set(dask.config.merge(dask.config.config, config or {})):
             # distributed moves to a free port itself, warning in three lines: one is said below
             warnings.filterwarnings("ignore", message="Port .* is already in use", category=UserWarning)
             super().__init__(
