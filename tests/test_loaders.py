@@ -175,6 +175,8 @@ def test_a_kept_loader_loads_each_minibatch_once_within_its_budget(batches: list
     with KeptLoader(Recording(), 3.5 * size / MEMORY_LIMIT) as kept:
         [kept(p) for p in batches]
         assert kept.nbytes == 3 * size
+    kept(batches[0])  # a load after the release (a prefetching thread's, say) keeps nothing
+    assert kept.nbytes == 0 and not kept.kept
     nothing = Recording()
     with KeptLoader(nothing, 0.0) as kept:
         [kept(p) for p in batches + batches]

@@ -184,19 +184,19 @@ class KeptLoader:
 
     def _keep(self, ref: Any, batch: DataSet | MultiDataSet) -> None:
         size = batch.nbytes()
-        with KeptLoader._lock:
+        with KeptLoader._lock:  # a prefetching thread may still load as the trainer releases
             if KeptLoader._held + size > self.budget:
                 return
             KeptLoader._held += size
-        self.kept[ref] = batch
-        self.nbytes += size
+            self.kept[ref] = batch
+            self.nbytes += size
 
     def release(self) -> None:
-        """Drop what is kept and give its bytes back to the budget."""
-        self.kept.clear()
+        """Drop what is kept, give its bytes back to the budget and keep nothing from now on."""
         with KeptLoader._lock:
             KeptLoader._held -= self.nbytes
-        self.nbytes = 0
+            self.kept.clear()
+            self.nbytes = self.budget = 0
 
     def __enter__(self) -> KeptLoader:
         return self
