@@ -105,13 +105,14 @@ AVERAGING = (
     "averaging_f50_rdd",
     "streaming_f10",
     "streaming_f50",
+    "streaming_f50_fp16",
     "streaming_f50_int8",
     "streaming_auto",
 )
 """dlscale's parameter averaging: every 10 or 50 minibatches, the states exchanged in 16 bits, DiLoCo's
 Nesterov outer step (lr 0.7, momentum 0.9), "auto", ``fit(rdd)`` (the default export, its first
 epoch exporting) in place of ``fit_paths``, and streaming rounds (``streaming=True``), their states
-exchanged in 8 bits too."""
+exchanged in 16 and 8 bits too."""
 RUNNERS = ("single", "ceiling", "ddp", "ddp_powersgd", "torch_distributor", *AVERAGING, "sharing")
 DEVICE_RUNNERS = ("single", "ceiling", *AVERAGING, "sharing")  # those that run on one shared GPU
 # Runs that move dense tensors every step or round take minutes a epoch at 100 Mbit/s: there they
