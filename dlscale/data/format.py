@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import crc32c
@@ -152,19 +153,28 @@ def _aligned_buffer(size: int) -> np.ndarray:
     return raw[start : start + size]
 
 
-def _read(url: str, storage_options: dict[str, Any] | None) -> np.ndarray:
+def _unreadable(url: str, error: Exception) -> StorageError:
+    if isinstance(error, FileNotFoundError):
+        return StorageError(f"minibatch file not found: {url}")
+    return StorageError(f"cannot read minibatch {url}: {error}")
+
+
+def _read(url: str, storage_options: dict[str, Any] | None, check_size: Callable[[int], None] | None) -> np.ndarray:
     fs, path = open_fs(url, storage_options)
     try:
         size = fs.size(path)
+    except Exception as e:  # network and object-store errors do not all derive from OSError
+        raise _unreadable(url, e) from e
+    if check_size is not None:
+        check_size(size)  # before anything is allocated or read
+    try:
         buf = _aligned_buffer(size)
         # a local file is read with Python's own buffered reader: through fsspec's wrapper the
         # same read is measurably slower from disk
         with open(path, "rb") if isinstance(fs, LocalFileSystem) else fs.open(path, "rb") as f:
             n = f.readinto(buf)
-    except FileNotFoundError as e:
-        raise StorageError(f"minibatch file not found: {url}") from e
-    except Exception as e:  # network and object-store errors do not all derive from OSError
-        raise StorageError(f"cannot read minibatch {url}: {e}") from e
+    except Exception as e:
+        raise _unreadable(url, e) from e
     if n != size:
         raise CorruptDataError(f"{url}: read {n} of {size} bytes")
     return buf
@@ -237,6 +247,9 @@ def from_bytes(blob: bytes | memoryview, source: str = "buffer") -> DataSet | Mu
     return from_buffer(buf, source)
 
 
-def load(url: str, storage_options: dict[str, Any] | None = None) -> DataSet | MultiDataSet:
-    """Read a minibatch written by :func:`save`; a damaged or foreign file raises an error naming it."""
-    return from_buffer(_read(url, storage_options), source=url)
+def load(
+    url: str, storage_options: dict[str, Any] | None = None, check_size: Callable[[int], None] | None = None
+) -> DataSet | MultiDataSet:
+    """Read a minibatch written by :func:`save`; a damaged or foreign file raises an error naming it.
+    ``check_size`` is given the file's size before it is read (to refuse one too large)."""
+    return from_buffer(_read(url, storage_options, check_size), source=url)

@@ -14,7 +14,7 @@ import contextvars
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
 from dask.utils import format_bytes
@@ -52,31 +52,45 @@ def check_minibatch_size(url: str, storage_options: dict[str, Any] | None = None
     limit cannot be trained on. Off a worker, or where the size cannot be read (the read that follows
     names the problem), nothing is checked.
     """
-    fraction = config.get("data.max-minibatch-fraction")
-    if fraction is None:
-        return
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or fraction <= 0:
-        raise ValueError(f"dlscale.data.max-minibatch-fraction must be a positive number or null, got {fraction!r}")
-    try:
-        worker = get_worker()
-    except ValueError:  # not on a worker: no memory limit to keep
-        return
-    limit = worker.memory_manager.memory_limit
-    if not limit:
+    check = size_check(url)
+    if check is None:
         return
     fs, path = open_fs(url, storage_options)
     try:
         size = fs.size(path)
     except Exception:  # noqa: BLE001 - missing or unreadable: the loader's read reports it in its own words
         return
-    if size is not None and size > fraction * limit:
-        raise MinibatchTooLargeError(
-            f"minibatch {url} is {format_bytes(size)}, more than {fraction:g} of the {format_bytes(limit)} "
-            f"memory limit of worker {worker.address}: loaded, it takes at least its file's size in memory "
-            "and a training step as much again. Write smaller minibatches (a smaller batch size), give the "
-            "workers more memory (spark.executor.memory, dlscale.local.memory-limit, dask worker "
-            "--memory-limit), or raise dlscale.data.max-minibatch-fraction"
-        )
+    check(size)
+
+
+def size_check(url: str) -> Callable[[int | None], None] | None:
+    """What :func:`check_minibatch_size` does once the size of ``url`` is known, for a reader that
+    asks for the size itself (the ``.dlb`` loaders: one request, not two); ``None`` where nothing is
+    checked (off a worker, or on one without a memory limit, or with the check turned off)."""
+    fraction = config.get("data.max-minibatch-fraction")
+    if fraction is None:
+        return None
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or fraction <= 0:
+        raise ValueError(f"dlscale.data.max-minibatch-fraction must be a positive number or null, got {fraction!r}")
+    try:
+        worker = get_worker()
+    except ValueError:  # not on a worker: no memory limit to keep
+        return None
+    limit = worker.memory_manager.memory_limit
+    if not limit:
+        return None
+
+    def check(size: int | None) -> None:
+        if size is not None and size > fraction * limit:
+            raise MinibatchTooLargeError(
+                f"minibatch {url} is {format_bytes(size)}, more than {fraction:g} of the {format_bytes(limit)} "
+                f"memory limit of worker {worker.address}: loaded, it takes at least its file's size in memory "
+                "and a training step as much again. Write smaller minibatches (a smaller batch size), give the "
+                "workers more memory (spark.executor.memory, dlscale.local.memory-limit, dask worker "
+                "--memory-limit), or raise dlscale.data.max-minibatch-fraction"
+            )
+
+    return check
 
 
 class MinibatchLoader:
@@ -87,8 +101,7 @@ class MinibatchLoader:
         self.storage_options = storage_options
 
     def __call__(self, path: str) -> DataSet | MultiDataSet:
-        check_minibatch_size(path, self.storage_options)
-        return load(path, self.storage_options)
+        return load(path, self.storage_options, size_check(path))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"  # storage_options may hold credentials
