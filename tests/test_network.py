@@ -24,6 +24,7 @@ from dlscale.nn import (
     PerformanceListener,
     ScoreIterationListener,
     build,
+    losses,
     model_factory,
 )
 
@@ -134,6 +135,28 @@ def test_masked_sequence_loss_ignores_padding() -> None:
     assert net.score(DataSet(out, labels)) == pytest.approx(
         float(F.cross_entropy(out.reshape(-1, 3), labels.reshape(-1)))
     )
+
+
+@pytest.mark.parametrize("name", ["cross_entropy", "nll", "mse", "l1", "smooth_l1", "bce", "bce_with_logits"])
+@pytest.mark.parametrize("shape", [(6, 3), (6, 4, 3)], ids=["examples", "sequences"])
+def test_named_losses_reduce_to_the_mean_of_their_unreduced_values(name: str, shape: tuple[int, ...]) -> None:
+    """Reduced by torch's own mean, a named loss is the mean of its values over examples and steps, as
+    unreduced: labels of ignore_index (-100) count as a loss of 0 (torch's mean would leave them out)."""
+    g = torch.Generator().manual_seed(4)
+    out = torch.rand(shape, generator=g) * 0.8 + 0.1
+    if name in ("cross_entropy", "nll"):
+        cases = [torch.randint(0, 3, shape[:-1], generator=g)]
+        cases.append(cases[0].clone().index_fill_(0, torch.tensor([1, 4]), -100))
+        if name == "cross_entropy":  # class probabilities
+            cases.append(torch.softmax(torch.randn(shape, generator=g), dim=-1))
+    else:
+        cases = [torch.rand(shape, generator=g).round()]
+    fn = losses.REGISTRY.lookup(name)
+    for labels in cases:
+        expected = fn(out, labels).mean()
+        assert torch.allclose(losses.named_loss(name, out, labels, None), expected, rtol=1e-6, atol=0)
+    if name in ("cross_entropy", "nll"):  # what would go wrong with torch's mean on ignored labels
+        assert not torch.allclose(fn.mean(out, cases[1]), fn(out, cases[1], reduction="mean"), rtol=1e-3)
 
 
 def test_bad_input_is_named() -> None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -15,22 +15,31 @@ LossFn = Callable[..., torch.Tensor]
 
 
 def _class_loss(fn: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    def per_step(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def per_step(output: torch.Tensor, labels: torch.Tensor, reduction: str = "none") -> torch.Tensor:
         if output.dim() == 3:  # [N, T, C] sequences: torch wants classes in dimension 1
             output = output.transpose(1, 2)
             labels = labels.transpose(1, 2) if labels.dim() == 3 else labels
-        return fn(output, labels, reduction="none")
+        return fn(output, labels, reduction=reduction)
+
+    def mean(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # torch's "mean" leaves labels equal to ignore_index (-100) out of the count, the unreduced
+        # values' mean counts them as 0: the same only without such labels, checked where it costs no wait
+        if labels.is_floating_point() or (labels.device.type == "cpu" and not bool((labels == -100).any())):
+            return per_step(output, labels, reduction="mean")
+        return per_step(output, labels).mean()
 
     per_step.class_indices = True  # integer labels are class indices (see check_classes)
+    per_step.mean = mean
     return per_step
 
 
 def _elementwise(fn: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    def per_step(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def per_step(output: torch.Tensor, labels: torch.Tensor, reduction: str = "none") -> torch.Tensor:
         if labels.dtype != output.dtype and not labels.is_floating_point():
             labels = labels.to(output.dtype)
-        return fn(output, labels, reduction="none")
+        return fn(output, labels, reduction=reduction)
 
+    per_step.mean = functools.partial(per_step, reduction="mean")
     return per_step
 
 
@@ -44,7 +53,9 @@ REGISTRY.register("bce", _elementwise(F.binary_cross_entropy))
 REGISTRY.register("bce_with_logits", _elementwise(F.binary_cross_entropy_with_logits))
 LOSSES = REGISTRY.view
 """The named losses, read-only: ``loss(output, labels)`` gives the loss of every element, unreduced (add
-one with :func:`dlscale.registry.register`)."""
+one with :func:`dlscale.registry.register`). A loss with a ``mean`` attribute, ``mean(output, labels)``
+equal to the mean of its unreduced values, is reduced by it where nothing is masked: torch's own
+reduction is one kernel forward and backward where the mean of the unreduced values is three."""
 
 
 def check_classes(name: str, outputs: list[torch.Tensor], labels: list[torch.Tensor]) -> None:
@@ -68,10 +79,14 @@ def check_classes(name: str, outputs: list[torch.Tensor], labels: list[torch.Ten
             )
 
 
-def _unreduced(name: str, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Loss ``name`` per example, step and output; labels that do not fit it are reported as such."""
+def _unreduced(name: str, output: torch.Tensor, labels: torch.Tensor, mean: bool = False) -> torch.Tensor:
+    """Loss ``name`` per example, step and output (``mean``: their mean); labels that do not fit it are
+    reported as such."""
     fn = REGISTRY.lookup(name)
     try:
+        if mean:
+            reduced = getattr(fn, "mean", None)
+            return reduced(output, labels) if reduced is not None else fn(output, labels).mean()
         return fn(output, labels)
     except (RuntimeError, ValueError, IndexError) as e:
         raise DataShapeError(
@@ -101,10 +116,9 @@ def named_loss(name: str, output: torch.Tensor, labels: torch.Tensor, mask: torc
     """The mean of loss ``name`` over examples (and time steps or outputs), leaving out what ``mask``
     masks: whole examples (``[examples]``), time steps (``[examples, time]``) or single outputs
     (``[examples, outputs]``, DL4J's per-output masking)."""
-    per = _unreduced(name, output, labels)
     if mask is None:
-        return per.mean()
-    per, mask = _masked(name, per, mask)
+        return _unreduced(name, output, labels, mean=True)
+    per, mask = _masked(name, _unreduced(name, output, labels), mask)
     return (per * mask).sum() / mask.sum().clamp_min(1)
 
 
@@ -134,8 +148,8 @@ def compute(
         return loss(outputs[0], labels[0]) if single else loss(outputs, labels)
     if len(outputs) != len(labels):
         raise DataShapeError(f"the network gives {len(outputs)} outputs for {len(labels)} label arrays")
-    total: Any = 0
-    for out, y, m in zip(outputs, labels, masks):
+    total = named_loss(loss, outputs[0], labels[0], masks[0])
+    for out, y, m in zip(outputs[1:], labels[1:], masks[1:]):
         total = total + named_loss(loss, out, y, m)
     return total
 
