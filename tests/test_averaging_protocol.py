@@ -143,14 +143,17 @@ def test_a_streaming_trainer_is_handed_the_next_round_with_each_commit() -> None
 
 def _simulate(seed: int, trainers: int, items: int, per: int, losses: int, ahead: int) -> None:
     """Trainers, streaming their rounds with ``ahead=1`` (each fits round k + 1 while round k's averaging
-    is in flight), stepped in a random order, with ``losses`` trainers lost at random moments: every item
-    is reported fitted once, by the trainer it was handed to, in a round of its epoch (of 20 items), and
-    no share changes once handed out."""
+    is in flight), stepped in a random order, with ``losses`` trainers lost at random moments and each
+    part of an averaging delivered to each peer at a random moment (a lost trainer's parts may never
+    arrive): every item is reported fitted once, by the trainer it was handed to, in a round of its
+    epoch (of 20 items), no share changes once handed out, and a trainer that has every part of its
+    attempt has its commit taken (so a trainer may go on before the scheduler's reply comes)."""
     rng = random.Random(seed)
     names = [f"t{i}" for i in range(trainers)]
     s = Rounds("s", plan_rounds(list(range(items)), names, per, 20), names)
     handed: dict[tuple[int, str], list[int]] = {}  # (round, trainer): its share as handed out
-    sent: dict[tuple[int, int], set[str]] = collections.defaultdict(set)  # (round, attempt): members that sent
+    got: dict[tuple[int, int, str], set[str]] = collections.defaultdict(set)  # (round, attempt, to): from whom
+    flying: list[tuple[int, int, str, str]] = []  # parts sent, not yet delivered: (round, attempt, from, to)
     state = {t: {"k": 0, "phase": "start", "attempt": None} for t in names}
 
     def take(t: str, reply: dict[str, Any]) -> None:
@@ -161,7 +164,13 @@ def _simulate(seed: int, trainers: int, items: int, per: int, losses: int, ahead
 
     def send(t: str, k: int, status: dict[str, Any]) -> None:
         state[t].update(attempt=status["attempt"], members=status["members"])
-        sent[k, status["attempt"]].add(t)
+        got[k, status["attempt"], t].add(t)
+        flying.extend((k, status["attempt"], t, m) for m in status["members"] if m != t)
+
+    def deliver() -> None:
+        k, attempt, sender, to = flying.pop(rng.randrange(len(flying)))
+        if sender in s.alive or rng.random() < 0.5:
+            got[k, attempt, to].add(sender)
 
     def step(t: str) -> None:
         st = state[t]
@@ -177,22 +186,22 @@ def _simulate(seed: int, trainers: int, items: int, per: int, losses: int, ahead
             return
         if st["phase"] != "averaging":
             return
-        status = s.sync(t, k)
-        committed = status["committed"]
-        if committed is not None and committed != st["attempt"]:
-            reply = s.commit(t, k, committed, [], ahead=ahead)  # adopts a holder's average
-        elif committed is None and status["attempt"] != st["attempt"]:
-            send(t, k, status)  # a member was lost: the round's averaging again, without it
-            return
-        elif set(st["members"]) <= sent[k, st["attempt"]]:
+        if set(st["members"]) <= got[k, st["attempt"], t]:  # every part of its attempt: it commits
             members = st["members"]
             report = [_report(m, handed.get((k, m), [])) for m in members]
             reply = s.commit(t, k, st["attempt"], report, ahead=ahead)
-            assert "adopt" not in reply or reply == {"adopt": reply["adopt"]}
-            if "adopt" in reply:
-                return
+            assert "adopt" not in reply, (t, k, st["attempt"], s)
         else:
-            return
+            status = s.sync(t, k)
+            committed = status["committed"]
+            if committed is not None:
+                reply = s.commit(t, k, committed, [], ahead=ahead)  # adopts a holder's average
+                assert "adopt" not in reply
+            elif status["attempt"] != st["attempt"]:
+                send(t, k, status)  # a member was lost: the round's averaging again, without it
+                return
+            else:
+                return
         take(t, reply)
         st["k"] = k + 1
         if (k + 1, t) not in handed:  # nothing to fit: the session ends for this trainer
@@ -201,7 +210,7 @@ def _simulate(seed: int, trainers: int, items: int, per: int, losses: int, ahead
         send(t, k + 1, reply["current"])
 
     lost = 0
-    for _ in range(10_000):
+    for _ in range(20_000):
         alive = sorted(s.alive)
         active = [t for t in alive if state[t]["phase"] != "done"]
         if not active:
@@ -209,8 +218,10 @@ def _simulate(seed: int, trainers: int, items: int, per: int, losses: int, ahead
         if lost < losses and len(alive) > 1 and rng.random() < 0.05:
             s.lose(rng.choice(alive))
             lost += 1
-            continue
-        step(rng.choice(active))
+        elif flying and rng.random() < 0.5:
+            deliver()
+        else:
+            step(rng.choice(active))
     assert s.settled(), s
     assert _fitted(s) == Counter(range(items))
     for r in s.reports:

@@ -1,12 +1,18 @@
 """One parameter-averaging trainer: a long-lived task that fits its share of each round and then averages
 its state with the other trainers', peer to peer, until the session's rounds are done.
 
-A round: the trainer is handed its share by the scheduler (with the commit of the round before: one
-call a round), fits it, reading ahead (``prefetch``), and takes part in the round's allreduce
-(``_exchange``) with the members the scheduler names. When the allreduce has every part, the trainer
-commits the round on the scheduler and takes the average: the parameters move by the averaged change,
-or as the outer optimizer (DiLoCo) moves them given it; the buffers and the optimizer's state take the
-averaged values. A trainer alone fits as one process does, its state untouched.
+A round: the trainer is handed its share by the scheduler one round ahead (with the commit of the round
+before: one call a round), fits it, reading ahead (``prefetch``), and takes part in the round's
+allreduce (``_exchange``) with the members the scheduler names. When the allreduce has every part, the
+trainer commits the round on the scheduler and takes the average: the parameters move by the averaged
+change, or as the outer optimizer (DiLoCo) moves them given it; the buffers and the optimizer's state
+take the averaged values. It does not wait for the scheduler's reply to the commit: it fits the next
+round, handed out already, and reads the reply when it needs it (the round after's share, how the
+next round's averaging stands). A commit of an attempt whose every part a trainer holds is always
+taken (a different attempt can only complete with a part from this trainer, which sends parts for
+one attempt at a time and commits the last), so going on before the reply loses nothing; a reply
+refusing it would be a broken protocol, and fails the fit. A trainer alone fits as one process does,
+its state untouched.
 
 Streaming (``TrainerSpec.streaming``), a trainer sends round ``k``'s state and fits round ``k + 1``
 (handed out with round ``k``) while the allreduce is in flight, advancing it between steps; it takes
@@ -23,11 +29,13 @@ one.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +84,12 @@ class _Control:
     def __call__(self, op: str, **kwargs: Any) -> dict[str, Any]:
         method = getattr(self.worker.scheduler, f"dlscale_averaging_{op}")
         return unwrap(sync(self.worker.loop, method, session=self.session, trainer=self.trainer, **kwargs))
+
+    def send(self, op: str, **kwargs: Any) -> Future:
+        """The call, without waiting: the future of its reply, unread (:func:`unwrap` it)."""
+        method = getattr(self.worker.scheduler, f"dlscale_averaging_{op}")
+        call = method(session=self.session, trainer=self.trainer, **kwargs)
+        return asyncio.run_coroutine_threadsafe(call, self.worker.loop.asyncio_loop)
 
 
 def run(
@@ -149,6 +163,7 @@ class _Trainer:
         self.outer: _Outer | None = None
         self.shares: dict[int, list[int]] = {}  # this trainer's shares handed out and not yet fitted, by round
         self.status: dict[str, Any] | None = None  # how the next round's averaging stood when last heard
+        self.reply: Future | dict[str, Any] | None = None  # the reply to the last commit, not yet read
 
     def _send(self, peer: str, key: tuple[int, int, int], header: dict[str, Any], payload: Any) -> None:
         self.plugin.send(self.session, peer, key, header, payload)
@@ -175,6 +190,8 @@ class _Trainer:
                 self._finish(pending)
                 pending = None
             if k not in self.shares:
+                self._hear()
+            if k not in self.shares:
                 break
             if not spec.save_updater:
                 net.optimizer.state.clear()  # DL4J without save_updater: the updater starts afresh each round
@@ -189,6 +206,7 @@ class _Trainer:
             report["last_exchange_seconds"] = self.last_exchange  # the averaging that ended before it
             if self.plugin.sending(self.session):
                 self.flat.renew()  # the last vector is still being sent
+            self._hear()  # how this round's averaging stands
             pending = _RoundAverage(self, k, report, self.status)
             if not spec.streaming:
                 self._finish(pending)
@@ -199,25 +217,35 @@ class _Trainer:
         self.plugin.park(self.session, net if spec.keep else None)
         return {**state, "trainer": self.name}
 
-    @property
-    def ahead(self) -> int:
-        """How many rounds after the one it fits a trainer is handed: one when streaming."""
-        return int(self.spec.streaming)
+    ahead = 1  # a trainer is handed the round after the one it fits: it goes on as it commits one
 
     def _finish(self, pending: _RoundAverage) -> float:
-        """End ``pending``: its commit hands out this trainer's next shares and says how the next round's
-        averaging stands. Returns the seconds it took."""
+        """End ``pending``: take its average and commit it; the reply (read by :meth:`_hear`) hands out
+        this trainer's next shares and says how the next round's averaging stands. Returns the seconds
+        it took."""
         t0 = time.perf_counter()
-        reply = pending.finish()
-        self.shares.update(_handed(reply))
+        self.reply = pending.finish()
         self.mailbox.forget(pending.k)
-        self.status = reply.get("current")
         end = time.perf_counter()
         self.last_exchange = end - t0
         if self.spec.streaming and pending.exchange is not None and pending.exchange.result is not None:
             # as long as it would have held the trainers without streaming: its parts' time in flight
             self.last_exchange = max(self.last_exchange, pending.exchange.transit)
         return end - t0
+
+    def _hear(self) -> None:
+        """Read the reply to the last commit (waiting for it if it has not come yet)."""
+        if self.reply is None:
+            return
+        reply = self.reply if isinstance(self.reply, dict) else unwrap(self.reply.result())
+        self.reply = None
+        if "adopt" in reply:
+            raise RuntimeError(
+                f"trainer {self.name}: the scheduler took another attempt's average of a round whose every "
+                "part this trainer held; the parameter-averaging protocol is broken"
+            )
+        self.shares.update(_handed(reply))
+        self.status = reply.get("current")
 
     def _leave(self, k: int) -> str:
         """Leave the session before round ``k`` as this trainer's worker retires: ``"left"``; ``"stay"``
@@ -305,13 +333,11 @@ class _Trainer:
         attempt: int,
         reports: list[dict[str, Any]],
         result: tuple[torch.Tensor, list[list[Any]], dict[str, Any]] | None,
-    ) -> dict[str, Any]:
-        """Commit round ``k``'s ``attempt`` and take its average (``result``; ``None``: this trainer was
-        alone, its state is the round's)."""
-        reply = self.control("commit", round=k, attempt=attempt, report=reports, ahead=self.ahead)
-        if "adopt" in reply:  # the round took another attempt's average
-            status = self.control("sync", round=k)
-            return self._adopt(k, status["committed"], status["holders"])
+    ) -> Future:
+        """Commit round ``k``'s ``attempt``, whose every part this trainer holds, and take its average
+        (``result``; ``None``: this trainer was alone, its state is the round's); returns the future of
+        the scheduler's reply (see the module's docstring)."""
+        reply = self.control.send("commit", round=k, attempt=attempt, report=reports, ahead=self.ahead)
         if result is None:
             if self.spec.streaming:
                 self.flat.keep_own()
@@ -408,9 +434,10 @@ class _RoundAverage:
             return True
         return self._exchange().run(0)
 
-    def finish(self) -> dict[str, Any]:
+    def finish(self) -> Future | dict[str, Any]:
         """Wait for the average (asking the scheduler how the round stands while parts are missing),
-        commit it and take it; returns the scheduler's reply to the commit (this trainer's next shares)."""
+        commit it and take it; returns the scheduler's reply to the commit (this trainer's next shares),
+        or its future."""
         t, k = self.trainer, self.k
         while True:
             committed = self.status["committed"]
