@@ -82,8 +82,7 @@ class _Control:
         self.worker, self.session, self.trainer = worker, session, trainer
 
     def __call__(self, op: str, **kwargs: Any) -> dict[str, Any]:
-        method = getattr(self.worker.scheduler, f"dlscale_averaging_{op}")
-        return unwrap(sync(self.worker.loop, method, session=self.session, trainer=self.trainer, **kwargs))
+        return unwrap(self.send(op, **kwargs).result())
 
     def send(self, op: str, **kwargs: Any) -> Future:
         """The call, without waiting: the future of its reply, unread (:func:`unwrap` it)."""
