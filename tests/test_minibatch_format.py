@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import pickle
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -251,6 +253,18 @@ def test_sizeof_counts_tensor_bytes() -> None:
     assert sizeof(ds) >= ds.nbytes() == 1000 * 100 * 4 + 1000 * 8
     mds = MultiDataSet([torch.zeros(100, 100)], [torch.zeros(100, 10)])
     assert sizeof(mds) >= 100 * 110 * 4
+
+
+def test_sizing_other_dlscale_objects_imports_no_torch() -> None:
+    """A worker sizes every task's result: a partition's statistics (what ``meanApprox`` returns) must not
+    import torch, whose import takes seconds the task would wait for."""
+    program = (
+        "import sys; from dask.sizeof import sizeof; from dlscale.facade.statcounter import StatCounter; "
+        "assert 'torch' not in sys.modules; assert sizeof([StatCounter([1.0, 2.0])]) > 0; "
+        "print('torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "False"
 
 
 def test_per_example_and_per_output_labels_masks_round_trip(tmp_path: Path) -> None:

@@ -9,13 +9,16 @@ shape (DL4J's per-output masking: one flag per output of each example).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from dask.sizeof import sizeof
 
 from dlscale.errors import DlscaleError
+from dlscale.runtime.sizeof import tensor_nbytes
 
 
 class DataShapeError(DlscaleError, ValueError):
@@ -157,6 +160,12 @@ class _Minibatch:
             or (x is not None and y is not None and x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y))
             for x, y in zip(a, b)
         )
+
+
+@sizeof.register(_Minibatch)
+def _sizeof_minibatch(batch: _Minibatch) -> int:
+    """What a worker's memory accounting counts for a minibatch: the object and its tensors' host bytes."""
+    return sys.getsizeof(batch) + sum(tensor_nbytes(t) for t in batch._tensors() if t is not None)
 
 
 @dataclass(eq=False)

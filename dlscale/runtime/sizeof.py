@@ -3,7 +3,9 @@
 Dask falls back to ``sys.getsizeof`` for unknown types, which counts a tensor as ~80 bytes
 whatever its data: workers would then keep far more in memory than their limit allows (the
 same mis-sizing of off-heap arrays that the DL4J guide warns about for Spark). The entry point
-``dask.sizeof`` makes every process that imports dask register this.
+``dask.sizeof`` makes every process that imports dask register this. Minibatches register their
+size where they are defined (:mod:`dlscale.data.dataset`), so that sizing any other dlscale object (a
+partition's statistics, say) imports nothing: torch's import takes seconds a task would wait for.
 """
 
 from __future__ import annotations
@@ -40,12 +42,3 @@ def register(sizeof: Any) -> None:
         @sizeof.register(torch.nn.Module)
         def _sizeof_module(m: torch.nn.Module) -> int:
             return sys.getsizeof(m) + sum(tensor_nbytes(t) for t in m.state_dict().values())
-
-    @sizeof.register_lazy("dlscale")
-    def _register_minibatches() -> None:
-        from dlscale.data.dataset import DataSet, MultiDataSet
-
-        @sizeof.register(DataSet)
-        @sizeof.register(MultiDataSet)
-        def _sizeof_minibatch(batch: DataSet | MultiDataSet) -> int:
-            return sys.getsizeof(batch) + sum(tensor_nbytes(t) for t in batch._tensors() if t is not None)
