@@ -84,14 +84,14 @@ def data() -> tuple[torch.Tensor, ...]:
     return digits()
 
 
-@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize("workers", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_digits_accuracy_matches_single_process_with_100x_compression(
-    workers: int, sc: SparkContext, sc3: SparkContext, data: tuple[torch.Tensor, ...]
+    workers: int, request: pytest.FixtureRequest, data: tuple[torch.Tensor, ...]
 ) -> None:
     x, y, tx, ty = data
     sizes = [64, 256, 256, 10]
     reference = accuracy(single_process(sizes, x, y, EPOCHS), tx, ty)
-    ctx = sc if workers == 2 else sc3
+    ctx = request.getfixturevalue("sc" if workers == 2 else "sc3")  # a three-worker cluster only when asked for
     net = mlp(sizes)
     master = SharedTrainingMaster(BATCH, rng_seed=3, collect_training_stats=True)
     spark_net = SparkNet(ctx, net, master)
@@ -320,6 +320,7 @@ class _KillAt(TrainingListener):
             self.killed = True
 
 
+@pytest.mark.slow  # the default run kills a worker of a sharing fit in test_training_faults
 def test_killed_worker_mid_training_finishes_with_the_survivors(data: tuple[torch.Tensor, ...]) -> None:
     x, y, tx, ty = data
     sizes = [64, 256, 256, 10]
