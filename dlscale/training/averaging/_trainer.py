@@ -48,7 +48,6 @@ from dlscale.data.loaders import KeptLoader, prefetch
 from dlscale.runtime.profiling import profiler_paused
 from dlscale.runtime.retirement import LEAVING
 from dlscale.runtime.tasks import match_threads
-from dlscale.training._heap import training_heap
 from dlscale.training._worker import check_finite, release_replica, state_of, training_replica
 from dlscale.training.averaging._exchange import DTYPES, Contribution, Exchange, FlatState
 from dlscale.training.averaging._worker_plugin import plugin
@@ -114,7 +113,7 @@ def run(
         loader = loader.bind(get_client())
     secede()  # a trainer runs for the whole fit: it does not hold one of the worker's task slots
     try:
-        with training_heap(), profiler_paused(worker), KeptLoader(loader, spec.keep_loaded) as kept:
+        with profiler_paused(worker), KeptLoader(loader, spec.keep_loaded) as kept:
             return _Trainer(worker, control, key, blob, refs, names, kept, spec).train()
     except SessionStoppedError as e:
         return _stopped(trainer, e)

@@ -50,7 +50,6 @@ from dlscale.encoding.dense import DenseCompressor
 from dlscale.errors import NonFiniteUpdateError
 from dlscale.runtime.profiling import profiler_paused
 from dlscale.runtime.retirement import LEAVING, retire_timeout
-from dlscale.training._heap import training_heap
 from dlscale.training._worker import decode, release_replica, state_of, training_replica
 from dlscale.training.sharing._exceptions import SessionAbortedError, SessionClosedError, SessionStoppedError
 from dlscale.training.sharing._keeping import Keeping, keeping
@@ -183,7 +182,7 @@ def run(
         loader = loader.bind(get_client())
     secede()  # a trainer runs for the whole fit: it should not hold one of the worker's task slots
     try:
-        with training_heap(), profiler_paused(worker), KeptLoader(loader, spec.keep_loaded) as kept:
+        with profiler_paused(worker), KeptLoader(loader, spec.keep_loaded) as kept:
             return _Trainer(worker, control, local, key, blob, refs, kept, spec, joined).train()
     except SessionClosedError as e:  # the session ended under it: its driver is gone
         plugin(worker).close(session)
