@@ -102,7 +102,8 @@ def test_parameter_averaging_rows_match_each_workers_rounds(sc, tmp_path) -> Non
     } == expected
     assert fit["done"] == fit["minibatches"] == sum(c[0] for c in expected.values())
     assert all(row["threshold"] is None for row in fit["rows"].values())
-    assert len(fit["rounds"]) == len(rounds) - 1 and all(seconds > 0 for seconds in fit["rounds"])
+    # each round's seconds as the statistics have them, sent a poll's rounds at a time
+    assert fit["rounds"] == pytest.approx([r.seconds for r in rounds]) and all(s > 0 for s in fit["rounds"])
     assert sum(fit["rounds"]) <= fit["seconds"]
     for name, row in fit["rows"].items():  # fitting and waiting for data, summed over the worker's rounds
         mine = [w for r in rounds for w in r.workers if w.worker == name]
@@ -176,11 +177,13 @@ def test_a_lone_trainer_is_never_stalled(caplog) -> None:
     clock = Clock()
     panel = TrainingPanel(clock)
     panel.begin("f", "parameter averaging", 10, stall_after=1.0)
-    panel.record("f", [report("tcp://a:1", "tcp://a:1"), report("tcp://b:1", "tcp://b:1")], round=True)
+    panel.record("f", [report("tcp://a:1", "tcp://a:1"), report("tcp://b:1", "tcp://b:1")], rounds=[0.5])
     clock.now += 100
-    panel.record("f", [report("tcp://a:1", "tcp://a:1"), report("tcp://b:1", "tcp://b:1")], round=True)
+    rows = [report("tcp://a:1", "tcp://a:1"), report("tcp://b:1", "tcp://b:1")]
+    panel.record("f", rows + rows, rounds=[60.0, 40.0])  # two rounds reported at once
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
-    assert panel.view()["f"]["rounds"] == [100.0]  # the second round's; the first has no round before it
+    assert panel.view()["f"]["rounds"] == [0.5, 60.0, 40.0]
+    assert panel.view()["f"]["rows"]["tcp://a:1"]["minibatches"] == 3 * rows[0]["minibatches"]
 
 
 def test_an_open_page_streams_new_points_and_redraws_a_merged_row() -> None:

@@ -329,7 +329,7 @@ def _phases(f: Fit) -> dict[str, list[Any]]:
 
 
 def _rounds(f: Fit) -> dict[str, list[Any]]:
-    return {"round": list(range(2, len(f.rounds) + 2)), "seconds": [s for _, s in f.rounds]}
+    return {"round": list(range(1, len(f.rounds) + 1)), "seconds": [s for _, s in f.rounds]}
 
 
 def _fit_label(f: Fit) -> str:

@@ -44,7 +44,8 @@ class WorkerRound:
 
 @dataclass
 class RoundStats:
-    """One round: ``seconds`` from the previous round's end to this one's, as seen by the driver."""
+    """One round: ``seconds`` from the previous round's end to this one's (a round ends when its last
+    member ends its share, by the members' clocks; the first from the driver's start of the fit)."""
 
     epoch: int
     round: int

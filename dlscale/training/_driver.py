@@ -11,6 +11,7 @@ workers' copies of the network and, after a failure, leave the network's counter
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +41,10 @@ if TYPE_CHECKING:
     from dlscale.training.master import TrainingMaster
 
 logger = logging.getLogger("dlscale")
+
+PANEL_INTERVAL = 0.25
+"""Seconds at least between the driver's calls that send the panel parameter-averaging rounds as they
+settle (a round of a small model takes milliseconds; a call per round took half the driver's CPU)."""
 
 
 @dataclass(frozen=True)
@@ -181,6 +186,8 @@ class FitRun:
         self._first_epoch = resume.first_epoch if resume is not None else self.network.epoch
         self.fit_id: str | None = None
         self._progress: Progress | None = None
+        self._panel: tuple[list[dict[str, Any]], list[float]] = [], []  # rounds' rows and seconds, not yet sent
+        self._panel_sent = -math.inf  # when rounds last went to the panel (time.monotonic())
 
     def __enter__(self) -> FitRun:
         install(self.client, RETIREMENT)  # a worker retired during the fit ends its part in order
@@ -205,8 +212,8 @@ class FitRun:
         try:
             if self._progress is not None:
                 self._progress.close()
-            if error is None and self.stats is not None:
-                panel.record_phases(self.client, self.fit_id, self.stats)
+            if error is None:
+                self.send_rounds(phases=True)
             panel.close_fit(self.client, self.fit_id)
             if self._shipped is not None:
                 alive = set(cluster_workers(self.client))  # a lost worker would take a timeout
@@ -290,6 +297,16 @@ class FitRun:
         self.fit_id = panel.open_fit(self.client, self.master.approach, self.epochs * total, fit=fit)
         self._progress = Progress(self.master.approach, total, self.epochs, self.first_epoch)
 
+    def send_rounds(self, phases: bool = False) -> None:
+        """Send the panel the rounds :meth:`step` was given since the last call, in one call, and with
+        them (or with ``phases``) every row's phases when the fit collects statistics."""
+        rows, rounds = self._panel
+        if rounds:
+            self._panel, self._panel_sent = ([], []), time.monotonic()
+            panel.record(self.client, self.fit_id, rows, rounds)
+        if self.stats is not None and (rounds or phases):
+            panel.record_phases(self.client, self.fit_id, self.stats)
+
     def step(
         self,
         epoch: int,
@@ -297,24 +314,28 @@ class FitRun:
         examples: int,
         score: float,
         iterations: int,
-        rows: list[dict[str, Any]] | None = None,
+        round_rows: list[dict[str, Any]] | None = None,
+        round_seconds: float | None = None,
         at: float | None = None,
         update: SentUpdate | None = None,
     ) -> None:
         """A step done in epoch ``epoch`` of the fit: ``minibatches`` trained on ``examples`` examples
-        with mean loss ``score``, moving the network on by ``iterations``; ``rows`` go to the panel;
-        ``at`` is when it was reported (default now), ``update`` what it sent (gradient sharing).
-        Advances the progress, the network's counters and calls every listener."""
+        with mean loss ``score``, moving the network on by ``iterations``; ``at`` is when it was
+        reported (default now), ``update`` what it sent (gradient sharing). A parameter-averaging round
+        gives its panel rows and its seconds: sent at once if none went for :data:`PANEL_INTERVAL`,
+        else with the next :meth:`send_rounds`. Advances the progress, the network's counters and
+        calls every listener."""
         network = self.network
         network.iteration += iterations
         network.epoch = max(network.epoch, self.first_epoch + epoch)
         at = time.time() if at is None else at
         if self._progress is not None:
             self._progress.advance(epoch, minibatches, examples, score, at)
-        if rows:
-            panel.record(self.client, self.fit_id, rows)
-            if self.stats is not None:
-                panel.record_phases(self.client, self.fit_id, self.stats)
+        if round_rows is not None:
+            self._panel[0].extend(round_rows)
+            self._panel[1].append(round_seconds if round_seconds is not None else math.nan)
+            if time.monotonic() - self._panel_sent >= PANEL_INTERVAL:  # before the listeners, which may take long
+                self.send_rounds()
         report = StepReport(network.iteration, iterations, self.first_epoch + epoch, score, examples, at, update)
         for listener in self.listeners:
             listener.step_done(network, report)

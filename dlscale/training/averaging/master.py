@@ -387,7 +387,7 @@ class _Averaging:
         stopped = False
         self._fitted = 0
         due: list[Any] = []
-        last = time.perf_counter()
+        last = time.time()  # the end of the round before the next one reported, by the members' clocks
         while True:
             with contextlib.suppress(TimeoutError):
                 wait(pending, timeout=self.config.poll_interval * 5, return_when="FIRST_COMPLETED")
@@ -396,15 +396,16 @@ class _Averaging:
             for report in progress["reports"]:
                 if self.measuring and not stopped:
                     self._choose_frequency(session, report["members"])
-                now = time.perf_counter()
+                end = max((m["end"] for m in report["members"]), default=last)
                 done_before = self._epochs_done()
-                self._report(report["members"], now - last)
-                last = now
+                self._report(report["members"], max(0.0, end - last))
+                last = max(last, end)
                 done_after = self._epochs_done()
                 # kept until the segment ends: an epoch's end seen in this batch of reports stays due
                 due += [
                     c for c in run.checkpoints_due(done_after if done_after > done_before else None) if c not in due
                 ]
+            run.send_rounds()
             if progress["lost"]:
                 self._note_lost(list(cluster_workers(client)))
             if not stopped and pending and (due or progress["newcomers"]):
@@ -494,7 +495,7 @@ class _Averaging:
             for m in fitted
         ]
         iterations = max(len(m["items"]) for m in members)
-        self.run.step(epoch, len(items), examples, score, iterations=iterations, rows=rows)
+        self.run.step(epoch, len(items), examples, score, iterations, round_rows=rows, round_seconds=seconds)
         if self.run.stats is not None:
             r = self.rounds_done[epoch]
             self.run.stats.rounds.append(
