@@ -45,7 +45,7 @@ class WorkerRound:
 @dataclass
 class RoundStats:
     """One round: ``seconds`` from the previous round's end to this one's (a round ends when its last
-    member ends its share, by the members' clocks; the first from the driver's start of the fit)."""
+    member ends its share, by the members' clocks; the first from when the trainers were started)."""
 
     epoch: int
     round: int

@@ -315,7 +315,7 @@ class FitRun:
         score: float,
         iterations: int,
         round_rows: list[dict[str, Any]] | None = None,
-        round_seconds: float | None = None,
+        round_seconds: float = math.nan,
         at: float | None = None,
         update: SentUpdate | None = None,
     ) -> None:
@@ -333,7 +333,7 @@ class FitRun:
             self._progress.advance(epoch, minibatches, examples, score, at)
         if round_rows is not None:
             self._panel[0].extend(round_rows)
-            self._panel[1].append(round_seconds if round_seconds is not None else math.nan)
+            self._panel[1].append(round_seconds)
             if time.monotonic() - self._panel_sent >= PANEL_INTERVAL:  # before the listeners, which may take long
                 self.send_rounds()
         report = StepReport(network.iteration, iterations, self.first_epoch + epoch, score, examples, at, update)
