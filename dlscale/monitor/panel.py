@@ -5,10 +5,10 @@ averaging): minibatches, examples, loss and, for gradient sharing, the threshold
 of its updates, with the whole run's history in a bounded number of points (:class:`History`).
 Gradient-sharing trainers report with the acknowledgements they send the scheduler anyway; parameter
 averaging's driver reports the rounds settled since it last looked, in one call (a round of a small
-model takes milliseconds: with calls per round, on ``benchmarks.small_model`` averaging every 5
-minibatches, they took half the driver's CPU); the driver adds each row's phase shares when the fit
-collects statistics. A row that has fitted nothing for ``dlscale.stall-warning`` while others
-progress is marked stalled and warned about in the log, naming its worker.
+model takes milliseconds, and a call per round cost the driver more CPU than the rest of its work);
+the driver adds each row's phase shares when the fit collects statistics. A row that has fitted
+nothing for ``dlscale.stall-warning`` while others progress is marked stalled and warned about in
+the log, naming its worker.
 
 The page itself is a Bokeh application of the scheduler's dashboard (:mod:`dlscale.monitor.dashboard`),
 added when the plugin starts; the same state is served as JSON at ``/dlscale/training.json``. Both come

@@ -44,7 +44,8 @@ logger = logging.getLogger("dlscale")
 
 PANEL_INTERVAL = 0.25
 """Seconds at least between the driver's calls that send the panel parameter-averaging rounds as they
-settle (a round of a small model takes milliseconds; a call per round took half the driver's CPU)."""
+settle (a round of a small model takes milliseconds; a call per round cost the driver more CPU than
+the rest of its work)."""
 
 
 @dataclass(frozen=True)

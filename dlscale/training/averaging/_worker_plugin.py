@@ -5,9 +5,9 @@ replica a trainer parks for the next fit (``dlscale.training._parking``; one ses
 
 Sends are made on the worker's event loop through ``worker.rpc`` (Dask's pooled connections, TLS
 included), the arrays as Dask-serialised frames (no copy into a message), one way: the peer sends no
-reply, which would cost both event loops a message a part and tell nothing a round's end does not
-(on ``benchmarks.small_model`` averaging every 5 minibatches on 2 workers, a reply took 12% of the
-event loops' CPU). A send is done once its bytes are handed to the connection. The trainer does not
+reply, which would cost both event loops a message a part (on a small model, where rounds take
+milliseconds, a real share of their CPU) and tell nothing a round's end does not. A send is done
+once its bytes are handed to the connection. The trainer does not
 wait for them: a part that does not arrive shows as a round that does not complete, which the
 trainer resolves with the scheduler (``_trainer``).
 """
