@@ -20,7 +20,7 @@ import dask.config
 import psutil
 import pytest
 
-from dlscale import SparkContext
+from dlscale import SparkConf, SparkContext
 from dlscale.runtime import allocator
 from tests.conftest import WORKER_IMPORTS
 
@@ -80,7 +80,7 @@ def test_readme_example_runs_as_a_script_without_a_main_guard(tmp_path: Path) ->
 
 SLEEPER = """
 import sys, time
-from dlscale import SparkContext
+from dlscale import SparkConf, SparkContext
 
 with SparkContext("local[2]") as sc:
     print(sc.parallelize(range(4), 2).map(lambda x: x * x).sum(), flush=True)
@@ -229,6 +229,51 @@ def test_workers_keep_freed_tensor_memory_for_the_next_step_unless_told_not_to()
     unset = {f"dlscale.worker.malloc-{name}": None for name in allocator.PARAMETERS}
     with dask.config.set(unset), SparkContext("local[1]") as ctx:
         assert ctx.parallelize([0], 1).map(_faults_of_a_reused_buffer).collect()[0] >= 1024
+
+
+def _keep_freed_memory(_: Any) -> tuple[int, float]:
+    """Allocate, touch and free 8 MiB blocks with C's malloc until this worker's process is 128 MiB above
+    the lowest of its memory thresholds, each followed by a small block left allocated, as a task's small
+    objects are (so that freeing the large ones gives nothing back by itself); returns the process's
+    memory when it stopped and that threshold."""
+    import ctypes
+
+    from distributed import get_worker
+
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    manager = get_worker().memory_manager
+    threshold = manager.memory_limit * min(manager.memory_target_fraction, manager.memory_spill_fraction)
+    process = psutil.Process()
+    blocks = []
+    while process.memory_info().rss < threshold + 128 * 2**20:
+        blocks.append(libc.malloc(8 * 2**20))
+        ctypes.memset(blocks[-1], 1, 8 * 2**20)
+        libc.malloc(4096)
+    peak = process.memory_info().rss
+    for block in blocks:
+        libc.free(block)
+    return peak, threshold
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator settings")
+def test_a_worker_gives_back_what_its_allocator_keeps_when_its_memory_is_high() -> None:
+    """Freed memory the allocator keeps for training is invisible to Dask's memory manager (nothing to
+    spill): above Dask's target the worker gives it back within a memory-monitor interval or so, and
+    once its memory is low again the settings for training are back."""
+    conf = SparkConf().setMaster("local[1]").set("spark.executor.memory", str(1536 * 2**20))
+    with SparkContext(conf=conf) as ctx:
+        peak, threshold = ctx.parallelize([0], 1).map(_keep_freed_memory).collect()[0]
+        assert peak > threshold
+        deadline = time.monotonic() + 5
+        while (rss := next(iter(ctx.client.run(lambda: psutil.Process().memory_info().rss).values()))) > threshold:
+            assert time.monotonic() < deadline, f"the worker kept {rss / 2**20:.0f} MiB, above {threshold / 2**20:.0f}"
+            time.sleep(0.1)
+        if not _huge_pages_always():  # 2 MiB pages: a handful of faults either way
+            assert ctx.parallelize([0], 1).map(_faults_of_a_reused_buffer).collect()[0] < 256
+        logs = [msg for _, msg in next(iter(ctx.client.get_worker_logs().values()))]
+        assert not [msg for msg in logs if "Unmanaged memory" in msg or "Pausing" in msg]
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator settings")

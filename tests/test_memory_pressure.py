@@ -1,5 +1,6 @@
 """Persisting three times the workers' memory, or training over twice of it, never pauses or kills
-a worker, and the storage report counts the bytes exactly."""
+a worker, nor leaves it holding memory Dask cannot spill, and the storage report counts the bytes
+exactly."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def small_sc() -> Iterator[SparkContext]:
 
 def _memory_events(ctx: SparkContext) -> list[str]:
     logs = ctx.client.get_worker_logs() | ctx.client.get_worker_logs(nanny=True)
-    words = ("Pausing worker", "exceeded", "Restarting worker", "Worker process died")
+    words = ("Pausing worker", "exceeded", "Restarting worker", "Worker process died", "Unmanaged memory use is high")
     return [msg for entries in logs.values() for _, msg in entries if any(w in msg for w in words)]
 
 

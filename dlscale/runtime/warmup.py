@@ -22,10 +22,11 @@ logger = logging.getLogger("dlscale")
 
 
 def dask_setup(worker: Any) -> None:
-    """Dask's preload hook: set the allocator for training (:mod:`dlscale.runtime.allocator`) and import
-    the configured modules; what fails is logged, not raised (a fit raises the error itself)."""
+    """Dask's preload hook: set the allocator for training, its kept memory given back whenever the
+    worker's memory is high (:mod:`dlscale.runtime.allocator`), and import the configured modules; what
+    fails is logged, not raised (a fit raises the error itself)."""
     try:
-        allocator.tune()
+        allocator.tune(worker)
     except ValueError as e:
         logger.warning("worker left its allocator as it started: %s", e)
     for name in config.get("worker.imports"):
