@@ -49,6 +49,7 @@ from benchmarks._common import (
     write_results,
 )
 from dlscale import SparkContext
+from dlscale.runtime.cluster import cluster_workers
 
 WORKERS = 4
 MB = 2**20
@@ -100,7 +101,7 @@ def rdd_round(sc: Any, value: Any) -> float:
 
 def dask_round(client: distributed.Client, value: Any) -> float:
     """``client.scatter(value, broadcast=True)`` and one task per worker reading it; the seconds that took."""
-    workers = list(client.scheduler_info(n_workers=-1)["workers"])
+    workers = list(cluster_workers(client))
     wrapped = isinstance(value, (list, dict))
     start = time.perf_counter()
     future = (

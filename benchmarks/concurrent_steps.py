@@ -51,6 +51,7 @@ from benchmarks._common import (
     write_results,
 )
 from benchmarks.quality import digits_mlp
+from dlscale.runtime.cluster import cluster_workers
 
 RESULTS = Path(__file__).resolve().parent / "results" / "concurrent_steps.json"
 WARMUP, ROUNDS = 10, 3
@@ -100,7 +101,7 @@ def two_tasks(model: str) -> float:
     from dlscale import SparkContext
 
     with SparkContext("local[2]", "concurrent-steps") as sc:
-        workers = list(sc.client.scheduler_info()["workers"])
+        workers = list(cluster_workers(sc.client))
         futures = [sc.client.submit(steps, model, workers=[w], key=f"steps-{w}") for w in workers]
         return statistics.mean(f.result() for f in futures)
 

@@ -40,6 +40,7 @@ from dlscale.demo import digits_cnn
 from dlscale.errors import TrainerLostWarning
 from dlscale.nn import Network, build
 from dlscale.nn.listeners import TrainingListener
+from dlscale.runtime.cluster import cluster_workers
 
 RESULTS = Path(__file__).resolve().parent / "results" / "elastic.json"
 BATCH = 32
@@ -70,7 +71,7 @@ def fit(way: str, seed: int, epochs: int, data: tuple[torch.Tensor, ...]) -> dic
     train = DataSet(x.reshape(-1, 1, 8, 8), y)
     planned = epochs * -(-len(x) // BATCH)
     with SparkContext("local[2]" if way in ("two", "retires") else "local[1]", f"elastic-{way}") as sc:
-        workers = sc.client.scheduler_info(n_workers=-1)["workers"]
+        workers = cluster_workers(sc.client)
         first = set(workers)
         retired = next((a for a, info in workers.items() if info["name"] == 1), None)  # scale(1) retires it
         net = network(seed)

@@ -60,6 +60,7 @@ from dlscale import ParameterAveragingTrainingMaster, SharedTrainingMaster, Spar
 from dlscale.data import DataSet, export_minibatches
 from dlscale.encoding.registry import COMPRESSORS, DEFAULT
 from dlscale.nn import Network
+from dlscale.runtime.cluster import cluster_workers
 from dlscale.training.sharing.master import AGGREGATIONS
 
 RESULTS = Path(__file__).resolve().parent / "results" / "quality.json"
@@ -244,7 +245,7 @@ def averaged(
     spark_net.fit_paths(sc.parallelize(paths, len(paths)), epochs=epochs)
     seconds = time.perf_counter() - start
     stats = spark_net.training_stats
-    workers = len(sc.client.scheduler_info(n_workers=-1)["workers"])
+    workers = len(cluster_workers(sc.client))
     state = 2 * 4 * net.num_params()
     sent = len(stats.rounds) * 2 * (workers - 1) * state  # by all trainers
     steps = sum(len(w.batches) for r in stats.rounds for w in r.workers)

@@ -17,6 +17,7 @@ import torch
 
 from benchmarks._common import command_line, header, parse, shrink, write_results
 from dlscale.facade._graph import Partition
+from dlscale.runtime.cluster import cluster_workers
 
 REPEATS = 5
 RESULTS = Path(__file__).parent / "results" / "transfer.json"
@@ -44,7 +45,7 @@ def make(kind: str, payload: str) -> list:
 
 def time_transfers(client: distributed.Client, kind: str, payload: str) -> dict[str, Any]:
     """Median seconds to move the payload worker -> worker, and worker -> client."""
-    a, b = list(client.scheduler_info(n_workers=-1)["workers"])
+    a, b = list(cluster_workers(client))
     w2w, w2c = [], []
     for _ in range(REPEATS):
         src = client.submit(make, kind, payload, workers=[a], pure=False)

@@ -63,10 +63,11 @@ def test_run_hands_the_cluster_flags_to_the_script(tmp_path: Path) -> None:
         textwrap.dedent("""
         import json, sys
         from dlscale import SparkContext
+        from dlscale.runtime.cluster import cluster_workers
 
         if __name__ == "__main__":
             with SparkContext() as sc:
-                workers = sc.client.scheduler_info(n_workers=-1)["workers"].values()
+                workers = cluster_workers(sc.client).values()
                 facts = {"master": sc.master, "argv": sys.argv[1:],
                          "workers": [(w["nthreads"], w["memory_limit"], w["resources"]) for w in workers]}
             open(sys.argv[-1], "w").write(json.dumps(facts))

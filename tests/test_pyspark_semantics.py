@@ -12,6 +12,7 @@ import pytest
 from pyspark.statcounter import StatCounter as SparkStatCounter
 
 from dlscale import SparkContext, StatCounter
+from dlscale.runtime.cluster import cluster_workers
 
 pytestmark = pytest.mark.pyspark
 
@@ -155,6 +156,6 @@ def test_names_spark_programs_and_tests_use(sc: Any, spark: Any) -> None:
 
 def test_spark_local_cluster_master() -> None:
     with SparkContext("local-cluster[2, 1, 1024]", "local-cluster") as c:
-        workers = c.client.scheduler_info(n_workers=-1)["workers"].values()
+        workers = cluster_workers(c.client).values()
         assert c.master == "local-cluster[2, 1, 1024]"
         assert sorted((w["nthreads"], w["memory_limit"]) for w in workers) == [(1, 1024 * 2**20)] * 2

@@ -11,6 +11,7 @@ import distributed
 import pytest
 
 from dlscale import SparkContext, StorageLevel
+from dlscale.runtime.cluster import cluster_workers
 
 
 def _held_by_scheduler(sc: SparkContext, key: str) -> bool:
@@ -36,7 +37,7 @@ def test_map_partitions_with_future_gives_each_partition_its_index_and_the_value
     assert sorted(sums.collect()) == [(i, sum(y for _, y in part)) for i, part in enumerate(expected)]
     sums.unpersist(blocking=True)
     # the function runs on the workers, where the value is already held
-    workers = set(sc.client.scheduler_info(n_workers=-1)["workers"])
+    workers = set(cluster_workers(sc.client))
     where = rdd.map_partitions_with_future(lambda i, v, it: [distributed.get_worker().address], future).collect()
     assert len(where) == 4 and set(where) <= workers
 

@@ -14,6 +14,7 @@ from dlscale import ClusterConnectionError, SharedTrainingMaster, SparkContext, 
 from dlscale.data import DataSet, load_digits
 from dlscale.evaluation import Evaluation
 from dlscale.nn import Network
+from dlscale.runtime.cluster import cluster_workers
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def test_training_evaluation_and_inference_over_tls(tls_cluster, tmp_path) -> No
     )
     before = network.params().clone()
     with SparkContext(cluster.scheduler_address, "tls", security=security) as sc:
-        workers = sc.client.scheduler_info(n_workers=-1)["workers"]
+        workers = cluster_workers(sc.client)
         assert len(workers) == 2 and all(w.startswith("tls://") for w in workers)
         master = SharedTrainingMaster(
             16, rng_seed=0, export_directory=str(tmp_path / "export"), collect_training_stats=True

@@ -26,6 +26,7 @@ from distributed.protocol import dask_deserialize, dask_serialize, deserialize, 
 
 from dlscale import config
 from dlscale.errors import BroadcastDestroyedError, BroadcastOperationError
+from dlscale.runtime.cluster import cluster_workers
 from dlscale.runtime.replicas import EVERY_WORKER, KEEP, set_replication
 
 if TYPE_CHECKING:
@@ -139,7 +140,7 @@ class Broadcast:
         payload.serialized = {"value": header, "nbytes": payload.nbytes}, frames
         # straight from the driver to each worker, unless the client was told it cannot reach them
         direct = client.direct_to_workers is not False
-        workers = list(client.scheduler_info(n_workers=-1)["workers"]) or [None]
+        workers = list(cluster_workers(client)) or [None]
 
         def send(worker: str | None) -> Future:
             return client.scatter({self._key: payload}, workers=worker, direct=direct, hash=False)[self._key]
