@@ -5,7 +5,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import logging
 import platform
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -588,6 +590,34 @@ def test_average_is_exact_for_one_state_and_weighted_by_examples() -> None:
     # a tree of averages is the flat average
     c = {**a, "params": torch.tensor([0.0, 4.0]), "examples": 2}
     torch.testing.assert_close(_worker.average(_worker.average(a, b), c)["params"], _worker.average(a, b, c)["params"])
+
+
+def test_auto_frequency_times_the_first_rounds_then_averages_at_what_it_chose(sc, tmp_path, caplog) -> None:
+    """``averaging_frequency="auto"`` fits its first rounds every 10 minibatches, times a round's
+    averaging against a step, chooses once (logged, and recorded in the statistics), at most once an
+    epoch (40 minibatches a worker here), and the rounds handed out after are of that size; every
+    minibatch is fitted once an epoch."""
+    rdd = rdd_of(sc, 800, 10, 2)  # 80 minibatches an epoch
+    master = ParameterAveragingTrainingMaster(
+        10,
+        averaging_frequency="auto",
+        collect_training_stats=True,
+        rng_seed=0,
+        export_directory=str(tmp_path / "export"),
+    )
+    spark_net = SparkNet(sc, mlp_network(MOMENTUM), master)
+    with caplog.at_level(logging.INFO, logger="dlscale.training.averaging"):
+        spark_net.fit(rdd, epochs=3)
+    stats = spark_net.training_stats
+    chosen = [r.getMessage() for r in caplog.records if "averaging every" in r.getMessage()]
+    assert len(chosen) == 1
+    frequency = int(re.match(r"parameter averaging: averaging every (\d+) minibatches", chosen[0]).group(1))
+    assert stats.averaging_frequency == frequency and 1 <= frequency <= 40
+    shares = [[len(w.batches) for w in r.workers] for r in stats.rounds]
+    assert shares[0] == [10, 10] and all(n <= max(10, frequency) for s in shares for n in s)
+    assert frequency in {n for s in shares[1:] for n in s}  # the rounds handed out after the choice
+    fitted = collections.Counter(path for r in stats.rounds for w in r.workers for path in w.batches)
+    assert len(fitted) == 80 and set(fitted.values()) == {3}
 
 
 def test_stats_summary_and_json(sc, tmp_path: Path) -> None:
