@@ -33,6 +33,7 @@ import logging
 import os
 import platform
 import threading
+import weakref
 from typing import Any
 
 from dask.utils import parse_bytes
@@ -122,9 +123,13 @@ def _watch(worker: Any) -> None:
         elif memory < room:
             _press(False)
 
+    alive = weakref.ref(worker)  # gc's callbacks live as long as the process; a worker of threads may not
+
     def after_collection(phase: str, info: dict[str, int]) -> None:
-        if phase == "stop" and info["generation"] == 2 and worker.status.name != "closed":
-            check()
+        if phase == "stop" and info["generation"] == 2:
+            this = alive()
+            if this is not None and this.status.name != "closed":
+                check()
 
     gc.callbacks.append(after_collection)
     worker.periodic_callbacks[GIVE_BACK] = PeriodicCallback(check, manager.memory_monitor_interval * 1000)
