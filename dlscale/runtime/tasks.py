@@ -15,12 +15,20 @@ def check_count(name: str, value: Any, minimum: int = 1) -> None:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
+def this_worker() -> Any:
+    """The Dask worker this runs in, or ``None`` outside one (on the driver)."""
+    try:
+        return get_worker()
+    except ValueError:
+        return None
+
+
 def match_threads() -> int:
     """Give torch as many intra-op threads as this worker runs tasks on; returns that number."""
-    try:
-        n = get_worker().state.nthreads
-    except ValueError:  # not on a worker
+    worker = this_worker()
+    if worker is None:
         return torch.get_num_threads()
+    n = worker.state.nthreads
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n
@@ -28,7 +36,5 @@ def match_threads() -> int:
 
 def worker_address() -> str:
     """This worker's address (``"the driver"`` outside a worker)."""
-    try:
-        return get_worker().address
-    except ValueError:
-        return "the driver"
+    worker = this_worker()
+    return "the driver" if worker is None else worker.address

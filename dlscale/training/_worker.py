@@ -17,7 +17,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from distributed import get_worker
 
 from dlscale.data.dataset import DataSet, MultiDataSet
 from dlscale.data.format import from_bytes
@@ -26,6 +25,7 @@ from dlscale.errors import NonFiniteUpdateError
 from dlscale.nn import shipping
 from dlscale.nn.network import Network, cpu_copy
 from dlscale.runtime import allocator
+from dlscale.runtime.tasks import this_worker
 
 
 def replica(key: str, blob: bytes, local: int = 0, per_worker: int = 1) -> tuple[Network, threading.Semaphore]:
@@ -44,21 +44,13 @@ def training_replica(key: str, blob: bytes, local: int = 0, per_worker: int = 1)
     trains: when this process's copy already is (workers as threads of one process, or a trainer moved
     from a lost worker), a copy of its own. Give it back with :func:`release_replica`. The worker's
     allocator is set for training first, where no preload has (:func:`dlscale.runtime.allocator.tune`)."""
-    allocator.tune(_this_worker())
+    allocator.tune(this_worker())
     network, _ = replica(key, blob, local, per_worker)
     with _TRAINING_LOCK:
         if id(network) in _TRAINING:
             network = pickle.loads(blob).to(network.device)
         _TRAINING.add(id(network))
     return network
-
-
-def _this_worker() -> Any:
-    """The Dask worker this runs in, or ``None`` outside one."""
-    try:
-        return get_worker()
-    except ValueError:
-        return None
 
 
 def release_replica(network: Network) -> None:
