@@ -22,7 +22,7 @@ from dlscale import config, storage
 from dlscale.data.dataset import DataSet, DataShapeError, MultiDataSet, rebatch
 from dlscale.nn import shipping
 from dlscale.nn.partitions import minibatches, worker_copies
-from dlscale.runtime.tasks import check_count, match_threads, worker_address
+from dlscale.runtime.tasks import check_count, match_threads, where
 
 if TYPE_CHECKING:
     from dlscale.facade.rdd import RDD
@@ -174,7 +174,7 @@ def _forward_partition(
                     rows = [_row(o, j, padded, own[j] if own else None) for o in outputs]
                     results.append((k, rows[0] if len(rows) == 1 else rows))
     except Exception as e:
-        e.add_note(f"while running inference on partition {index} on worker {worker_address()}")
+        e.add_note(f"while running inference on partition {index} on {where()}")
         raise
     return results
 
@@ -219,7 +219,7 @@ def _score_partition(
                 scores = network.score_examples(batch, include_regularization).tolist()
                 results.extend(zip([k for k, _ in chunk], scores))
     except Exception as e:
-        e.add_note(f"while scoring partition {index} on worker {worker_address()}")
+        e.add_note(f"while scoring partition {index} on {where()}")
         raise
     return results
 
@@ -290,7 +290,7 @@ def _predict_files_partition(
                 storage.write_bytes(f"{url.rstrip('/')}/{name}", buffer.getbuffer(), storage_options=options)
                 counts.append(batch.num_examples())
     except Exception as e:
-        e.add_note(f"while predicting partition {index} on worker {worker_address()}")
+        e.add_note(f"while predicting partition {index} on {where()}")
         raise
     return counts
 

@@ -4,6 +4,7 @@ minibatch files; results travel to s3:// as JSON; bad input names what is wrong.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import pytest
@@ -227,7 +228,9 @@ def test_bad_input_is_named(sc) -> None:
         do_evaluation(
             net, sc.parallelize(pieces(x, torch.nn.functional.one_hot(y.clamp(max=2), 3).float()), 2), Evaluation()
         )
-    assert "partition" in "".join(getattr(info.value, "__notes__", []))
+    notes = getattr(info.value, "__notes__", [])
+    named = r"while evaluating partition \d on worker (tcp|inproc)://\S+"
+    assert any(re.fullmatch(named, note) for note in notes), notes
     broken = network(4)
     with torch.no_grad():
         broken.module[0].weight[0, 0] = float("nan")

@@ -1,17 +1,23 @@
 """Persisting three times the workers' memory, or training over twice of it, never pauses or kills
 a worker, nor leaves it holding memory Dask cannot spill, and the storage report counts the bytes
-exactly."""
+exactly; a fit that waits on a worker Dask paused says so, and goes on once its memory falls."""
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import threading
+import time
 from collections.abc import Iterator
 
+import numpy as np
+import psutil
 import pytest
 import torch
 
 from dlscale import (
+    ParameterAveragingTrainingMaster,
     SharedTrainingMaster,
     SparkConf,
     SparkContext,
@@ -20,6 +26,7 @@ from dlscale import (
 )
 from dlscale.data import DataSet, export_minibatches, list_paths
 from dlscale.nn import Network
+from dlscale.runtime.cluster import PAUSE_CHECK, cluster_workers
 
 WORKERS = 2
 MEMORY_LIMIT = 768 * 2**20
@@ -105,3 +112,43 @@ def test_training_over_more_data_than_the_workers_memory(small_sc: SparkContext,
     assert not torch.equal(network.params(), before)
     assert ctx.client.run(os.getpid) == pids, "a worker was restarted"
     assert _memory_events(ctx) == []
+
+
+def _hold(nbytes: int, dask_worker) -> None:
+    dask_worker.dlscale_test_ballast = np.ones(nbytes, np.uint8)  # written: resident, not just reserved
+
+
+def _release(dask_worker) -> None:
+    del dask_worker.dlscale_test_ballast
+
+
+def test_a_fit_waiting_on_a_worker_dask_paused_says_so_and_goes_on_once_its_memory_falls(caplog) -> None:
+    """A worker past Dask's pause threshold starts no task, so a fit waits; the driver warns, naming the
+    worker and its memory, within a look or two, and the fit ends as it would have once the memory is freed."""
+    conf = SparkConf().setMaster("local[1]").set("spark.executor.memory", str(MEMORY_LIMIT))
+    with SparkContext(conf=conf) as ctx:
+        ((address, rss),) = ctx.client.run(lambda: psutil.Process().memory_info().rss).items()
+        ctx.client.run(_hold, int(0.88 * MEMORY_LIMIT) - rss)  # past the pause threshold (0.8), short of 0.95
+        deadline = time.monotonic() + 10
+        while cluster_workers(ctx.client)[address]["status"] != "paused":
+            assert time.monotonic() < deadline, "Dask did not pause the worker"
+            time.sleep(0.1)
+        x = torch.rand(64, 4, generator=torch.Generator().manual_seed(0))
+        batches = ctx.parallelize(DataSet(x, (x.sum(1) > 2).long()).batch_by(8), 2)
+        network = Network(torch.nn.Linear(4, 2), "cross_entropy", functools.partial(torch.optim.SGD, lr=0.1))
+        spark_net = SparkNet(ctx, network, ParameterAveragingTrainingMaster(8, rng_seed=0))
+        fit = threading.Thread(target=spark_net.fit, args=(batches,))
+        with caplog.at_level(logging.INFO, logger="dlscale"):
+            fit.start()
+            deadline = time.monotonic() + 3 * PAUSE_CHECK
+            while not (warned := [r for r in caplog.records if r.levelno == logging.WARNING and "paused" in r.message]):
+                assert time.monotonic() < deadline and fit.is_alive(), "no warning of the paused worker"
+                time.sleep(0.1)
+            assert fit.is_alive(), "the fit did not wait for the paused worker"
+            ctx.client.run(_release)
+            fit.join(timeout=60)
+        assert not fit.is_alive(), "the fit did not go on once the worker's memory fell"
+        assert network.iteration == 8
+        assert warned[0].message.startswith(f"worker {address} is paused: its process holds ")
+        assert "of its 768.00 MiB memory limit" in warned[0].message
+        assert f"worker {address} runs tasks again" in [r.message for r in caplog.records]

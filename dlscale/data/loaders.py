@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
 from dask.utils import format_bytes
-from distributed import get_worker
 from distributed.system import MEMORY_LIMIT
 
 from dlscale import config
@@ -26,6 +25,7 @@ from dlscale.data.dataset import DataSet, MultiDataSet
 from dlscale.data.format import load
 from dlscale.errors import MinibatchTooLargeError
 from dlscale.registry import Registry
+from dlscale.runtime.tasks import this_worker
 from dlscale.storage import open_fs
 
 
@@ -72,12 +72,9 @@ def size_check(url: str) -> Callable[[int | None], None] | None:
         return None
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or fraction <= 0:
         raise ValueError(f"dlscale.data.max-minibatch-fraction must be a positive number or null, got {fraction!r}")
-    try:
-        worker = get_worker()
-    except ValueError:  # not on a worker: no memory limit to keep
-        return None
-    limit = worker.memory_manager.memory_limit
-    if not limit:
+    worker = this_worker()
+    limit = None if worker is None else worker.memory_manager.memory_limit
+    if not limit:  # not on a worker, or one without a memory limit
         return None
 
     def check(size: int | None) -> None:
@@ -176,10 +173,8 @@ class KeptLoader:
 
     def __init__(self, loader: Loader, fraction: float) -> None:
         self.loader = loader
-        try:
-            limit = get_worker().memory_manager.memory_limit
-        except ValueError:  # not on a worker
-            limit = None
+        worker = this_worker()
+        limit = None if worker is None else worker.memory_manager.memory_limit
         self.budget = int(fraction * (limit or MEMORY_LIMIT))
         self.kept: dict[Any, DataSet | MultiDataSet] = {}
         self.nbytes = 0

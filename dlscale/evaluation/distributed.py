@@ -18,7 +18,7 @@ from dlscale.data.dataset import DataSet, MultiDataSet, rebatch
 from dlscale.evaluation._base import BaseEvaluation
 from dlscale.nn import shipping
 from dlscale.nn.partitions import minibatches, worker_copies
-from dlscale.runtime.tasks import check_count, match_threads, worker_address
+from dlscale.runtime.tasks import check_count, match_threads, where
 
 if TYPE_CHECKING:
     from dlscale.facade.rdd import RDD
@@ -94,7 +94,7 @@ def _evaluate_partition(
                 for e in evaluations:
                     e.eval(labels[output], outputs[output], masks[output])
     except Exception as e:
-        e.add_note(f"while evaluating partition {index} on worker {worker_address()}")
+        e.add_note(f"while evaluating partition {index} on {where()}")
         raise
     return [evaluations]
 

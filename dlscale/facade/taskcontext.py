@@ -20,6 +20,7 @@ from distributed import get_worker
 from distributed.utils import sync
 
 from dlscale.errors import BarrierError
+from dlscale.runtime.tasks import this_worker
 
 __all__ = ["BarrierTaskContext", "BarrierTaskInfo", "ResourceInformation", "TaskContext"]
 
@@ -232,10 +233,8 @@ class running:  # noqa: N801 - used as a context manager
 
     def __enter__(self) -> None:
         self.outer = getattr(_local, "context", None)
-        try:
-            dask_key = get_worker().get_current_task()
-        except ValueError:  # not on a worker (a task run by Dask's local scheduler)
-            dask_key = None
+        worker = this_worker()  # None: a task run by Dask's local scheduler
+        dask_key = None if worker is None else worker.get_current_task()
         if self.stage is None:
             _local.context = TaskContext(self.key, dask_key)
         else:

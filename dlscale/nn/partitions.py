@@ -6,10 +6,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from distributed import get_worker
-
 from dlscale.data.dataset import DataSet, MultiDataSet
 from dlscale.data.loaders import Loader, prefetch, resolve_loader
+from dlscale.runtime.tasks import this_worker
 
 
 def minibatches(elements: Iterable[Any], loader: Loader | str | None) -> Iterator[DataSet | MultiDataSet]:
@@ -34,7 +33,5 @@ def worker_copies(num_workers: int | None) -> int:
     """Network copies per worker: ``num_workers``, or one per thread of this worker."""
     if num_workers is not None:
         return num_workers
-    try:
-        return get_worker().state.nthreads
-    except ValueError:  # not on a worker
-        return 1
+    worker = this_worker()
+    return 1 if worker is None else worker.state.nthreads

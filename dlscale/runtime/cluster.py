@@ -1,11 +1,21 @@
-"""What the scheduler knows of the cluster now."""
+"""What the scheduler knows of the cluster now, and what the driver tells of it while it waits."""
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import TYPE_CHECKING, Any
 
+from dask.utils import format_bytes
+from distributed import wait
+
 if TYPE_CHECKING:
-    from distributed import Client
+    from distributed import Client, Future
+
+logger = logging.getLogger("dlscale")
+
+PAUSE_CHECK = 5.0
+"""Seconds between a waiting driver's looks at the workers Dask has paused (one scheduler call each)."""
 
 
 def cluster_workers(client: Client) -> dict[str, dict[str, Any]]:
@@ -15,3 +25,56 @@ def cluster_workers(client: Client) -> dict[str, dict[str, Any]]:
     copy, which the client's periodic update (which asks for no workers) can overwrite while the call
     waits, so that it sometimes reports a cluster without workers."""
     return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+
+
+class PauseWatch:
+    """Tells, while a driver waits on its workers, of the workers Dask has paused.
+
+    A worker whose process memory passes ``distributed.worker.memory.pause`` starts no task until it
+    falls again: a fit then waits on a task there (a trainer to start, the end's summary) for as long
+    as the worker holds that memory, and Dask says so only in the worker's own log. The driver warns
+    once a pause, naming the worker and its memory, and says when it runs again. :meth:`check` looks at
+    most every :data:`PAUSE_CHECK` seconds, so a loop may call it at every turn."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self.paused: set[str] = set()
+        self.due = time.monotonic() + PAUSE_CHECK
+
+    def check(self) -> None:
+        """Warn of workers paused since the last look; tell of those running again."""
+        if time.monotonic() >= self.due:
+            self._look()
+
+    def _look(self) -> None:
+        self.due = time.monotonic() + PAUSE_CHECK
+        workers = cluster_workers(self.client)
+        paused = {address for address, info in workers.items() if info.get("status") == "paused"}
+        for address in sorted(paused - self.paused):
+            info = workers[address]
+            memory, limit = info.get("metrics", {}).get("memory"), info.get("memory_limit")
+            held = "" if memory is None else f": its process holds {format_bytes(memory)}"
+            of = f" of its {format_bytes(limit)} memory limit" if memory is not None and limit else ""
+            logger.warning(
+                "worker %s is paused%s%s, past Dask's pause threshold (distributed.worker.memory.pause): "
+                "it starts no task until its memory falls, and the fit waits for any of its tasks to run "
+                "there. Give the workers more memory, persist less, or restart the worker",
+                address,
+                held,
+                of,
+            )
+        for address in sorted(self.paused - paused):
+            logger.info("worker %s runs tasks again", address)
+        self.paused = paused
+
+    def result(self, future: Future) -> Any:
+        """``future``'s result, looking at paused workers while it is not done (and once more when it
+        is, after a pause was told of: the task ran, so its worker may run again)."""
+        while not future.done():
+            try:
+                wait(future, timeout=PAUSE_CHECK)
+            except TimeoutError:
+                self.check()
+        if self.paused:
+            self._look()
+        return future.result()

@@ -15,10 +15,10 @@ import threading
 
 import dask.config
 import torch
-from distributed import get_worker
 from distributed.utils import sync
 
 from dlscale.errors import DeviceError
+from dlscale.runtime.tasks import this_worker, where
 
 CHOICES = ("auto", "cpu", "cuda", "cuda:N")
 
@@ -35,19 +35,11 @@ def setting() -> str:
     raise ValueError(f"DLSCALE_DEVICE (or dlscale.device) must be one of {', '.join(CHOICES)}, got {value!r}")
 
 
-def _where() -> str:
-    try:
-        return f"worker {get_worker().address}"
-    except ValueError:
-        return "the driver"
-
-
 def _host_rank() -> int:
     """This worker's place among the workers on its host (by address), asked of the scheduler once
     per worker; 0 outside a worker."""
-    try:
-        worker = get_worker()
-    except ValueError:
+    worker = this_worker()
+    if worker is None:
         return 0
     with _RANK_LOCK:
         if worker.address not in _RANK:
@@ -66,14 +58,14 @@ def device_for(local: int = 0, per_worker: int = 1) -> torch.device:
     if not torch.cuda.is_available():
         build = "built without CUDA" if torch.version.cuda is None else f"CUDA {torch.version.cuda}, no GPU visible"
         raise DeviceError(
-            f"DLSCALE_DEVICE={value} but {_where()} has no usable GPU (torch {torch.__version__}, "
+            f"DLSCALE_DEVICE={value} but {where()} has no usable GPU (torch {torch.__version__}, "
             f"{build}); set DLSCALE_DEVICE=auto or cpu to train on its CPU"
         )
     count = torch.cuda.device_count()
     if value.startswith("cuda:"):
         index = int(value[5:])
         if index >= count:
-            raise DeviceError(f"DLSCALE_DEVICE={value} but {_where()} sees only {count} GPU(s)")
+            raise DeviceError(f"DLSCALE_DEVICE={value} but {where()} sees only {count} GPU(s)")
         return torch.device("cuda", index)
     index = 0 if count == 1 else (_host_rank() * per_worker + local) % count
     return torch.device("cuda", index)

@@ -1,5 +1,5 @@
 """What dlscale's tasks share: settings checked before they are submitted, and the worker process
-they run in (its address for error messages, its thread count for torch)."""
+they run in (where, for error messages, its thread count for torch)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def match_threads() -> int:
     return n
 
 
-def worker_address() -> str:
-    """This worker's address (``"the driver"`` outside a worker)."""
+def where() -> str:
+    """Where this runs, for messages: ``"worker <address>"``, or ``"the driver"`` outside a worker."""
     worker = this_worker()
-    return "the driver" if worker is None else worker.address
+    return "the driver" if worker is None else f"worker {worker.address}"

@@ -4,8 +4,9 @@ A master is handed a :class:`FitContext` (what it may use of the network's owner
 inside a :class:`FitRun`, which does what both masters do around their own rounds or trainers: list
 the workers (and refuse an empty cluster), draw the seed, send the network once (when first
 needed), check one minibatch on a worker, show progress (bar and dashboard panel), count iterations
-and call the listeners after every step, collect the statistics, and on the way out drop the
-workers' copies of the network and, after a failure, leave the network's counters as they were.
+and call the listeners after every step, tell of workers Dask paused while it waits on them, collect
+the statistics, and on the way out drop the workers' copies of the network and, after a failure,
+leave the network's counters as they were.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from dlscale.monitor.stats import TrainingStats
 from dlscale.nn import shipping
 from dlscale.nn.listeners import SentUpdate, StepReport, TrainingListener
 from dlscale.nn.network import Network
-from dlscale.runtime.cluster import cluster_workers
+from dlscale.runtime.cluster import PauseWatch, cluster_workers
 from dlscale.runtime.extensions import install
 from dlscale.runtime.retirement import RETIREMENT
 from dlscale.training import _worker
@@ -189,6 +190,7 @@ class FitRun:
         self._progress: Progress | None = None
         self._panel: tuple[list[dict[str, Any]], list[float]] = [], []  # rounds' rows and seconds, not yet sent
         self._panel_sent = -math.inf  # when rounds last went to the panel (time.monotonic())
+        self.pauses = PauseWatch(self.client)  # the driver waits: it tells of workers Dask paused
 
     def __enter__(self) -> FitRun:
         install(self.client, RETIREMENT)  # a worker retired during the fit ends its part in order
@@ -290,7 +292,7 @@ class FitRun:
         network kept under ``key`` (default: the first of :attr:`replicas`)."""
         blob, b = self.blob, self.batches
         key = self.replicas[0] if key is None else key
-        self.client.submit(_worker.probe, key, blob, b.refs[0], b.loader, pure=False).result()
+        self.pauses.result(self.client.submit(_worker.probe, key, blob, b.refs[0], b.loader, pure=False))
 
     def show_progress(self, fit: str | None = None) -> None:
         """Open the fit's record in the dashboard panel (under ``fit``, or a new id) and its progress."""

@@ -213,7 +213,7 @@ class _Averaging:
             run.probe()
         elif probe:
             b = self.batches
-            client.submit(_probe_parked, warm, b.refs[0], b.loader, workers=[nodes[0]], pure=False).result()
+            run.pauses.result(client.submit(_probe_parked, warm, b.refs[0], b.loader, workers=[nodes[0]], pure=False))
         run.show_progress()
         remaining = self._remaining()
         self.left.update(item // self.n for item in remaining)
@@ -373,7 +373,8 @@ class _Averaging:
         """The trainers' common state, from one trainer that ended with it, and whether every trainer
         did (and so parked its replica)."""
         finished = [f for f in futures.values() if f.status == "finished"]
-        held = self.client.gather([self.client.submit(_summary, f, pure=False) for f in finished])
+        summaries = [self.client.submit(_summary, f, pure=False) for f in finished]
+        held = [self.run.pauses.result(s) for s in summaries]
         for f, has_state in zip(finished, held, strict=True):
             if has_state:
                 return _network_state(f.result()), len(finished) == len(futures) and all(held)
@@ -392,6 +393,7 @@ class _Averaging:
             with contextlib.suppress(TimeoutError):
                 wait(pending, timeout=self.config.poll_interval * 5, return_when="FIRST_COMPLETED")
             pending = {f for f in pending if not f.done()}
+            run.pauses.check()
             progress = client.sync(client.scheduler.dlscale_averaging_progress, session=session)
             for report in progress["reports"]:
                 if self.measuring and not stopped:

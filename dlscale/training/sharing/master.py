@@ -193,7 +193,7 @@ class _Session:
         elif probe:
             w, i = next(iter(self.trainers.values()))
             b = self.batches
-            client.submit(_probe_parked, warm, i, b.refs[0], b.loader, workers=[w], pure=False).result()
+            run.pauses.result(client.submit(_probe_parked, warm, i, b.refs[0], b.loader, workers=[w], pure=False))
         spec = self._spec(warm)
         if master.encoding_debug_mode:
             client.subscribe_topic(_trainer.DEBUG_TOPIC, _log_debug)
@@ -345,6 +345,7 @@ class _Session:
             with contextlib.suppress(TimeoutError):
                 wait(pending, timeout=self.config.poll_interval * 10, return_when="FIRST_COMPLETED")
             pending = {f for f in pending if not f.done()}
+            self.run.pauses.check()
             progress = self._call("progress")
             self.retired.extend(progress["retired"])
             epochs_done = self._epochs_done()
@@ -375,7 +376,10 @@ class _Session:
                 break
         finished = [f for f in futures.values() if f.status == "finished"]
         # made one on a worker beside their states: the driver takes one state, not one per trainer
-        combined = self.client.submit(_combine, *finished, pure=False).result() if finished else _combine()
+        if finished:
+            combined = self.run.pauses.result(self.client.submit(_combine, *finished, pure=False))
+        else:
+            combined = _combine()
         if not drained:  # the end of the fit
             due = self.run.checkpoints_due(self._epochs_done(epochs_done))
         return combined, progress, left, due
