@@ -15,6 +15,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
+from distributed import Client
 
 from dlscale import (
     ParameterAveragingTrainingMaster,
@@ -25,7 +26,8 @@ from dlscale import (
     StorageLevel,
 )
 from dlscale.data import DataSet, export_minibatches, list_paths
-from dlscale.nn import Network
+from dlscale.nn import Network, TrainingListener
+from dlscale.nn.listeners import StepReport
 from dlscale.runtime.cluster import PAUSE_CHECK, cluster_workers
 
 WORKERS = 2
@@ -114,7 +116,9 @@ def test_training_over_more_data_than_the_workers_memory(small_sc: SparkContext,
     assert _memory_events(ctx) == []
 
 
-def _hold(nbytes: int, dask_worker) -> None:
+def _hold(fraction: float, dask_worker) -> None:
+    """Take the worker's process to ``fraction`` of its memory limit, in memory Dask cannot spill."""
+    nbytes = int(fraction * dask_worker.memory_manager.memory_limit) - psutil.Process().memory_info().rss
     dask_worker.dlscale_test_ballast = np.ones(nbytes, np.uint8)  # written: resident, not just reserved
 
 
@@ -122,21 +126,39 @@ def _release(dask_worker) -> None:
     del dask_worker.dlscale_test_ballast
 
 
+class _PauseAtFirstStep(TrainingListener):
+    """At the fit's first step report, takes the worker past Dask's pause threshold (0.8 of its limit,
+    short of its restart at 0.95) and returns once the scheduler knows it paused: the fit's end (its
+    state gathered by a task) then waits on a paused worker."""
+
+    def __init__(self, client: Client) -> None:
+        self.client, self.done = client, False
+
+    def step_done(self, network: Network, step: StepReport) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.client.run(_hold, 0.86)
+        deadline = time.monotonic() + 10
+        while any(w["status"] != "paused" for w in cluster_workers(self.client).values()):
+            assert time.monotonic() < deadline, "Dask did not pause the worker"
+            time.sleep(0.05)
+
+
 def test_a_fit_waiting_on_a_worker_dask_paused_says_so_and_goes_on_once_its_memory_falls(caplog) -> None:
     """A worker past Dask's pause threshold starts no task, so a fit waits; the driver warns, naming the
-    worker and its memory, within a look or two, and the fit ends as it would have once the memory is freed."""
+    worker and its memory, within a look or two, and once the memory is freed the fit ends as it would have."""
     conf = SparkConf().setMaster("local[1]").set("spark.executor.memory", str(MEMORY_LIMIT))
     with SparkContext(conf=conf) as ctx:
-        ((address, rss),) = ctx.client.run(lambda: psutil.Process().memory_info().rss).items()
-        ctx.client.run(_hold, int(0.88 * MEMORY_LIMIT) - rss)  # past the pause threshold (0.8), short of 0.95
-        deadline = time.monotonic() + 10
-        while cluster_workers(ctx.client)[address]["status"] != "paused":
-            assert time.monotonic() < deadline, "Dask did not pause the worker"
-            time.sleep(0.1)
+        (address,) = cluster_workers(ctx.client)
         x = torch.rand(64, 4, generator=torch.Generator().manual_seed(0))
         batches = ctx.parallelize(DataSet(x, (x.sum(1) > 2).long()).batch_by(8), 2)
-        network = Network(torch.nn.Linear(4, 2), "cross_entropy", functools.partial(torch.optim.SGD, lr=0.1))
-        spark_net = SparkNet(ctx, network, ParameterAveragingTrainingMaster(8, rng_seed=0))
+        sgd = functools.partial(torch.optim.SGD, lr=0.1)
+        nets = [Network(torch.nn.Linear(4, 2), "cross_entropy", sgd) for _ in "ab"]
+        nets[1].set_params(nets[0].params())
+        SparkNet(ctx, nets[0], ParameterAveragingTrainingMaster(8, rng_seed=0)).fit(batches)  # the reference
+        spark_net = SparkNet(ctx, nets[1], ParameterAveragingTrainingMaster(8, rng_seed=0))
+        spark_net.set_listeners(_PauseAtFirstStep(ctx.client))
         fit = threading.Thread(target=spark_net.fit, args=(batches,))
         with caplog.at_level(logging.INFO, logger="dlscale"):
             fit.start()
@@ -148,7 +170,7 @@ def test_a_fit_waiting_on_a_worker_dask_paused_says_so_and_goes_on_once_its_memo
             ctx.client.run(_release)
             fit.join(timeout=60)
         assert not fit.is_alive(), "the fit did not go on once the worker's memory fell"
-        assert network.iteration == 8
+        assert torch.equal(nets[1].params(), nets[0].params())
         assert warned[0].message.startswith(f"worker {address} is paused: its process holds ")
         assert "of its 768.00 MiB memory limit" in warned[0].message
         assert f"worker {address} runs tasks again" in [r.message for r in caplog.records]
