@@ -170,6 +170,25 @@ def test_parameter_averaging_reports_each_epoch(sc, tmp_path, caplog) -> None:
     ]
 
 
+def test_parameter_averaging_times_each_epoch_by_its_rounds_ends(sc, caplog) -> None:
+    """An epoch's line is timed by when its rounds ended on the workers, not by when the driver read
+    them (several rounds of a fast model settle between two of its polls): with a round an epoch, an
+    epoch's rate is its examples over its round's seconds, as the training statistics have them."""
+    caplog.set_level(logging.INFO, logger="dlscale")
+    torch.manual_seed(0)
+    net = Network(torch.nn.Linear(5, 2), "cross_entropy", functools.partial(torch.optim.SGD, lr=0.1))
+    rdd = sc.parallelize(DataSet(torch.randn(64, 5), torch.randint(0, 2, (64,))).batch_by(8), 2)
+    master = ParameterAveragingTrainingMaster(8, averaging_frequency=4, collect_training_stats=True)
+    spark_net = SparkNet(sc, net, master)
+    with dask.config.set({"dlscale.progress": True}):
+        spark_net.fit(rdd, epochs=6)
+    rounds = spark_net.training_stats.rounds
+    assert [r.epoch for r in rounds] == list(range(6))  # a round an epoch
+    rates = [re.search(r"examples in [^,]*, ([\d,]+) examples/s", r.getMessage()) for r in caplog.records]
+    logged = [m.group(1) for m in rates if m]
+    assert logged[1:] == [f"{r.examples / r.seconds:,.0f}" for r in rounds[1:]]  # the first: from the fit's start
+
+
 FIT = """
 import functools, sys, torch
 from dlscale import SharedTrainingMaster, SparkContext, SparkNet

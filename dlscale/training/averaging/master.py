@@ -400,7 +400,7 @@ class _Averaging:
                     self._choose_frequency(session, report["members"])
                 end = max((m["end"] for m in report["members"]), default=last)
                 done_before = self._epochs_done()
-                self._report(report["members"], max(0.0, end - last))
+                self._report(report["members"], max(0.0, end - last), end)
                 last = max(last, end)
                 done_after = self._epochs_done()
                 # kept until the segment ends: an epoch's end seen in this batch of reports stays due
@@ -474,8 +474,9 @@ class _Averaging:
             wait(list(futures.values()), timeout=self.config.end_timeout)
         self.client.cancel([f for f in futures.values() if not f.done()])
 
-    def _report(self, members: list[dict[str, Any]], seconds: float) -> None:
-        """A settled round: the run's step (progress, listeners, panel) and its statistics."""
+    def _report(self, members: list[dict[str, Any]], seconds: float, end: float) -> None:
+        """A settled round, which ended at ``end`` (``time.time()`` of its last member): the run's step
+        (progress, listeners, panel) and its statistics."""
         items = [i for m in members for i in m["items"]]
         if not items:
             return
@@ -497,7 +498,7 @@ class _Averaging:
             for m in fitted
         ]
         iterations = max(len(m["items"]) for m in members)
-        self.run.step(epoch, len(items), examples, score, iterations, round_rows=rows, round_seconds=seconds)
+        self.run.step(epoch, len(items), examples, score, iterations, round_rows=rows, round_seconds=seconds, at=end)
         if self.run.stats is not None:
             r = self.rounds_done[epoch]
             self.run.stats.rounds.append(
