@@ -1,11 +1,11 @@
 """What dlscale's tasks share: settings checked before they are submitted, and the worker process
-they run in (where, for error messages, its thread count for torch)."""
+they run in (where, for error messages, its thread count for torch). The facade's tasks use it too,
+so torch is imported only by what needs it: an RDD's tasks never load torch on a worker."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
 from distributed import get_worker
 
 
@@ -25,6 +25,8 @@ def this_worker() -> Any:
 
 def match_threads() -> int:
     """Give torch as many intra-op threads as this worker runs tasks on; returns that number."""
+    import torch  # here, not above: see the module's docstring
+
     worker = this_worker()
     if worker is None:
         return torch.get_num_threads()
