@@ -128,15 +128,53 @@ def _family() -> list[psutil.Process]:
     return [me, *me.children(recursive=True)]
 
 
-def _cpu(processes: list[psutil.Process]) -> dict[int, float]:
+def _cpu(processes: list[psutil.Process]) -> dict[int, tuple[str, float, float]]:
+    """Per process: its role (see :func:`_role`), its CPU seconds, and those of its main thread."""
     out = {}
     for p in processes:
         try:
             t = p.cpu_times()
-            out[p.pid] = t.user + t.system
-        except psutil.Error:
+            out[p.pid] = (_role(p), t.user + t.system, _main_thread_cpu(p.pid))
+        except (psutil.Error, OSError):
             pass
     return out
+
+
+def _role(p: psutil.Process) -> str:
+    """``"driver"`` (this process), ``"nanny"`` (an embedded cluster's ``python -m dask spec``), ``"worker"``
+    (a process a nanny started), or ``"other"`` (a launcher's rank, a ceiling's process)."""
+    if p.pid == os.getpid():
+        return "driver"
+    if _is_nanny(p):
+        return "nanny"
+    parent = p.parent()
+    return "worker" if parent is not None and _is_nanny(parent) else "other"
+
+
+def _is_nanny(p: psutil.Process) -> bool:
+    return p.cmdline()[2:5] == ["-m", "dask", "spec"]
+
+
+def _main_thread_cpu(pid: int) -> float:
+    """CPU seconds of process ``pid``'s main thread (a Dask server's event loop; the driver's own code)."""
+    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_by_role(before: dict[int, tuple[str, float, float]], after: dict[int, tuple[str, float, float]]) -> dict:
+    """CPU seconds spent between two :func:`_cpu` readings, by role and, for the driver and the workers,
+    split into the main thread's (the driver's own code; a worker's event loop) and the other threads'
+    (the driver's: the client's and an embedded scheduler's event loop; a worker's: its tasks, such as
+    the trainers, and their helper threads), of the processes alive at both ends or started between."""
+    out: dict[str, float] = {}
+    for pid, (role, total, main) in after.items():
+        _, total0, main0 = before.get(pid, (role, 0.0, 0.0))
+        if role in ("driver", "worker"):
+            out[f"{role} main thread"] = out.get(f"{role} main thread", 0.0) + main - main0
+            out[f"{role} other threads"] = out.get(f"{role} other threads", 0.0) + (total - main) - (total0 - main0)
+        else:
+            out[role] = out.get(role, 0.0) + total - total0
+    return {k: round(v, 2) for k, v in out.items()}
 
 
 def _peak_rss() -> int:
@@ -160,8 +198,9 @@ def _link_bytes() -> int:
 
 @contextmanager
 def measured(out: dict[str, Any]) -> Iterator[None]:
-    """Record the CPU utilisation, link bytes and peak memory of the block into ``out`` (processes
-    started and ended inside it count for the CPU time their parent has waited for)."""
+    """Record the CPU utilisation (and its CPU seconds by role, :func:`_cpu_by_role`), link bytes and
+    peak memory of the block into ``out`` (processes started and ended inside it count for the CPU
+    time their parent has waited for)."""
     family = _family()
     cpu0, bytes0, t0 = _cpu(family), _link_bytes(), time.perf_counter()
     own0 = os.times()
@@ -170,9 +209,10 @@ def measured(out: dict[str, Any]) -> Iterator[None]:
     family = _family()
     cpu1 = _cpu(family)
     own1 = os.times()
-    lived = sum(cpu1[pid] - cpu0.get(pid, 0.0) for pid in cpu1)
+    lived = sum(cpu1[pid][1] - cpu0.get(pid, ("", 0.0))[1] for pid in cpu1)
     waited = (own1.children_user + own1.children_system) - (own0.children_user + own0.children_system)
     out["cpu_utilisation"] = (lived + waited) / wall / (os.cpu_count() or 1)
+    out["cpu_seconds"] = {**_cpu_by_role(cpu0, cpu1), "processes ended": round(waited, 2)}
     out["peak_rss"] = _peak_rss()  # while a run's worker processes are still alive
     out["link_bytes"] = _link_bytes() - bytes0
     out["wall_seconds"] = wall
