@@ -1,6 +1,7 @@
 """Persisting three times the workers' memory, or training over twice of it, never pauses or kills
 a worker, nor leaves it holding memory Dask cannot spill, and the storage report counts the bytes
-exactly; a fit that waits on a worker Dask paused says so, and goes on once its memory falls."""
+exactly; a fit or an RDD action that waits on a worker Dask paused says so, and goes on once its
+memory falls."""
 
 from __future__ import annotations
 
@@ -138,11 +139,17 @@ class _PauseAtFirstStep(TrainingListener):
         if self.done:
             return
         self.done = True
-        self.client.run(_hold, 0.86)
-        deadline = time.monotonic() + 10
-        while any(w["status"] != "paused" for w in cluster_workers(self.client).values()):
-            assert time.monotonic() < deadline, "Dask did not pause the worker"
-            time.sleep(0.05)
+        _pause(self.client)
+
+
+def _pause(client: Client) -> None:
+    """Take every worker past Dask's pause threshold (0.8 of its limit, short of its restart at 0.95);
+    returns once the scheduler knows they paused."""
+    client.run(_hold, 0.86)
+    deadline = time.monotonic() + 10
+    while any(w["status"] != "paused" for w in cluster_workers(client).values()):
+        assert time.monotonic() < deadline, "Dask did not pause the worker"
+        time.sleep(0.05)
 
 
 def test_a_fit_waiting_on_a_worker_dask_paused_says_so_and_goes_on_once_its_memory_falls(caplog) -> None:
@@ -173,4 +180,31 @@ def test_a_fit_waiting_on_a_worker_dask_paused_says_so_and_goes_on_once_its_memo
         assert torch.equal(nets[1].params(), nets[0].params())
         assert warned[0].message.startswith(f"worker {address} is paused: its process holds ")
         assert "of its 768.00 MiB memory limit" in warned[0].message
+        assert f"worker {address} runs tasks again" in [r.message for r in caplog.records]
+
+
+def test_an_rdd_action_waiting_on_a_worker_dask_paused_says_so_and_ends_once_its_memory_falls(caplog) -> None:
+    """An action whose tasks can only run on a paused worker waits; the driver warns, naming the worker,
+    its memory and the job, and once the memory is freed the action returns what Python computes."""
+    conf = SparkConf().setMaster("local[1]").set("spark.executor.memory", str(MEMORY_LIMIT))
+    with SparkContext(conf=conf) as ctx:
+        (address,) = cluster_workers(ctx.client)
+        rdd = ctx.parallelize(range(100), 4).map(lambda x: x * x)
+        _pause(ctx.client)
+        result: list[int] = []
+        action = threading.Thread(target=lambda: result.append(rdd.sum()))
+        with caplog.at_level(logging.INFO, logger="dlscale"):
+            action.start()
+            deadline = time.monotonic() + 3 * PAUSE_CHECK
+            while not (warned := [r for r in caplog.records if r.levelno == logging.WARNING and "paused" in r.message]):
+                assert time.monotonic() < deadline and action.is_alive(), "no warning of the paused worker"
+                time.sleep(0.1)
+            assert action.is_alive(), "the action did not wait for the paused worker"
+            ctx.client.run(_release)
+            action.join(timeout=60)
+        assert not action.is_alive(), "the action did not end once the worker's memory fell"
+        assert result == [sum(x * x for x in range(100))]
+        assert warned[0].message.startswith(f"worker {address} is paused: its process holds ")
+        assert "of its 768.00 MiB memory limit" in warned[0].message
+        assert "and job " in warned[0].message and " waits for any of its tasks to run there" in warned[0].message
         assert f"worker {address} runs tasks again" in [r.message for r in caplog.records]

@@ -43,6 +43,7 @@ from dask._task_spec import Alias
 from dlscale.errors import JobCancelledError
 from dlscale.facade import _stages
 from dlscale.facade.taskcontext import ANNOTATION, STAGE, TASK_CPUS
+from dlscale.runtime.cluster import watching_pauses
 
 __all__ = ["JobRecord", "Jobs", "call_site", "interruptible"]
 
@@ -340,7 +341,9 @@ class Jobs:
             if prepare is not None:
                 with self._annotation(job):
                     collection = prepare(collection, lambda futures: self._track(client, job, futures))
-            return client.gather(self._submit(client, job, collection))
+            futures = self._submit(client, job, collection)
+            with watching_pauses(client, f"job {job.id}"):
+                return client.gather(futures)
 
     def run_within(
         self, client: distributed.Client, collections: list, timeout: float, rdd: Any = None
@@ -352,7 +355,7 @@ class Jobs:
         with self._job(collections, call_site(), rdd) as job:
             futures = self._submit(client, job, collections)
             try:
-                with contextlib.suppress(TimeoutError):
+                with contextlib.suppress(TimeoutError), watching_pauses(client, f"job {job.id}"):
                     for future in distributed.as_completed(futures, timeout=max(timeout, 0.0)):
                         if future.status != "finished":
                             future.result()  # the task's error, or CancelledError when the job was cancelled

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from dask.utils import format_bytes
@@ -34,10 +37,11 @@ class PauseWatch:
     falls again: a fit then waits on a task there (a trainer to start, the end's summary) for as long
     as the worker holds that memory, and Dask says so only in the worker's own log. The driver warns
     once a pause, naming the worker and its memory, and says when it runs again. :meth:`check` looks at
-    most every :data:`PAUSE_CHECK` seconds, so a loop may call it at every turn."""
+    most every :data:`PAUSE_CHECK` seconds, so a loop may call it at every turn. ``waiting`` names what
+    waits, in the warning."""
 
-    def __init__(self, client: Client) -> None:
-        self.client = client
+    def __init__(self, client: Client, waiting: str = "the fit") -> None:
+        self.client, self.waiting = client, waiting
         self.paused: set[str] = set()
         self.due = time.monotonic() + PAUSE_CHECK
 
@@ -57,11 +61,12 @@ class PauseWatch:
             of = f" of its {format_bytes(limit)} memory limit" if memory is not None and limit else ""
             logger.warning(
                 "worker %s is paused%s%s, past Dask's pause threshold (distributed.worker.memory.pause): "
-                "it starts no task until its memory falls, and the fit waits for any of its tasks to run "
+                "it starts no task until its memory falls, and %s waits for any of its tasks to run "
                 "there. Give the workers more memory, persist less, or restart the worker",
                 address,
                 held,
                 of,
+                self.waiting,
             )
         for address in sorted(self.paused - paused):
             logger.info("worker %s runs tasks again", address)
@@ -78,3 +83,27 @@ class PauseWatch:
         if self.paused:
             self._look()
         return future.result()
+
+
+@contextlib.contextmanager
+def watching_pauses(client: Client, waiting: str) -> Iterator[None]:
+    """Tell of paused workers (as :class:`PauseWatch` does) while the block waits on the cluster in a
+    call that cannot look itself (``Client.gather``): a thread beside it looks every
+    :data:`PAUSE_CHECK` seconds, the first time after that long, so a short block costs a thread's start."""
+    done = threading.Event()
+
+    def watch() -> None:
+        pauses = PauseWatch(client, waiting)
+        with contextlib.suppress(Exception):  # a look that fails (the cluster closing) tells nothing
+            while not done.wait(PAUSE_CHECK):
+                pauses._look()
+            if pauses.paused:  # the block ended: the worker ran its task
+                pauses._look()
+
+    thread = threading.Thread(target=watch, name="dlscale-pause-watch", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(PAUSE_CHECK)
