@@ -354,20 +354,31 @@ def record(client: Client, fit: str | None, rows: list[dict[str, Any]], rounds: 
         client.sync(client.scheduler.dlscale_panel_record, fit=fit, rows=rows, rounds=list(rounds))
 
 
-def record_phases(client: Client, fit: str | None, stats: TrainingStats) -> None:
-    """Send each row's seconds by phase so far: a trainer's :data:`~dlscale.monitor.stats.PHASES`, or
-    a worker's fitting and waiting for data over its rounds."""
-    if fit is None:
-        return
-    phases: dict[str, dict[str, float]] = {}
-    for t in stats.trainers:
-        phases[t.trainer] = {p: t.seconds(p) for p in PHASES}
-    for r in stats.rounds:
-        for w in r.workers:
-            seconds = phases.setdefault(w.worker, {"fit": 0.0, "wait": 0.0})
-            seconds["fit"] += w.fit_seconds - w.wait_seconds
-            seconds["wait"] += w.wait_seconds
-    if phases:
+class RowPhases:
+    """Each panel row's seconds by phase so far, from a fit's statistics: a trainer's
+    :data:`~dlscale.monitor.stats.PHASES`, or a worker's fitting and waiting for data over its rounds.
+    Rounds are added to the totals as they are recorded, each once: a call costs the rounds since the
+    last, not the whole fit's."""
+
+    def __init__(self, stats: TrainingStats) -> None:
+        self.stats = stats
+        self.counted = 0  # the statistics' rounds already in the totals
+        self.totals: dict[str, dict[str, float]] = {}
+
+    def __call__(self) -> dict[str, dict[str, float]]:
+        for r in self.stats.rounds[self.counted :]:
+            for w in r.workers:
+                seconds = self.totals.setdefault(w.worker, {"fit": 0.0, "wait": 0.0})
+                seconds["fit"] += w.fit_seconds - w.wait_seconds
+                seconds["wait"] += w.wait_seconds
+        self.counted = len(self.stats.rounds)
+        trainers = {t.trainer: {p: t.seconds(p) for p in PHASES} for t in self.stats.trainers}
+        return {**trainers, **{row: dict(seconds) for row, seconds in self.totals.items()}}
+
+
+def record_phases(client: Client, fit: str | None, phases: dict[str, dict[str, float]]) -> None:
+    """Send each row's seconds by phase so far (:class:`RowPhases`) from the driver."""
+    if fit is not None and phases:
         client.sync(client.scheduler.dlscale_panel_phases, fit=fit, phases=phases)
 
 
