@@ -166,21 +166,8 @@ def test_a_fit_waiting_on_a_worker_dask_paused_says_so_and_goes_on_once_its_memo
         SparkNet(ctx, nets[0], ParameterAveragingTrainingMaster(8, rng_seed=0)).fit(batches)  # the reference
         spark_net = SparkNet(ctx, nets[1], ParameterAveragingTrainingMaster(8, rng_seed=0))
         spark_net.set_listeners(_PauseAtFirstStep(ctx.client))
-        fit = threading.Thread(target=spark_net.fit, args=(batches,))
-        with caplog.at_level(logging.INFO, logger="dlscale"):
-            fit.start()
-            deadline = time.monotonic() + 3 * PAUSE_CHECK
-            while not (warned := [r for r in caplog.records if r.levelno == logging.WARNING and "paused" in r.message]):
-                assert time.monotonic() < deadline and fit.is_alive(), "no warning of the paused worker"
-                time.sleep(0.1)
-            assert fit.is_alive(), "the fit did not wait for the paused worker"
-            ctx.client.run(_release)
-            fit.join(timeout=60)
-        assert not fit.is_alive(), "the fit did not go on once the worker's memory fell"
+        _waits_warns_and_goes_on(ctx.client, caplog, threading.Thread(target=spark_net.fit, args=(batches,)), address)
         assert torch.equal(nets[1].params(), nets[0].params())
-        assert warned[0].message.startswith(f"worker {address} is paused: its process holds ")
-        assert "of its 768.00 MiB memory limit" in warned[0].message
-        assert f"worker {address} runs tasks again" in [r.message for r in caplog.records]
 
 
 def test_an_rdd_action_waiting_on_a_worker_dask_paused_says_so_and_ends_once_its_memory_falls(caplog) -> None:
@@ -193,18 +180,27 @@ def test_an_rdd_action_waiting_on_a_worker_dask_paused_says_so_and_ends_once_its
         _pause(ctx.client)
         result: list[int] = []
         action = threading.Thread(target=lambda: result.append(rdd.sum()))
-        with caplog.at_level(logging.INFO, logger="dlscale"):
-            action.start()
-            deadline = time.monotonic() + 3 * PAUSE_CHECK
-            while not (warned := [r for r in caplog.records if r.levelno == logging.WARNING and "paused" in r.message]):
-                assert time.monotonic() < deadline and action.is_alive(), "no warning of the paused worker"
-                time.sleep(0.1)
-            assert action.is_alive(), "the action did not wait for the paused worker"
-            ctx.client.run(_release)
-            action.join(timeout=60)
-        assert not action.is_alive(), "the action did not end once the worker's memory fell"
+        warning = _waits_warns_and_goes_on(ctx.client, caplog, action, address)
         assert result == [sum(x * x for x in range(100))]
-        assert warned[0].message.startswith(f"worker {address} is paused: its process holds ")
-        assert "of its 768.00 MiB memory limit" in warned[0].message
-        assert "and job " in warned[0].message and " waits for any of its tasks to run there" in warned[0].message
-        assert f"worker {address} runs tasks again" in [r.message for r in caplog.records]
+        assert "and job " in warning and " waits for any of its tasks to run there" in warning
+
+
+def _waits_warns_and_goes_on(client: Client, caplog, waiting: threading.Thread, address: str) -> str:
+    """Start ``waiting`` (a fit or an action with work only the paused worker at ``address`` can run);
+    check that it waits, that the driver warns within a few looks, naming the worker and its memory,
+    and that once the worker's memory is freed it ends and the driver says the worker runs again.
+    Returns the warning."""
+    with caplog.at_level(logging.INFO, logger="dlscale"):
+        waiting.start()
+        deadline = time.monotonic() + 3 * PAUSE_CHECK
+        while not (warned := [r for r in caplog.records if r.levelno == logging.WARNING and "paused" in r.message]):
+            assert time.monotonic() < deadline and waiting.is_alive(), "no warning of the paused worker"
+            time.sleep(0.1)
+        assert waiting.is_alive(), "it did not wait for the paused worker"
+        client.run(_release)
+        waiting.join(timeout=60)
+    assert not waiting.is_alive(), "it did not go on once the worker's memory fell"
+    assert warned[0].message.startswith(f"worker {address} is paused: its process holds ")
+    assert "of its 768.00 MiB memory limit" in warned[0].message
+    assert f"worker {address} runs tasks again" in [r.message for r in caplog.records]
+    return warned[0].message
