@@ -161,7 +161,9 @@ def _main_thread_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _cpu_by_role(before: dict[int, tuple[str, float, float]], after: dict[int, tuple[str, float, float]]) -> dict:
+def _cpu_by_role(
+    before: dict[int, tuple[str, float, float]], after: dict[int, tuple[str, float, float]]
+) -> dict[str, float]:
     """CPU seconds spent between two :func:`_cpu` readings, by role and, for the driver and the workers,
     split into the main thread's (the driver's own code; a worker's event loop) and the other threads'
     (the driver's: the client's and an embedded scheduler's event loop; a worker's: its tasks, such as

@@ -183,7 +183,7 @@ class FitRun:
             if master.collect_training_stats
             else None
         )
-        self._phases = panel.RowPhases(self.stats) if self.stats is not None else None
+        self._row_phases = panel.RowPhases(self.stats) if self.stats is not None else None
         self._blob = blob
         self._counters = self.network.iteration, self.network.epoch
         self._first_epoch = resume.first_epoch if resume is not None else self.network.epoch
@@ -308,8 +308,8 @@ class FitRun:
         if rounds:
             self._panel, self._panel_sent = ([], []), time.monotonic()
             panel.record(self.client, self.fit_id, rows, rounds)
-        if self._phases is not None and (rounds or phases):
-            panel.record_phases(self.client, self.fit_id, self._phases())
+        if self._row_phases is not None and (rounds or phases):
+            panel.record_phases(self.client, self.fit_id, self._row_phases())
 
     def step(
         self,
