@@ -46,11 +46,12 @@ class PauseWatch:
         self.due = time.monotonic() + PAUSE_CHECK
 
     def check(self) -> None:
-        """Warn of workers paused since the last look; tell of those running again."""
+        """:meth:`look`, if the last look was :data:`PAUSE_CHECK` seconds ago or more."""
         if time.monotonic() >= self.due:
-            self._look()
+            self.look()
 
-    def _look(self) -> None:
+    def look(self) -> None:
+        """Warn of workers paused since the last look; tell of those running again (now, a scheduler call)."""
         self.due = time.monotonic() + PAUSE_CHECK
         workers = cluster_workers(self.client)
         paused = {address for address, info in workers.items() if info.get("status") == "paused"}
@@ -80,9 +81,13 @@ class PauseWatch:
                 wait(future, timeout=PAUSE_CHECK)
             except TimeoutError:
                 self.check()
-        if self.paused:
-            self._look()
+        self.ended()
         return future.result()
+
+    def ended(self) -> None:
+        """The wait ended: its task ran, so a worker told of as paused may run again; look once more."""
+        if self.paused:
+            self.look()
 
 
 @contextlib.contextmanager
@@ -96,9 +101,8 @@ def watching_pauses(client: Client, waiting: str) -> Iterator[None]:
         pauses = PauseWatch(client, waiting)
         with contextlib.suppress(Exception):  # a look that fails (the cluster closing) tells nothing
             while not done.wait(PAUSE_CHECK):
-                pauses._look()
-            if pauses.paused:  # the block ended: the worker ran its task
-                pauses._look()
+                pauses.look()
+            pauses.ended()
 
     thread = threading.Thread(target=watch, name="dlscale-pause-watch", daemon=True)
     thread.start()
