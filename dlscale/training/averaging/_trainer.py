@@ -7,11 +7,14 @@ allreduce (``_exchange``) with the members the scheduler names. When the allredu
 trainer commits the round on the scheduler and takes the average: the parameters move by the averaged
 change, or as the outer optimizer (DiLoCo) moves them given it; the buffers and the optimizer's state
 take the averaged values. It does not wait for the scheduler's reply to the commit: it fits the next
-round, handed out already, and reads the reply when it needs it (the round after's share, how the
-next round's averaging stands). A commit of an attempt whose every part a trainer holds is always
-taken (a different attempt can only complete with a part from this trainer, which sends parts for
-one attempt at a time and commits the last), so going on before the reply loses nothing; a reply
-refusing it would be a broken protocol, and fails the fit. A trainer alone fits as one process does,
+round, handed out already, and reads the reply when it needs it (the round after's share). Nor does
+it wait for the reply to learn how the next round's averaging stands: until the reply comes, it
+averages with the members the round was handed out with, which is how the round stays unless a
+member is lost (then the parts it waits for do not come, and it asks the scheduler: see below). A
+commit of an attempt whose every part a trainer holds is always taken (a different attempt can only
+complete with a part from this trainer, which sends parts for one attempt at a time and commits the
+last), so going on before the reply loses nothing; a reply refusing it would be a broken protocol,
+and fails the fit. A trainer alone fits as one process does,
 its state untouched.
 
 Streaming (``TrainerSpec.streaming``), a trainer sends round ``k``'s state and fits round ``k + 1``
@@ -160,8 +163,10 @@ class _Trainer:
         self.flat: FlatState
         self.outer: _Outer | None = None
         self.shares: dict[int, list[int]] = {}  # this trainer's shares handed out and not yet fitted, by round
-        self.status: dict[str, Any] | None = None  # how the next round's averaging stood when last heard
-        self.reply: Future | dict[str, Any] | None = None  # the reply to the last commit, not yet read
+        # how each round's averaging stood when last heard: as the round was handed out, then as the
+        # reply to the commit of the round before said
+        self.statuses: dict[int, dict[str, Any]] = {}
+        self.reply: tuple[int, Future | dict[str, Any]] | None = None  # the last commit's round and reply, unread
 
     def _send(self, peer: str, key: tuple[int, int, int], header: dict[str, Any], payload: Any) -> None:
         self.plugin.send(self.session, peer, key, header, payload)
@@ -179,11 +184,12 @@ class _Trainer:
         net, spec = self.network, self.spec
         self.flat = FlatState(net, spec.save_updater)
         self.outer = _Outer(spec.outer_optimizer, self.flat) if spec.outer_optimizer is not None else None
-        reply = self.control("begin", round=0, ahead=self.ahead)
-        self.shares, self.status = _handed(reply), reply  # its shares by round; how round 0's averaging stands
+        self.shares, self.statuses = _handed(self.control("begin", round=0, ahead=self.ahead))
         k, staying = 0, False
         pending: _RoundAverage | None = None  # streaming: the last round's averaging, in flight
         while True:
+            if k not in self.shares:
+                self._hear()  # the reply that hands it out, if still unread
             if pending is not None and k not in self.shares:  # nothing to fit (or a round inserted since)
                 self._finish(pending)
                 pending = None
@@ -204,8 +210,8 @@ class _Trainer:
             report["last_exchange_seconds"] = self.last_exchange  # the averaging that ended before it
             if self.plugin.sending(self.session):
                 self.flat.renew()  # the last vector is still being sent
-            self._hear()  # how this round's averaging stands
-            pending = _RoundAverage(self, k, report, self.status)
+            self._hear(wait=False)  # how this round's averaging stands, if the scheduler said already
+            pending = _RoundAverage(self, k, report, self.statuses.pop(k, None))
             if not spec.streaming:
                 self._finish(pending)
                 pending = None
@@ -222,7 +228,9 @@ class _Trainer:
         this trainer's next shares and says how the next round's averaging stands. Returns the seconds
         it took."""
         t0 = time.perf_counter()
-        self.reply = pending.finish()
+        reply = pending.finish()
+        self._hear()  # the reply to the commit before, before this one's takes its place
+        self.reply = (pending.k, reply)
         self.mailbox.forget(pending.k)
         end = time.perf_counter()
         self.last_exchange = end - t0
@@ -231,19 +239,27 @@ class _Trainer:
             self.last_exchange = max(self.last_exchange, pending.exchange.transit)
         return end - t0
 
-    def _hear(self) -> None:
-        """Read the reply to the last commit (waiting for it if it has not come yet)."""
+    def _hear(self, wait: bool = True) -> None:
+        """Read the reply to the last commit, waiting for it if it has not come yet (``wait``), else
+        leaving it for later."""
         if self.reply is None:
             return
-        reply = self.reply if isinstance(self.reply, dict) else unwrap(self.reply.result())
+        k, reply = self.reply
+        if isinstance(reply, Future):
+            if not wait and not reply.done():
+                return
+            reply = unwrap(reply.result())
         self.reply = None
         if "adopt" in reply:
             raise RuntimeError(
                 f"trainer {self.name}: the scheduler took another attempt's average of a round whose every "
                 "part this trainer held; the parameter-averaging protocol is broken"
             )
-        self.shares.update(_handed(reply))
-        self.status = reply.get("current")
+        shares, statuses = _handed(reply)
+        self.shares.update(shares)
+        self.statuses.update(statuses)
+        if "current" in reply:
+            self.statuses[k + 1] = reply["current"]
 
     def _leave(self, k: int) -> str:
         """Leave the session before round ``k`` as this trainer's worker retires: ``"left"``; ``"stay"``
@@ -376,13 +392,15 @@ class _Trainer:
             attempt, holders = status["committed"], status["holders"]
 
 
-def _handed(reply: dict[str, Any]) -> dict[int, list[int]]:
-    """The shares a ``begin`` or ``commit`` reply hands out, by round."""
-    shares = {}
+def _handed(reply: dict[str, Any]) -> tuple[dict[int, list[int]], dict[int, dict[str, Any]]]:
+    """The shares a ``begin`` or ``commit`` reply hands out, and how each round's averaging stood as it
+    was handed out, by round."""
+    shares, statuses = {}, {}
     while reply is not None and not reply["end"]:
         shares[reply["round"]] = reply["items"]
+        statuses[reply["round"]] = {key: reply[key] for key in ("attempt", "members", "committed", "holders")}
         reply = reply.get("next")
-    return shares
+    return shares, statuses
 
 
 class _RoundAverage:
