@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import math
 import platform
 import re
 import threading
@@ -595,8 +596,9 @@ def test_average_is_exact_for_one_state_and_weighted_by_examples() -> None:
 def test_auto_frequency_times_the_first_rounds_then_averages_at_what_it_chose(sc, tmp_path, caplog) -> None:
     """``averaging_frequency="auto"`` fits its first rounds every 10 minibatches, times a round's
     averaging against a step, chooses once (logged, and recorded in the statistics), at most once an
-    epoch (40 minibatches a worker here), and the rounds handed out after are of that size; every
-    minibatch is fitted once an epoch."""
+    epoch (40 minibatches a worker here), and the rounds handed out after are of that size, an epoch's
+    rounds about even (the last one short by less than one minibatch a round); every minibatch is
+    fitted once an epoch."""
     rdd = rdd_of(sc, 800, 10, 2)  # 80 minibatches an epoch
     master = ParameterAveragingTrainingMaster(
         10,
@@ -616,6 +618,8 @@ def test_auto_frequency_times_the_first_rounds_then_averages_at_what_it_chose(sc
     shares = [[len(w.batches) for w in r.workers] for r in stats.rounds]
     assert shares[0] == [10, 10] and all(n <= max(10, frequency) for s in shares for n in s)
     assert frequency in {n for s in shares[1:] for n in s}  # the rounds handed out after the choice
+    last = [len(w.batches) for r in stats.rounds if r.epoch == max(r.epoch for r in stats.rounds) for w in r.workers]
+    assert max(last) == frequency and max(last) - min(last) < math.ceil(40 / frequency)
     fitted = collections.Counter(path for r in stats.rounds for w in r.workers for path in w.batches)
     assert len(fitted) == 80 and set(fitted.values()) == {3}
 

@@ -66,7 +66,8 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
     (with the optimizer's state when ``save_updater``; without, the optimizer starts afresh every
     round). ``averaging_frequency="auto"`` starts at :data:`AUTO_START` and, once the trainers have
     averaged twice, takes the smallest frequency whose averaging costs at most :data:`AUTO_SHARE` of a
-    round's fitting, as measured (recorded as ``TrainingStats.averaging_frequency``).
+    round's fitting, as measured, rounded up so that a worker's minibatches of an epoch split into
+    rounds of about even length (recorded as ``TrainingStats.averaging_frequency``).
     ``outer_optimizer`` (DiLoCo, arXiv 2311.08105) is a factory of a torch optimizer, such as
     ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)``, stepped once a round
     with the averaged change of the parameters, negated, as their gradient; ``None`` (the default) moves
@@ -429,7 +430,10 @@ class _Averaging:
 
     def _choose_frequency(self, session: str, members: list[dict[str, Any]]) -> None:
         """``averaging_frequency="auto"``: once a round's members report their last averaging's time, the
-        smallest frequency whose averaging costs at most :data:`AUTO_SHARE` of a round's fitting. The
+        smallest frequency whose averaging costs at most :data:`AUTO_SHARE` of a round's fitting, rounded
+        up to split a trainer's minibatches of an epoch into as many rounds as it fits, about even (each
+        round is fitted as long as the slowest trainer's share takes and averaged once: 30 of 38 would
+        leave a round of 8 that costs what a round of 30 costs in averaging). The
         averaging is timed by the member that came to it last (the others' times include waiting for it).
         Streaming, the averaging counts at least as long as its parts were in flight (the longest of
         each phase, from the sender's clock to the receiver's), so that "auto" picks about what it
@@ -439,7 +443,9 @@ class _Averaging:
         if len(members) < 2 or not fitted or not all(t == t for t in times):  # NaN before a first averaging
             return
         step = sorted(m["fit_seconds"] / len(m["items"]) for m in fitted)[len(fitted) // 2]
-        frequency = max(1, min(math.ceil(min(times) / (AUTO_SHARE * step)), math.ceil(self.n / len(members))))
+        share = math.ceil(self.n / len(members))  # a trainer's minibatches an epoch
+        smallest = max(1, min(math.ceil(min(times) / (AUTO_SHARE * step)), share))
+        frequency = math.ceil(share / (share // smallest))  # as many rounds an epoch as it fits, about even
         self.measuring = False
         self.frequency = frequency
         if self.run.stats is not None:
