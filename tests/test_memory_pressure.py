@@ -185,6 +185,21 @@ def test_an_rdd_action_waiting_on_a_worker_dask_paused_says_so_and_ends_once_its
         assert "and job " in warning and " waits for any of its tasks to run there" in warning
 
 
+def test_to_local_iterator_waiting_on_a_worker_dask_paused_says_so_and_ends_once_its_memory_falls(caplog) -> None:
+    """``toLocalIterator`` computes its partitions outside an action's job; one that can only run on a
+    paused worker is told of the same way, naming the RDD, and the iteration then yields every element."""
+    conf = SparkConf().setMaster("local[1]").set("spark.executor.memory", str(MEMORY_LIMIT))
+    with SparkContext(conf=conf) as ctx:
+        (address,) = cluster_workers(ctx.client)
+        rdd = ctx.parallelize(range(100), 4).map(lambda x: x * x)
+        _pause(ctx.client)
+        result: list[int] = []
+        iteration = threading.Thread(target=lambda: result.extend(rdd.toLocalIterator()))
+        warning = _waits_warns_and_goes_on(ctx.client, caplog, iteration, address)
+        assert result == [x * x for x in range(100)]
+        assert f"and toLocalIterator of RDD {rdd.id()} waits for any of its tasks to run there" in warning
+
+
 def _waits_warns_and_goes_on(client: Client, caplog, waiting: threading.Thread, address: str) -> str:
     """Start ``waiting`` (a fit or an action with work only the paused worker at ``address`` can run);
     check that it waits, that the driver warns within a few looks, naming the worker and its memory,

@@ -32,6 +32,7 @@ from dlscale.facade._sampling import RangeSampler, Sampler, StratifiedSampler, f
 from dlscale.facade.jobs import call_site
 from dlscale.facade.persist import StorageLevel
 from dlscale.facade.statcounter import StatCounter
+from dlscale.runtime.cluster import PauseWatch
 
 if TYPE_CHECKING:
     from dask.bag import Bag
@@ -842,17 +843,19 @@ class RDD:
         """Every element, one partition at a time: a partition is computed when the iteration reaches it
         (with ``prefetchPartitions``, the next one too), so the driver holds at most two. What several
         partitions share (a shuffle's map side) is computed once and kept on the workers until the
-        iteration ends or the iterator is dropped."""
+        iteration ends or the iterator is dropped. A partition that waits on a worker Dask paused is
+        told of, as an action's job is."""
         ctx = self.ctx
         with ctx._jobs.task_resources():
             jobs = _graph.PartitionJobs(ctx.client, barrier.run_stages(ctx.client, self._bag, cpus=ctx._barrier_cpus))
         action: set = set()  # the iteration is one action for accumulators
         pending = None
+        pauses = PauseWatch(ctx.client, f"toLocalIterator of RDD {self.id()}")
         for i in range(len(jobs)):
             with ctx._jobs.task_resources():
                 future = pending if pending is not None else jobs.submit(i)
                 pending = jobs.submit(i + 1) if prefetchPartitions and i + 1 < len(jobs) else None
-            part = future.result()
+            part = pauses.result(future)
             self.ctx._accumulators.deliver(_graph.carried([part]), action)
             yield from part
 
