@@ -20,7 +20,10 @@ epochs (1,500 minibatches), each run ``REPEATS`` times (the median goes in the t
   and ``local[2]``, one ``fit_paths`` of the 20 epochs timed whole, averaging every 5 minibatches (its
   default), once an epoch (``averaging_frequency`` 38: each worker's share of an epoch's 75
   minibatches) and ``"auto"``: what a user with a small model could pick instead of gradient sharing;
-  on 2 workers each of these also with streaming rounds (``streaming=True``).
+  on 2 workers each of these also with streaming rounds (``streaming=True``); with the CPU the whole
+  machine spent during the fit and its seconds by role, as ``benchmarks.compare`` records them
+  (``cpu_seconds``: the driver's own thread and its event loops, the nannies, the workers' event loops
+  and their tasks, the trainers): where a round's cost goes on the machine.
 
 Targets: sharing on 2 workers at least as fast as the single process over the whole fit; the best
 averaging on 2 workers at least 1.3x the single process, and no 2-worker fit with a master's
@@ -40,6 +43,7 @@ import torch
 
 from benchmarks import _ddp
 from benchmarks._common import accuracy, command_line, digits, export_paths, header, parse, shrink, write_results
+from benchmarks.compare import measured
 from benchmarks.quality import digits_mlp
 from dlscale import ParameterAveragingTrainingMaster, SharedTrainingMaster, SparkContext, SparkNet, config
 from dlscale.nn import Network
@@ -117,14 +121,18 @@ def averaging(
         BATCH, averaging_frequency=frequency, streaming=streaming, rng_seed=0, collect_training_stats=True
     )
     spark_net = SparkNet(sc, net, master)
-    start = time.perf_counter()
-    spark_net.fit_paths(paths, epochs=EPOCHS)
-    seconds = time.perf_counter() - start
+    usage: dict[str, Any] = {}
+    with measured(usage):
+        start = time.perf_counter()
+        spark_net.fit_paths(paths, epochs=EPOCHS)
+        seconds = time.perf_counter() - start
     return {
         "examples_per_s": EPOCHS * len(x) / seconds,
         "seconds": seconds,
         "accuracy": accuracy(net.module, tx, ty),
         "averaging_frequency": spark_net.training_stats.averaging_frequency or frequency,
+        "cpu_utilisation": usage["cpu_utilisation"],
+        "cpu_seconds": usage["cpu_seconds"],
     }
 
 
