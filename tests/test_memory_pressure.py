@@ -170,34 +170,30 @@ def test_a_fit_waiting_on_a_worker_dask_paused_says_so_and_goes_on_once_its_memo
         assert torch.equal(nets[1].params(), nets[0].params())
 
 
-def test_an_rdd_action_waiting_on_a_worker_dask_paused_says_so_and_ends_once_its_memory_falls(caplog) -> None:
-    """An action whose tasks can only run on a paused worker waits; the driver warns, naming the worker,
-    its memory and the job, and once the memory is freed the action returns what Python computes."""
+@pytest.mark.parametrize("computation", ["action", "toLocalIterator"])
+def test_an_rdd_computation_waiting_on_a_worker_dask_paused_says_so_and_ends_once_its_memory_falls(
+    caplog, computation
+) -> None:
+    """An action (or a ``toLocalIterator``, whose partitions are computed outside an action's job) whose
+    tasks can only run on a paused worker waits; the driver warns, naming the worker, its memory and
+    the job (the RDD), and once the memory is freed it gives what Python computes."""
     conf = SparkConf().setMaster("local[1]").set("spark.executor.memory", str(MEMORY_LIMIT))
     with SparkContext(conf=conf) as ctx:
         (address,) = cluster_workers(ctx.client)
         rdd = ctx.parallelize(range(100), 4).map(lambda x: x * x)
         _pause(ctx.client)
         result: list[int] = []
-        action = threading.Thread(target=lambda: result.append(rdd.sum()))
-        warning = _waits_warns_and_goes_on(ctx.client, caplog, action, address)
-        assert result == [sum(x * x for x in range(100))]
-        assert "and job " in warning and " waits for any of its tasks to run there" in warning
-
-
-def test_to_local_iterator_waiting_on_a_worker_dask_paused_says_so_and_ends_once_its_memory_falls(caplog) -> None:
-    """``toLocalIterator`` computes its partitions outside an action's job; one that can only run on a
-    paused worker is told of the same way, naming the RDD, and the iteration then yields every element."""
-    conf = SparkConf().setMaster("local[1]").set("spark.executor.memory", str(MEMORY_LIMIT))
-    with SparkContext(conf=conf) as ctx:
-        (address,) = cluster_workers(ctx.client)
-        rdd = ctx.parallelize(range(100), 4).map(lambda x: x * x)
-        _pause(ctx.client)
-        result: list[int] = []
-        iteration = threading.Thread(target=lambda: result.extend(rdd.toLocalIterator()))
-        warning = _waits_warns_and_goes_on(ctx.client, caplog, iteration, address)
-        assert result == [x * x for x in range(100)]
-        assert f"and toLocalIterator of RDD {rdd.id()} waits for any of its tasks to run there" in warning
+        run, expected, waiting = {
+            "action": (lambda: result.append(rdd.sum()), [sum(x * x for x in range(100))], "job "),
+            "toLocalIterator": (
+                lambda: result.extend(rdd.toLocalIterator()),
+                [x * x for x in range(100)],
+                f"toLocalIterator of RDD {rdd.id()}",
+            ),
+        }[computation]
+        warning = _waits_warns_and_goes_on(ctx.client, caplog, threading.Thread(target=run), address)
+        assert result == expected
+        assert f"and {waiting}" in warning and " waits for any of its tasks to run there" in warning
 
 
 def _waits_warns_and_goes_on(client: Client, caplog, waiting: threading.Thread, address: str) -> str:
