@@ -14,8 +14,7 @@ member is lost (then the parts it waits for do not come, and it asks the schedul
 commit of an attempt whose every part a trainer holds is always taken (a different attempt can only
 complete with a part from this trainer, which sends parts for one attempt at a time and commits the
 last), so going on before the reply loses nothing; a reply refusing it would be a broken protocol,
-and fails the fit. A trainer alone fits as one process does,
-its state untouched.
+and fails the fit. A trainer alone fits as one process does, its state untouched.
 
 Streaming (``TrainerSpec.streaming``), a trainer sends round ``k``'s state and fits round ``k + 1``
 (handed out with round ``k``) while the allreduce is in flight, advancing it between steps; it takes
@@ -211,7 +210,7 @@ class _Trainer:
             if self.plugin.sending(self.session):
                 self.flat.renew()  # the last vector is still being sent
             self._hear(wait=False)  # how this round's averaging stands, if the scheduler said already
-            pending = _RoundAverage(self, k, report, self.statuses.pop(k, None))
+            pending = _RoundAverage(self, k, report, self._status(k))
             if not spec.streaming:
                 self._finish(pending)
                 pending = None
@@ -238,6 +237,13 @@ class _Trainer:
             # as long as it would have held the trainers without streaming: its parts' time in flight
             self.last_exchange = max(self.last_exchange, pending.exchange.transit)
         return end - t0
+
+    def _status(self, k: int) -> dict[str, Any] | None:
+        """How round ``k``'s averaging stood when last heard (``None``: never), forgetting it and what is
+        known of the rounds before it."""
+        for j in [j for j in self.statuses if j < k]:
+            del self.statuses[j]
+        return self.statuses.pop(k, None)
 
     def _hear(self, wait: bool = True) -> None:
         """Read the reply to the last commit, waiting for it if it has not come yet (``wait``), else
