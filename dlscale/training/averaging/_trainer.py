@@ -7,7 +7,8 @@ allreduce (``_exchange``) with the members the scheduler names. When the allredu
 trainer commits the round on the scheduler and takes the average: the parameters move by the averaged
 change, or as the outer optimizer (DiLoCo) moves them given it; the buffers and the optimizer's state
 take the averaged values. It does not wait for the scheduler's reply to the commit: it fits the next
-round, handed out already, and reads the reply when it needs it (the round after's share). Nor does
+round, handed out already, and reads the reply when it needs it (the round after's share, and
+before its next commit: commits reach the scheduler one at a time, in order). Nor does
 it wait for the reply to learn how the next round's averaging stands: until the reply comes, it
 averages with the members the round was handed out with, which is how the round stays unless a
 member is lost (then the parts it waits for do not come, and it asks the scheduler: see below). A
@@ -227,9 +228,7 @@ class _Trainer:
         this trainer's next shares and says how the next round's averaging stands. Returns the seconds
         it took."""
         t0 = time.perf_counter()
-        reply = pending.finish()
-        self._hear()  # the reply to the commit before, before this one's takes its place
-        self.reply = (pending.k, reply)
+        self.reply = (pending.k, pending.finish())
         self.mailbox.forget(pending.k)
         end = time.perf_counter()
         self.last_exchange = end - t0
@@ -357,6 +356,7 @@ class _Trainer:
         """Commit round ``k``'s ``attempt``, whose every part this trainer holds, and take its average
         (``result``; ``None``: this trainer was alone, its state is the round's); returns the future of
         the scheduler's reply (see the module's docstring)."""
+        self._hear()  # the last commit's reply first: commits reach the scheduler in order, one at a time
         reply = self.control.send("commit", round=k, attempt=attempt, report=reports, ahead=self.ahead)
         if result is None:
             if self.spec.streaming:
@@ -383,6 +383,7 @@ class _Trainer:
                     if got is not None and got["attempt"] == attempt:
                         average = torch.from_numpy(np.asarray(got["payload"]).copy()).to(self.flat.params.device)
                         header = got["header"]
+                        self._hear()  # as _commit: the last commit's reply first
                         reply = self.control("commit", round=k, attempt=attempt, report=[], ahead=self.ahead)
                         self._take(average, header["layout"], header["kept"])
                         self.plugin.keep(self.session, k, attempt, header, average.cpu().numpy())
@@ -400,11 +401,10 @@ class _Trainer:
 
 def _handed(reply: dict[str, Any]) -> tuple[dict[int, list[int]], dict[int, dict[str, Any]]]:
     """The shares a ``begin`` or ``commit`` reply hands out, and how each round's averaging stood as it
-    was handed out, by round."""
+    was handed out (each round's part of the reply carries it), by round."""
     shares, statuses = {}, {}
     while reply is not None and not reply["end"]:
-        shares[reply["round"]] = reply["items"]
-        statuses[reply["round"]] = {key: reply[key] for key in ("attempt", "members", "committed", "holders")}
+        shares[reply["round"]], statuses[reply["round"]] = reply["items"], reply
         reply = reply.get("next")
     return shares, statuses
 
