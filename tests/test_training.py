@@ -618,7 +618,8 @@ def test_auto_frequency_times_the_first_rounds_then_averages_at_what_it_chose(sc
     shares = [[len(w.batches) for w in r.workers] for r in stats.rounds]
     assert shares[0] == [10, 10] and all(n <= max(10, frequency) for s in shares for n in s)
     assert frequency in {n for s in shares[1:] for n in s}  # the rounds handed out after the choice
-    last = [len(w.batches) for r in stats.rounds if r.epoch == max(r.epoch for r in stats.rounds) for w in r.workers]
+    final = stats.rounds[-1].epoch
+    last = [len(w.batches) for r in stats.rounds if r.epoch == final for w in r.workers]
     assert max(last) == frequency and max(last) - min(last) < math.ceil(40 / frequency)
     fitted = collections.Counter(path for r in stats.rounds for w in r.workers for path in w.batches)
     assert len(fitted) == 80 and set(fitted.values()) == {3}
