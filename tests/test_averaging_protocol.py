@@ -80,6 +80,20 @@ def test_a_round_settles_when_every_live_trainer_holds_its_average() -> None:
     assert s.begin("a", 2)["end"] and s.settled() and _fitted(s) == Counter(range(12))
 
 
+def test_a_commit_before_the_last_round_s_commit_is_refused() -> None:
+    """Commits come in order (a trainer reads one's reply before it sends the next): one out of order
+    would settle a round before the one before it, so it is refused, naming the trainer and rounds."""
+    s = Rounds("s", plan_rounds(list(range(8)), ["a", "b"], 2, 8), ["a", "b"])
+    report = [_report(t, s.rounds[0].shares[t]) for t in ("a", "b")]
+    s.commit("b", 0, 0, report)
+    with pytest.raises(RuntimeError, match="trainer a of session s committed round 1 before round 0"):
+        s.commit("a", 1, 0, report)
+    assert s.rounds[1].committed is None and not s.reports
+    s.commit("a", 0, 0, report)
+    s.commit("a", 1, 0, report)  # in order, it is taken
+    assert s.rounds[1].committed == 0
+
+
 def test_a_lost_trainer_s_share_goes_to_the_others_and_every_item_is_fitted_once() -> None:
     s = Rounds("s", plan_rounds(list(range(18)), T, 2, 18), T)
     _run_round(s, 0)

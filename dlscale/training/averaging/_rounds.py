@@ -6,7 +6,9 @@ minibatch ``i`` in the fit's epoch ``e``), possibly none. Every live trainer of 
 its averaging, with the examples it fitted as its weight (0 without a share). An *attempt* of a round's
 averaging has a fixed set of members; a round is *committed* when a trainer reports that it holds the
 average of one attempt (every member's state in it), and *settled* when every live trainer of the round
-holds that average: then, and only then, the round is reported to the driver, its items fitted.
+holds that average: then, and only then, the round is reported to the driver, its items fitted. A
+trainer commits its rounds in order (it reads one commit's reply before it sends the next): a commit
+of round ``k`` from a live member of round ``k - 1`` that has not committed it is refused.
 
 A trainer lost before its round is committed takes its share with it: the share goes to a round inserted
 after the open one, split among the others, its shares of later rounds are split among the others, and
@@ -165,6 +167,12 @@ class Rounds:
         ``k + 1``'s already, unless that round was inserted since) and how round ``k + 1``'s averaging
         stands (under ``"current"``)."""
         self._check(trainer)
+        if k > 0 and trainer in self.rounds[k - 1].shares and trainer not in self.rounds[k - 1].holders:
+            # a live member of round k - 1 that has not committed it: the commits came out of order
+            raise RuntimeError(
+                f"trainer {trainer} of session {self.name} committed round {k} before round {k - 1}: "
+                "a trainer commits its rounds in order, one at a time; the parameter-averaging protocol is broken"
+            )
         r = self.rounds[k]
         if r.committed is None:
             r.committed, r.report = attempt, report
