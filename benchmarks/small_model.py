@@ -23,7 +23,10 @@ epochs (1,500 minibatches), each run ``REPEATS`` times (the median goes in the t
   on 2 workers each of these also with streaming rounds (``streaming=True``); with the CPU the whole
   machine spent during the fit and its seconds by role, as ``benchmarks.compare`` records them
   (``cpu_seconds``: the driver's own thread and its event loops, the nannies, the workers' event loops
-  and their tasks, the trainers): where a round's cost goes on the machine.
+  and their tasks, the trainers), and, as ``benchmarks.compare`` records them, the fit's fixed costs
+  before its first step and after its last (``fit_edges_seconds``) and where a trainer's time went
+  (``trainer_seconds``: fitting, waiting for a minibatch, waiting for the slowest trainer at a
+  round's end, averaging): where a round's cost goes on the machine.
 
 Targets: sharing on 2 workers at least as fast as the single process over the whole fit; the best
 averaging on 2 workers at least 1.3x the single process, and no 2-worker fit with a master's
@@ -43,7 +46,7 @@ import torch
 
 from benchmarks import _ddp
 from benchmarks._common import accuracy, command_line, digits, export_paths, header, parse, shrink, write_results
-from benchmarks.compare import measured
+from benchmarks.compare import _edges, _round_seconds, measured
 from benchmarks.quality import digits_mlp
 from dlscale import ParameterAveragingTrainingMaster, SharedTrainingMaster, SparkContext, SparkNet, config
 from dlscale.nn import Network
@@ -123,16 +126,19 @@ def averaging(
     spark_net = SparkNet(sc, net, master)
     usage: dict[str, Any] = {}
     with measured(usage):
-        start = time.perf_counter()
+        start, wall = time.perf_counter(), time.time()
         spark_net.fit_paths(paths, epochs=EPOCHS)
         seconds = time.perf_counter() - start
+    stats = spark_net.training_stats
     return {
         "examples_per_s": EPOCHS * len(x) / seconds,
         "seconds": seconds,
         "accuracy": accuracy(net.module, tx, ty),
-        "averaging_frequency": spark_net.training_stats.averaging_frequency or frequency,
+        "averaging_frequency": stats.averaging_frequency or frequency,
         "cpu_utilisation": usage["cpu_utilisation"],
         "cpu_seconds": usage["cpu_seconds"],
+        "fit_edges_seconds": _edges(stats, wall, time.time()),
+        "trainer_seconds": _round_seconds(stats.rounds, streaming),
     }
 
 
