@@ -11,6 +11,7 @@ import platform
 import re
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -506,6 +507,36 @@ def test_exports_once_per_rdd_and_deletes_its_files(sc, tmp_path) -> None:
     assert list((tmp_path / "export").iterdir()) == []
 
 
+def test_a_later_fit_of_an_exported_rdd_computes_none_of_it_and_probes_its_files(sc, tmp_path) -> None:
+    """A later fit trains from the files of the first: the RDD is not computed again (not even its first
+    element, which the first fit scored on the driver), and a network that does not fit them is
+    refused on a worker, before training, with the minibatch named."""
+    seen = tmp_path / "seen"
+    seen.mkdir()
+
+    def counted(element: DataSet) -> DataSet:
+        (seen / uuid.uuid4().hex).touch()
+        return element
+
+    rdd = rdd_of(sc, 64, 8, 2).map(counted)
+    master = ParameterAveragingTrainingMaster(8, export_directory=str(tmp_path / "export"))
+    spark_net = SparkNet(sc, mlp_network(), master)
+    spark_net.fit(rdd)
+    computed = len(list(seen.iterdir()))
+    assert computed >= 8  # every element, at least once
+    spark_net.fit(rdd)
+    assert len(list(seen.iterdir())) == computed and spark_net.network.epoch == 2
+
+    torch.manual_seed(0)
+    wrong = Network(torch.nn.Sequential(torch.nn.Linear(6, 3)), "mse", SGD)  # 3 outputs, a class label each
+    before = wrong.params().clone()
+    with pytest.raises(DataShapeError, match="do not fit loss 'mse'") as info:
+        SparkNet(sc, wrong, master).fit(rdd)
+    assert any("before training" in note and "dataset_00000000" in note for note in info.value.__notes__)
+    assert len(list(seen.iterdir())) == computed
+    assert wrong.iteration == 0 and torch.equal(wrong.params(), before)
+
+
 def _not_a_minibatch(path: str) -> dict:
     return {"path": path}
 
@@ -609,7 +640,7 @@ def test_auto_frequency_times_the_first_rounds_then_averages_at_what_it_chose(sc
     )
     spark_net = SparkNet(sc, mlp_network(MOMENTUM), master)
     with caplog.at_level(logging.INFO, logger="dlscale.training.averaging"):
-        spark_net.fit(rdd, epochs=3)
+        spark_net.fit(rdd, epochs=5)  # a fit long enough that the choice comes before its end
     stats = spark_net.training_stats
     chosen = [r.getMessage() for r in caplog.records if "averaging every" in r.getMessage()]
     assert len(chosen) == 1
@@ -622,7 +653,7 @@ def test_auto_frequency_times_the_first_rounds_then_averages_at_what_it_chose(sc
     last = [len(w.batches) for r in stats.rounds if r.epoch == final for w in r.workers]
     assert max(last) == frequency and max(last) - min(last) < math.ceil(40 / frequency)
     fitted = collections.Counter(path for r in stats.rounds for w in r.workers for path in w.batches)
-    assert len(fitted) == 80 and set(fitted.values()) == {3}
+    assert len(fitted) == 80 and set(fitted.values()) == {5}
 
 
 def test_stats_summary_and_json(sc, tmp_path: Path) -> None:

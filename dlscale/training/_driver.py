@@ -293,7 +293,11 @@ class FitRun:
         network kept under ``key`` (default: the first of :attr:`replicas`)."""
         blob, b = self.blob, self.batches
         key = self.replicas[0] if key is None else key
-        self.pauses.result(self.client.submit(_worker.probe, key, blob, b.refs[0], b.loader, pure=False))
+        try:
+            self.pauses.result(self.client.submit(_worker.probe, key, blob, b.refs[0], b.loader, pure=False))
+        except Exception as e:
+            e.add_note(f"raised by the network on minibatch {b.names[0]}, before training")
+            raise
 
     def show_progress(self, fit: str | None = None) -> None:
         """Open the fit's record in the dashboard panel (under ``fit``, or a new id) and its progress."""

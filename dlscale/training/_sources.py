@@ -135,11 +135,19 @@ class ExportCache:
     def __init__(self) -> None:
         self._exports: dict[tuple, tuple[Minibatches, str, Any]] = {}
 
+    @staticmethod
+    def _key(rdd: RDD, batch_size: int) -> tuple:
+        return (id(rdd.ctx), rdd.id(), batch_size)
+
+    def holds(self, rdd: RDD, batch_size: int) -> bool:
+        """Whether ``rdd`` was exported in minibatches of ``batch_size`` already."""
+        return self._key(rdd, batch_size) in self._exports
+
     def get(
         self, rdd: RDD, batch_size: int, directory: str | None, storage_options: dict[str, Any] | None
     ) -> Minibatches:
         """``rdd``'s minibatch files under ``directory`` (default ``_training/`` under the storage root)."""
-        key = (id(rdd.ctx), rdd.id(), batch_size)
+        key = self._key(rdd, batch_size)
         if key in self._exports:
             return dataclasses.replace(self._exports[key][0], seconds=0.0)
         base, options = storage.resolve(directory or "_training", storage_options)

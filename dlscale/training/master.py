@@ -56,7 +56,10 @@ class TrainingMaster(abc.ABC):
         position, onwards)."""
         check_epochs(epochs)
         blob = self._blob(context.network)
-        probe_rdd(context.network, rdd, self.batch_size_per_worker)
+        # an RDD exported by an earlier fit is not computed again: its first file is probed on a worker
+        exported = self.rdd_training_approach == "export" and self._exports.holds(rdd, self.batch_size_per_worker)
+        if not exported:
+            probe_rdd(context.network, rdd, self.batch_size_per_worker)
         if self.rdd_training_approach == "direct":
             batches = _sources.in_memory(rdd, self.batch_size_per_worker, self.storage_level)
             with FitRun(context, self, blob, batches, epochs, resume) as run:
@@ -64,7 +67,7 @@ class TrainingMaster(abc.ABC):
         else:
             batches = self._exports.get(rdd, self.batch_size_per_worker, self.export_directory, self.storage_options)
             with FitRun(context, self, blob, batches, epochs, resume) as run:
-                self._train(run, batches)
+                self._train(run, batches, probe=exported)
 
     def fit_paths(
         self,
@@ -100,7 +103,7 @@ class TrainingMaster(abc.ABC):
         """Train on ``batches`` for ``run.epochs`` epochs, reporting every step to ``run`` and leaving the
         trained state in ``run.network``. ``partitions`` is the RDD's partition count when the
         minibatches are held in memory ("direct"); ``probe`` asks to check one minibatch on a worker
-        first (files from a loader)."""
+        first (files read by a loader, or exported by an earlier fit)."""
 
 
 APPROACHES = ("export", "direct")
