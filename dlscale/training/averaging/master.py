@@ -391,8 +391,10 @@ class _Averaging:
         due: list[Any] = []
         last = time.time()  # the end of the round before the next one reported, by the members' clocks
         while True:
+            # "auto" looks at every poll until it chooses: its choice reaches the rounds not yet handed out
+            every = self.config.poll_interval * (1 if self.measuring else 5)
             with contextlib.suppress(TimeoutError):
-                wait(pending, timeout=self.config.poll_interval * 5, return_when="FIRST_COMPLETED")
+                wait(pending, timeout=every, return_when="FIRST_COMPLETED")
             pending = {f for f in pending if not f.done()}
             run.pauses.check()
             progress = client.sync(client.scheduler.dlscale_averaging_progress, session=session)
