@@ -537,6 +537,30 @@ def test_a_later_fit_of_an_exported_rdd_computes_none_of_it_and_probes_its_files
     assert wrong.iteration == 0 and torch.equal(wrong.params(), before)
 
 
+def test_a_parallelized_rdd_is_counted_and_probed_on_the_driver_where_it_is_held(sc, tmp_path) -> None:
+    """The partitions of an RDD made by parallelize are on the driver: a fit counts their examples and
+    scores the first element there, with no job (which would ship them to the workers and back), and
+    trains as a fit of the same elements computed on the workers does; a bad first element is
+    refused as before."""
+    x, y = data(64)
+    pieces = [DataSet(x[i : i + 8], y[i : i + 8]) for i in range(0, 64, 8)]
+    held = sc.parallelize(pieces, 2)
+    computed = sc.parallelize(pieces, 2).map(lambda element: element)
+    assert held.local_partitions() is not None and computed.local_partitions() is None
+    networks = []
+    for rdd, group in ((held, "held"), (computed, "computed")):
+        network = mlp_network()
+        sc.setJobGroup(group, group)
+        master = ParameterAveragingTrainingMaster(8, rng_seed=0, export_directory=str(tmp_path / group))
+        SparkNet(sc, network, master).fit(rdd)
+        networks.append(network)
+    tracker = sc.statusTracker()
+    assert tracker.getJobIdsForGroup("held") == [] and len(tracker.getJobIdsForGroup("computed")) == 2
+    torch.testing.assert_close(networks[0].params(), networks[1].params(), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="fit trains on an RDD of DataSet"):
+        SparkNet(sc, mlp_network(), ParameterAveragingTrainingMaster(8)).fit(sc.parallelize([[], [1]], 2))
+
+
 def _not_a_minibatch(path: str) -> dict:
     return {"path": path}
 

@@ -6,7 +6,8 @@ its partition and hands back only the pieces of the (at most two) batches that c
 boundary; those are joined by one small task each. Every batch therefore has exactly
 ``batch_size`` examples except the last, in the RDD's order, and no worker holds more than a batch
 beyond its own partition. An RDD that is expensive to compute should be persisted first, since both
-passes compute it.
+passes compute it. The partitions of an RDD made by ``parallelize`` are counted on the driver, which
+holds them: only the writing ships them to the workers.
 
 An export says whether it finished, as Hadoop's ``_SUCCESS`` does: :data:`MANIFEST` is written
 before the first batch with ``"complete": false`` and again after the last with ``true`` and the
@@ -184,9 +185,13 @@ class ExportPlan:
 
 
 def plan_export(rdd: RDD, batch_size: int, make_sink: Callable[[type, int, set], Sink]) -> ExportPlan:
-    """Count ``rdd``'s examples (one pass) and plan writing it in batches of ``batch_size`` through
-    ``make_sink(kind, total examples, schemas)``."""
-    described = rdd.mapPartitionsWithIndex(_describe).collect()
+    """Count ``rdd``'s examples (one pass; none for partitions the driver holds) and plan writing it
+    in batches of ``batch_size`` through ``make_sink(kind, total examples, schemas)``."""
+    local = rdd.local_partitions()
+    if local is None:
+        described = rdd.mapPartitionsWithIndex(_describe).collect()
+    else:  # counted here, without shipping them to the workers and back
+        described = [d for i, part in enumerate(local) for d in _describe(i, part)]
     kinds = {d.kind for d in described if d.kind is not None}
     if len(kinds) > 1:
         raise TypeError(f"the RDD mixes {' and '.join(sorted(kinds))} partitions; export one kind at a time")

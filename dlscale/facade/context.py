@@ -461,7 +461,9 @@ class SparkContext:
         batch = max(1, min(len(c) // n, 1024))
         nb = -(-len(c) // batch)
         parts = [list(c[(i * nb // n) * batch : ((i + 1) * nb // n) * batch]) for i in range(n)]
-        return RDD(_graph.from_partitions("parallelize", parts), self)
+        rdd = RDD(_graph.from_partitions("parallelize", parts), self)
+        rdd._local = parts
+        return rdd
 
     def range(self, start: int, end: int | None = None, step: int = 1, numSlices: int | None = None) -> RDD:
         """Integers from ``start`` to ``end`` (exclusive); each partition is generated on its worker."""

@@ -86,6 +86,7 @@ class RDD:
         # made by a shuffle: the operation and line that called it (``partitionBy at job.py:12``), which names
         # the shuffle map stage that computes its input (see _stages)
         self._shuffle_site: str | None = None
+        self._local: list[list] | None = None  # the partitions, where the driver holds them (parallelize)
 
     @property
     def _bag(self) -> Bag:
@@ -124,6 +125,12 @@ class RDD:
         """The :class:`dask.bag.Bag` that computes this RDD's partitions, one list each (dlscale's
         extension; it reads the persisted copy when persisted). :meth:`SparkContext.from_bag` goes back."""
         return self._bag
+
+    def local_partitions(self) -> list[list] | None:
+        """This RDD's partitions as the driver holds them, for an RDD made by
+        :meth:`SparkContext.parallelize` and not transformed (dlscale's extension): what they hold can
+        be known without a job, which would ship them to the workers. ``None`` for any other RDD."""
+        return self._local
 
     def __repr__(self) -> str:
         label = f"{self._name} " if self._name else ""

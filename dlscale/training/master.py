@@ -135,7 +135,8 @@ def serialise(network: Network) -> bytes:
 def probe_rdd(network: Network, rdd: RDD, batch_size: int) -> None:
     """Compute the loss on the start of ``rdd``'s first element, on the driver: a wrong element type,
     an empty RDD or labels that do not fit the loss are reported before the data is prepared."""
-    first = rdd.take(1)
+    local = rdd.local_partitions()  # parallelized: the first element is here, not to be shipped and back
+    first = rdd.take(1) if local is None else next(([part[0]] for part in local if part), [])
     if not first:
         raise ValueError("the RDD is empty: there is nothing to train on")
     element = first[0]
