@@ -548,12 +548,16 @@ def test_a_parallelized_rdd_is_counted_and_probed_on_the_driver_where_it_is_held
     computed = sc.parallelize(pieces, 2).map(lambda element: element)
     assert held.local_partitions() is not None and computed.local_partitions() is None
     networks = []
-    for rdd, group in ((held, "held"), (computed, "computed")):
-        network = mlp_network()
-        sc.setJobGroup(group, group)
-        master = ParameterAveragingTrainingMaster(8, rng_seed=0, export_directory=str(tmp_path / group))
-        SparkNet(sc, network, master).fit(rdd)
-        networks.append(network)
+    try:
+        for rdd, group in ((held, "held"), (computed, "computed")):
+            network = mlp_network()
+            sc.setJobGroup(group, group)
+            master = ParameterAveragingTrainingMaster(8, rng_seed=0, export_directory=str(tmp_path / group))
+            SparkNet(sc, network, master).fit(rdd)
+            networks.append(network)
+    finally:  # the module's context goes on without a job group
+        for key in ("spark.jobGroup.id", "spark.job.description", "spark.job.interruptOnCancel"):
+            sc.setLocalProperty(key, None)
     tracker = sc.statusTracker()
     assert tracker.getJobIdsForGroup("held") == [] and len(tracker.getJobIdsForGroup("computed")) == 2
     torch.testing.assert_close(networks[0].params(), networks[1].params(), rtol=0, atol=0)
