@@ -155,6 +155,55 @@ def _parse_local(master: str) -> tuple[int, int] | None:
     return (os.cpu_count() or 1 if n == "*" else int(n)), failures
 
 
+def _checked_conf(conf: SparkConf | dict[str, Any] | None, master: str | None, client: Any, cluster: Any) -> SparkConf:
+    """The context's SparkConf from ``conf``, once the constructor's arguments are checked."""
+    if conf is not None and not isinstance(conf, (SparkConf, dict)):
+        raise TypeError(f"conf must be a SparkConf or a dict, not {type(conf).__name__}")
+    checked = conf if isinstance(conf, SparkConf) else SparkConf().setAll((conf or {}).items())
+    allowed = (checked.get("spark.executor.allowSparkContext") or "").lower() == "true"
+    if TaskContext.get() is not None and not allowed:
+        raise RuntimeError(_CONTEXT_ONLY_ON_DRIVER)
+    if sum(x is not None for x in (master, client, cluster)) > 1:
+        raise ValueError("give at most one of master, client and cluster")
+    if client is not None and not isinstance(client, distributed.Client):
+        raise TypeError(f"client must be a distributed.Client, not {type(client).__name__}")
+    return checked
+
+
+def _connect_to_scheduler(master: str, security: distributed.Security | None) -> distributed.Client:
+    """A client of the Dask scheduler at ``master`` (``tcp://``, ``tls://``, ``inproc://``), its failures
+    told as what a user can do about them."""
+    scheme, location = distributed.comm.parse_address(master)
+    if scheme != "inproc":
+        try:
+            distributed.comm.parse_host_port(location, _SCHEDULER_PORT)
+        except ValueError as e:
+            raise MasterURLError(f"master {master!r} is not a valid scheduler address: {e}") from e
+    timeout = config.get("connect-timeout")
+    try:
+        return distributed.Client(master, timeout=timeout, security=security)
+    except TypeError as e:
+        if scheme != "tls":
+            raise
+        raise ClusterConnectionError(
+            f"{master} needs TLS credentials: pass security=distributed.Security(...) or set "
+            "distributed.comm.tls.ca-file and distributed.comm.tls.client.cert/key in Dask's "
+            f"configuration ({e})"
+        ) from e
+    except (OSError, TimeoutError, ValueError) as e:
+        if scheme == "tls" and _tls_failure(e):
+            raise ClusterConnectionError(
+                f"the TLS handshake with the Dask scheduler at {master} failed ({_cause(e)}): the scheduler "
+                f"may speak plain TCP (then give tcp://{location}), or not accept these credentials (check "
+                "security= or distributed.comm.tls.* in Dask's configuration)"
+            ) from e
+        if isinstance(e, ValueError):
+            raise
+        raise ClusterConnectionError(
+            f"could not reach the Dask scheduler at {master} within {timeout} (dlscale.connect-timeout): {_cause(e)}"
+        ) from e
+
+
 class SparkContext:
     """Connection to a Dask cluster, with PySpark's ``SparkContext`` methods.
 
@@ -181,17 +230,7 @@ class SparkContext:
         conf: SparkConf | dict[str, Any] | None = None,
         security: distributed.Security | None = None,
     ) -> None:
-        if conf is not None and not isinstance(conf, (SparkConf, dict)):
-            raise TypeError(f"conf must be a SparkConf or a dict, not {type(conf).__name__}")
-        self._conf = conf if isinstance(conf, SparkConf) else SparkConf().setAll((conf or {}).items())
-        allowed = (self._conf.get("spark.executor.allowSparkContext") or "").lower() == "true"
-        if TaskContext.get() is not None and not allowed:
-            raise RuntimeError(_CONTEXT_ONLY_ON_DRIVER)
-        if sum(x is not None for x in (master, client, cluster)) > 1:
-            raise ValueError("give at most one of master, client and cluster")
-        if client is not None and not isinstance(client, distributed.Client):
-            raise TypeError(f"client must be a distributed.Client, not {type(client).__name__}")
-
+        self._conf = _checked_conf(conf, master, client, cluster)
         self.appName = appName or self._conf.get("spark.app.name") or "dlscale"
         self._task_cpus = _task_cpus(self._conf)
         self._owned_cluster: Any = None
@@ -263,36 +302,7 @@ class SparkContext:
             direct = dask.config.get("distributed.client.direct-to-workers")
             return distributed.Client(self._owned_cluster, direct_to_workers=True if direct is None else direct)
         if _ADDRESS.match(master):
-            scheme, location = distributed.comm.parse_address(master)
-            if scheme != "inproc":
-                try:
-                    distributed.comm.parse_host_port(location, _SCHEDULER_PORT)
-                except ValueError as e:
-                    raise MasterURLError(f"master {master!r} is not a valid scheduler address: {e}") from e
-            timeout = config.get("connect-timeout")
-            try:
-                return distributed.Client(master, timeout=timeout, security=security)
-            except TypeError as e:
-                if scheme != "tls":
-                    raise
-                raise ClusterConnectionError(
-                    f"{master} needs TLS credentials: pass security=distributed.Security(...) or set "
-                    "distributed.comm.tls.ca-file and distributed.comm.tls.client.cert/key in Dask's "
-                    f"configuration ({e})"
-                ) from e
-            except (OSError, TimeoutError, ValueError) as e:
-                if scheme == "tls" and _tls_failure(e):
-                    raise ClusterConnectionError(
-                        f"the TLS handshake with the Dask scheduler at {master} failed ({_cause(e)}): the scheduler "
-                        f"may speak plain TCP (then give tcp://{location}), or not accept these credentials (check "
-                        "security= or distributed.comm.tls.* in Dask's configuration)"
-                    ) from e
-                if isinstance(e, ValueError):
-                    raise
-                raise ClusterConnectionError(
-                    f"could not reach the Dask scheduler at {master} within {timeout} (dlscale.connect-timeout): "
-                    f"{_cause(e)}"
-                ) from e
+            return _connect_to_scheduler(master, security)
         hint = ""
         if master.startswith(_SPARK_MANAGERS):
             hint = (
