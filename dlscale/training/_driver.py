@@ -95,14 +95,18 @@ def _check_resume(resume: FitPosition, approach: str, minibatches: int, epochs: 
 def wanted_workers(client: Client) -> int:
     """How many workers a fit waits for: ``dlscale.training.min-workers``, or by default every worker the
     cluster object was asked for (a ``LocalCluster``'s workers, a dask-jobqueue cluster's ``scale``), at
-    least one; one on a cluster known only by its scheduler's address."""
+    least one; one on a cluster known only by its scheduler's address. A ``SpecCluster``'s asked-for
+    workers are its ``worker_spec`` (a job of several processes counts each): ``scale`` sets it at once,
+    where the cluster's own ``requested`` counts only the workers and jobs its event loop started since."""
     setting = config.get("training.min-workers")
     if setting is not None:
         if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
             raise ValueError(f"dlscale.training.min-workers must be an integer >= 1 or null, got {setting!r}")
         return setting
-    requested = getattr(getattr(client, "cluster", None), "requested", None)  # a SpecCluster's
-    return max(1, len(requested)) if requested is not None else 1
+    spec = getattr(getattr(client, "cluster", None), "worker_spec", None)
+    if not isinstance(spec, dict):
+        return 1
+    return max(1, sum(len(s["group"]) if isinstance(s, dict) and "group" in s else 1 for s in spec.values()))
 
 
 def _pending(client: Client) -> str:
