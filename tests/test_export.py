@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dlscale import IncompleteExportError, OutputExistsError, SparkContext, StorageError
+from dlscale import IncompleteExportError, OutputExistsError, SparkContext, StorageError, storage
 from dlscale.data import DataSet, MultiDataSet, export_minibatches, list_paths, load, save
 
 
@@ -257,3 +257,25 @@ def test_the_next_export_removes_temporaries_that_killed_writers_left(tmp_path: 
     assert not left.exists() and (out / ".keep").exists()
     (out / ".keep").unlink()
     assert len(export_minibatches(sequences([4]), str(out), 2)) == 2
+
+
+def test_a_parallelized_rdd_is_written_by_the_driver_as_parallelize_took_it(sc: SparkContext, tmp_path: Path) -> None:
+    """The driver holds a parallelized RDD's partitions: it writes them itself (fsspec's memory filesystem
+    is the writing process's own, so the files are there only if the driver wrote them), with the
+    elements as ``parallelize`` took them, as any job computes them, and the same bytes as the same
+    elements computed and written on the workers."""
+    elements = sequences([3, 7, 1, 12, 5, 9, 2])
+    expected = reference(elements, 4)
+    held = sc.parallelize(elements, 3)
+    computed = sc.parallelize(elements, 3).map(lambda element: element)
+    elements[0].features.add_(100.0)  # changed after parallelize: neither RDD sees it
+    url = "memory://dlscale-test-export/held"
+    fs, path = storage.open_fs(url, None)
+    try:
+        paths = export_minibatches(held, url, 4)
+        assert_batches(paths, expected)
+        assert [load(p).equals(e) for p, e in zip(paths, reference(held.collect(), 4))] == [True] * len(expected)
+        on_workers = export_minibatches(computed, str(tmp_path / "computed"), 4)
+        assert [Path(p).read_bytes() for p in on_workers] == [fs.cat_file(p) for p in paths]
+    finally:
+        fs.rm(path, recursive=True)

@@ -537,11 +537,11 @@ def test_a_later_fit_of_an_exported_rdd_computes_none_of_it_and_probes_its_files
     assert wrong.iteration == 0 and torch.equal(wrong.params(), before)
 
 
-def test_a_parallelized_rdd_is_counted_and_probed_on_the_driver_where_it_is_held(sc, tmp_path) -> None:
-    """The partitions of an RDD made by parallelize are on the driver: a fit counts their examples and
-    scores the first element there, with no job (which would ship them to the workers and back), and
-    trains as a fit of the same elements computed on the workers does; a bad first element is
-    refused as before."""
+def test_a_parallelized_rdd_is_counted_probed_and_exported_on_the_driver_where_it_is_held(sc, tmp_path) -> None:
+    """The partitions of an RDD made by parallelize are on the driver: a fit counts their examples,
+    scores the first element and writes the files there, with no job (which would ship them to the
+    workers and back), and trains as a fit of the same elements computed on the workers does; a bad
+    first element is refused as before."""
     x, y = data(64)
     pieces = [DataSet(x[i : i + 8], y[i : i + 8]) for i in range(0, 64, 8)]
     held = sc.parallelize(pieces, 2)

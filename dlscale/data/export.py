@@ -6,8 +6,8 @@ its partition and hands back only the pieces of the (at most two) batches that c
 boundary; those are joined by one small task each. Every batch therefore has exactly
 ``batch_size`` examples except the last, in the RDD's order, and no worker holds more than a batch
 beyond its own partition. An RDD that is expensive to compute should be persisted first, since both
-passes compute it. The partitions of an RDD made by ``parallelize`` are counted on the driver, which
-holds them: only the writing ships them to the workers.
+passes compute it. The partitions of an RDD made by ``parallelize`` are counted and written on the
+driver, which holds them: nothing is shipped to the workers.
 
 An export says whether it finished, as Hadoop's ``_SUCCESS`` does: :data:`MANIFEST` is written
 before the first batch with ``"complete": false`` and again after the last with ``true`` and the
@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -175,22 +176,31 @@ def _join(k: int, sink: Sink, kind: type, *results: tuple[dict, dict]) -> str:
 class ExportPlan:
     """The delayed tasks of an export: ``parts[i]`` writes partition ``i``'s whole batches and returns
     ``(written, pieces)``; ``joins[k]`` writes batch ``k`` from the pieces of several partitions;
-    ``owner[k]`` is the partition that wrote batch ``k`` whole, for ``k`` not in ``joins``."""
+    ``owner[k]`` is the partition that wrote batch ``k`` whole, for ``k`` not in ``joins``. ``here``:
+    the tasks hold the partitions and run on the driver, which has them (see :func:`plan_export`)."""
 
     kind: type
     total: int
     parts: list
     joins: dict[int, Any]
     owner: dict[int, int]
+    here: bool = False
 
 
-def plan_export(rdd: RDD, batch_size: int, make_sink: Callable[[type, int, set], Sink]) -> ExportPlan:
-    """Count ``rdd``'s examples (one pass; none for partitions the driver holds) and plan writing it
-    in batches of ``batch_size`` through ``make_sink(kind, total examples, schemas)``."""
+def plan_export(
+    rdd: RDD, batch_size: int, make_sink: Callable[[type, int, set], Sink], *, ship: bool = False
+) -> ExportPlan:
+    """Count ``rdd``'s examples and plan writing it in batches of ``batch_size`` through
+    ``make_sink(kind, total examples, schemas)``. Partitions the driver holds (an RDD made by
+    ``parallelize``) are counted there and, unless ``ship`` (what the sink returns must end on the
+    workers), written there too: shipping them to a worker costs more than writing them (0.7-0.9 s
+    against 0.2 s for 80 MB to local files). Any other RDD is counted by a job (one pass) and written
+    by tasks on the workers."""
     local = rdd.local_partitions()
     if local is None:
         described = rdd.mapPartitionsWithIndex(_describe).collect()
-    else:  # counted here, without shipping them to the workers and back
+    else:
+        local = list(local)  # read once, for the count and the writing
         described = [d for i, part in enumerate(local) for d in _describe(i, part)]
     kinds = {d.kind for d in described if d.kind is not None}
     if len(kinds) > 1:
@@ -201,7 +211,12 @@ def plan_export(rdd: RDD, batch_size: int, make_sink: Callable[[type, int, set],
     kind = DataSet if kinds == {"DataSet"} else MultiDataSet
     sink = make_sink(kind, total, set().union(*(d.schemas for d in described)))
     counted = [d.count for d in described]
-    parts = rdd.to_bag().to_delayed()
+    here = local is not None and not ship
+    if here:
+        tag = uuid.uuid4().hex
+        parts = [dask.delayed(part, name=f"partition-{tag}-{i}", traverse=False) for i, part in enumerate(local)]
+    else:
+        parts = rdd.to_bag().to_delayed()
     write = dask.delayed(_write_partition, pure=False)
     tasks, starts, start = [], [], 0
     for i, count in enumerate(counted):
@@ -216,12 +231,14 @@ def plan_export(rdd: RDD, batch_size: int, make_sink: Callable[[type, int, set],
             joins[k] = dask.delayed(_join, pure=False)(k, sink, kind, *(tasks[i] for i in owners))
         else:
             owner[k] = owners[0]
-    return ExportPlan(kind, total, tasks, joins, owner)
+    return ExportPlan(kind, total, tasks, joins, owner, here)
 
 
 def write_plan(sc: SparkContext, plan: ExportPlan) -> list[Any]:
-    """Run ``plan``; returns what the sink's ``write`` returned for every batch, in order."""
-    done = sc.client.compute([*plan.parts, *plan.joins.values()], sync=True)
+    """Run ``plan``: on the workers, or by the driver's threads, a partition each at a time, where it
+    holds the partitions; returns what the sink's ``write`` returned for every batch, in order."""
+    tasks = [*plan.parts, *plan.joins.values()]
+    done = dask.compute(*tasks, scheduler="threads") if plan.here else sc.client.compute(tasks, sync=True)
     paths = dict(zip(plan.joins, done[len(plan.parts) :]))
     for written, _ in done[: len(plan.parts)]:
         paths.update(written)

@@ -154,18 +154,36 @@ def _load_partition(blob: bytes) -> Partition:
     return Partition(cloudpickle.loads(blob))
 
 
-def from_partitions(prefix: str, partitions: Sequence[list]) -> Bag:
-    """A bag whose partitions are the given lists, embedded in the graph.
+def pickle_partitions(partitions: Sequence[list]) -> list[bytes]:
+    """Each partition as one pickled blob, as :func:`from_pickled` embeds it: the elements as they are now."""
+    return [cloudpickle.dumps(list(part), protocol=5) for part in partitions]
+
+
+class PickledPartitions(Sequence):
+    """Partitions held as :func:`pickle_partitions` made them, each read back (a new copy) when indexed:
+    what every task of the graph computes, whatever became of the elements pickled since."""
+
+    def __init__(self, blobs: Sequence[bytes]) -> None:
+        self._blobs = blobs
+
+    def __len__(self) -> int:
+        return len(self._blobs)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [_load_partition(b) for b in self._blobs[i]]
+        return _load_partition(self._blobs[i])
+
+
+def from_pickled(prefix: str, blobs: Sequence[bytes]) -> Bag:
+    """A bag whose partitions are the given pickled lists (:func:`pickle_partitions`), embedded in the graph.
 
     Each partition travels as one pickled blob, which the scheduler passes on without looking
     inside (a list of a million numbers would otherwise be unpickled and pickled again there).
     """
     name = _name(prefix)
-    dsk = {
-        (name, i): Task((name, i), _load_partition, DataNode(None, cloudpickle.dumps(list(part), protocol=5)))
-        for i, part in enumerate(partitions)
-    }
-    return _bag(name, dsk, [], len(partitions))
+    dsk = {(name, i): Task((name, i), _load_partition, DataNode(None, blob)) for i, blob in enumerate(blobs)}
+    return _bag(name, dsk, [], len(blobs))
 
 
 def from_calls(prefix: str, calls: Sequence[tuple[Callable[..., Iterable[Any]], tuple]]) -> Bag:

@@ -471,8 +471,9 @@ class SparkContext:
         batch = max(1, min(len(c) // n, 1024))
         nb = -(-len(c) // batch)
         parts = [list(c[(i * nb // n) * batch : ((i + 1) * nb // n) * batch]) for i in range(n)]
-        rdd = RDD(_graph.from_partitions("parallelize", parts), self)
-        rdd._local = parts
+        blobs = _graph.pickle_partitions(parts)  # the elements as they are now: what every job computes
+        rdd = RDD(_graph.from_pickled("parallelize", blobs), self)
+        rdd._local = _graph.PickledPartitions(blobs)
         return rdd
 
     def range(self, start: int, end: int | None = None, step: int = 1, numSlices: int | None = None) -> RDD:
@@ -487,7 +488,7 @@ class SparkContext:
 
     def emptyRDD(self) -> RDD:
         """An RDD with no partitions."""
-        return RDD(_graph.from_partitions("empty", []), self)
+        return RDD(_graph.from_pickled("empty", []), self)
 
     def from_bag(self, bag: Bag) -> RDD:
         """An RDD of the elements of ``bag``, partition for partition (dlscale's extension; the way

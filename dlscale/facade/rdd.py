@@ -16,7 +16,7 @@ import random
 import sys
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial, reduce
 from typing import TYPE_CHECKING, Any
 
@@ -86,7 +86,7 @@ class RDD:
         # made by a shuffle: the operation and line that called it (``partitionBy at job.py:12``), which names
         # the shuffle map stage that computes its input (see _stages)
         self._shuffle_site: str | None = None
-        self._local: list[list] | None = None  # the partitions, where the driver holds them (parallelize)
+        self._local: Sequence[list] | None = None  # the partitions, where the driver holds them (parallelize)
 
     @property
     def _bag(self) -> Bag:
@@ -126,10 +126,12 @@ class RDD:
         extension; it reads the persisted copy when persisted). :meth:`SparkContext.from_bag` goes back."""
         return self._bag
 
-    def local_partitions(self) -> list[list] | None:
+    def local_partitions(self) -> Sequence[list] | None:
         """This RDD's partitions as the driver holds them, for an RDD made by
         :meth:`SparkContext.parallelize` and not transformed (dlscale's extension): what they hold can
-        be known without a job, which would ship them to the workers. ``None`` for any other RDD."""
+        be known, and written, without a job, which would ship them to the workers. Each partition is
+        read back when indexed, a copy of the elements as ``parallelize`` took them (as every job
+        computes them). ``None`` for any other RDD."""
         return self._local
 
     def __repr__(self) -> str:

@@ -54,9 +54,11 @@ def from_paths(paths: RDD, loader: Callable[[Any], Any] | None) -> Minibatches:
     return Minibatches(urls, [str(u) for u in urls], resolve_loader(loader), None, time.perf_counter() - t0)
 
 
-def _checked_plan(rdd: RDD, batch_size: int, make_sink: Callable[[type, int, set], Any]) -> ExportPlan:
+def _checked_plan(
+    rdd: RDD, batch_size: int, make_sink: Callable[[type, int, set], Any], ship: bool = False
+) -> ExportPlan:
     try:
-        plan = plan_export(rdd, batch_size, make_sink)
+        plan = plan_export(rdd, batch_size, make_sink, ship=ship)
     except ValueError as e:
         if "no examples" not in str(e):
             raise
@@ -97,7 +99,7 @@ def in_memory(rdd: RDD, batch_size: int, level: StorageLevel) -> Minibatches:
     """Cut ``rdd`` into minibatches kept in the workers' memory, each where its partition was computed."""
     t0 = time.perf_counter()
     client = rdd.ctx.client
-    plan = _checked_plan(rdd, batch_size, lambda *_: _MemorySink(not level.deserialized))
+    plan = _checked_plan(rdd, batch_size, lambda *_: _MemorySink(not level.deserialized), ship=True)
     tag = uuid.uuid4().hex[:8]
     done = client.compute([*plan.parts, *plan.joins.values()])
     parts, joins = done[: len(plan.parts)], dict(zip(plan.joins, done[len(plan.parts) :]))
