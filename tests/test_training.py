@@ -565,6 +565,28 @@ def test_a_parallelized_rdd_is_counted_probed_and_exported_on_the_driver_where_i
         SparkNet(sc, mlp_network(), ParameterAveragingTrainingMaster(8)).fit(sc.parallelize([[], [1]], 2))
 
 
+def test_fit_paths_reads_paths_the_driver_holds_without_a_job(sc, tmp_path) -> None:
+    """``list_paths`` gives an RDD the driver holds: ``fit_paths`` reads its paths there, with no job
+    (a job of a few milliseconds is a fixed cost of every fit), and trains as on the same paths computed."""
+    x, y = data(64)
+    export_minibatches([DataSet(x, y)], str(tmp_path / "files"), 8)
+    held = list_paths(sc, str(tmp_path / "files"))
+    computed = held.map(lambda path: path)
+    networks = []
+    try:
+        for rdd, group in ((held, "held paths"), (computed, "computed paths")):
+            network = mlp_network()
+            sc.setJobGroup(group, group)
+            SparkNet(sc, network, ParameterAveragingTrainingMaster(8, rng_seed=0)).fit_paths(rdd)
+            networks.append(network)
+    finally:  # the module's context goes on without a job group
+        for key in ("spark.jobGroup.id", "spark.job.description", "spark.job.interruptOnCancel"):
+            sc.setLocalProperty(key, None)
+    tracker = sc.statusTracker()
+    assert tracker.getJobIdsForGroup("held paths") == [] and len(tracker.getJobIdsForGroup("computed paths")) == 1
+    torch.testing.assert_close(networks[0].params(), networks[1].params(), rtol=0, atol=0)
+
+
 def _not_a_minibatch(path: str) -> dict:
     return {"path": path}
 

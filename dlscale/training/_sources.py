@@ -40,9 +40,11 @@ class Minibatches:
 
 
 def from_paths(paths: RDD, loader: Callable[[Any], Any] | None) -> Minibatches:
-    """The files named by ``paths``, read by ``loader`` (default: any ``.dlb`` file)."""
+    """The files named by ``paths``, read by ``loader`` (default: any ``.dlb`` file). Paths the driver
+    holds (``list_paths`` and ``parallelize`` make such RDDs) are read there, without a job."""
     t0 = time.perf_counter()
-    urls = paths.collect()
+    local = paths.local_partitions()
+    urls = paths.collect() if local is None else [url for part in local for url in part]
     if not urls:
         raise ValueError("the paths RDD is empty: there is nothing to train on")
     for i, url in enumerate(urls):
