@@ -12,7 +12,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -537,6 +537,22 @@ def test_a_later_fit_of_an_exported_rdd_computes_none_of_it_and_probes_its_files
     assert wrong.iteration == 0 and torch.equal(wrong.params(), before)
 
 
+def _fit_in_job_groups(sc: SparkContext, fits: dict[str, Callable[[Network], None]]) -> list[Network]:
+    """Each of ``fits`` on a new network, in a job group of its own named by its key; the networks, in
+    order. The module's context goes on without a job group."""
+    networks = []
+    try:
+        for group, fit in fits.items():
+            network = mlp_network()
+            sc.setJobGroup(group, group)
+            fit(network)
+            networks.append(network)
+    finally:
+        for key in ("spark.jobGroup.id", "spark.job.description", "spark.job.interruptOnCancel"):
+            sc.setLocalProperty(key, None)
+    return networks
+
+
 def test_a_parallelized_rdd_is_counted_probed_and_exported_on_the_driver_where_it_is_held(sc, tmp_path) -> None:
     """The partitions of an RDD made by parallelize are on the driver: a fit counts their examples,
     scores the first element and writes the files there, with no job (which would ship them to the
@@ -547,17 +563,12 @@ def test_a_parallelized_rdd_is_counted_probed_and_exported_on_the_driver_where_i
     held = sc.parallelize(pieces, 2)
     computed = sc.parallelize(pieces, 2).map(lambda element: element)
     assert held.local_partitions() is not None and computed.local_partitions() is None
-    networks = []
-    try:
-        for rdd, group in ((held, "held"), (computed, "computed")):
-            network = mlp_network()
-            sc.setJobGroup(group, group)
-            master = ParameterAveragingTrainingMaster(8, rng_seed=0, export_directory=str(tmp_path / group))
-            SparkNet(sc, network, master).fit(rdd)
-            networks.append(network)
-    finally:  # the module's context goes on without a job group
-        for key in ("spark.jobGroup.id", "spark.job.description", "spark.job.interruptOnCancel"):
-            sc.setLocalProperty(key, None)
+
+    def fit(rdd: Any, group: str) -> Callable[[Network], None]:
+        master = ParameterAveragingTrainingMaster(8, rng_seed=0, export_directory=str(tmp_path / group))
+        return lambda network: SparkNet(sc, network, master).fit(rdd)
+
+    networks = _fit_in_job_groups(sc, {"held": fit(held, "held"), "computed": fit(computed, "computed")})
     tracker = sc.statusTracker()
     assert tracker.getJobIdsForGroup("held") == [] and len(tracker.getJobIdsForGroup("computed")) == 2
     torch.testing.assert_close(networks[0].params(), networks[1].params(), rtol=0, atol=0)
@@ -572,16 +583,11 @@ def test_fit_paths_reads_paths_the_driver_holds_without_a_job(sc, tmp_path) -> N
     export_minibatches([DataSet(x, y)], str(tmp_path / "files"), 8)
     held = list_paths(sc, str(tmp_path / "files"))
     computed = held.map(lambda path: path)
-    networks = []
-    try:
-        for rdd, group in ((held, "held paths"), (computed, "computed paths")):
-            network = mlp_network()
-            sc.setJobGroup(group, group)
-            SparkNet(sc, network, ParameterAveragingTrainingMaster(8, rng_seed=0)).fit_paths(rdd)
-            networks.append(network)
-    finally:  # the module's context goes on without a job group
-        for key in ("spark.jobGroup.id", "spark.job.description", "spark.job.interruptOnCancel"):
-            sc.setLocalProperty(key, None)
+
+    def fit(rdd: Any) -> Callable[[Network], None]:
+        return lambda network: SparkNet(sc, network, ParameterAveragingTrainingMaster(8, rng_seed=0)).fit_paths(rdd)
+
+    networks = _fit_in_job_groups(sc, {"held paths": fit(held), "computed paths": fit(computed)})
     tracker = sc.statusTracker()
     assert tracker.getJobIdsForGroup("held paths") == [] and len(tracker.getJobIdsForGroup("computed paths")) == 1
     torch.testing.assert_close(networks[0].params(), networks[1].params(), rtol=0, atol=0)
