@@ -169,9 +169,7 @@ class PickledPartitions(Sequence):
     def __len__(self) -> int:
         return len(self._blobs)
 
-    def __getitem__(self, i: Any) -> Any:
-        if isinstance(i, slice):
-            return [_load_partition(b) for b in self._blobs[i]]
+    def __getitem__(self, i: int) -> Partition:
         return _load_partition(self._blobs[i])
 
 
