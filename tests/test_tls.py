@@ -1,5 +1,6 @@
 """TLS end to end: a cluster that only speaks TLS, reached through a ``tls://`` master URL; gradient
-sharing (updates sent worker to worker), evaluation and keyed inference all run over it."""
+sharing (updates sent worker to worker), parameter averaging (its parts kept in Dask's encrypted comms,
+not the workers' own plain TCP connections), evaluation and keyed inference all run over it."""
 
 from __future__ import annotations
 
@@ -10,11 +11,18 @@ import pytest
 import torch
 from distributed import LocalCluster, Security
 
-from dlscale import ClusterConnectionError, SharedTrainingMaster, SparkContext, SparkNet
+from dlscale import (
+    ClusterConnectionError,
+    ParameterAveragingTrainingMaster,
+    SharedTrainingMaster,
+    SparkContext,
+    SparkNet,
+)
 from dlscale.data import DataSet, load_digits
 from dlscale.evaluation import Evaluation
 from dlscale.nn import Network
 from dlscale.runtime.cluster import cluster_workers
+from dlscale.training.averaging._worker_plugin import plugin
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +75,30 @@ def test_without_credentials_the_connection_is_refused(tls_cluster) -> None:
     cluster, _ = tls_cluster
     with pytest.raises(ClusterConnectionError, match="needs TLS credentials: pass security="):
         SparkContext(cluster.scheduler_address, "no credentials")
+
+
+def test_parameter_averaging_keeps_its_parts_in_the_encrypted_comms(tls_cluster, tmp_path) -> None:
+    cluster, security = tls_cluster
+    x, y = load_digits()
+    x, y = x.flatten(1)[:400], y[:400]
+    torch.manual_seed(0)
+    network = Network(
+        torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10)),
+        "cross_entropy",
+        functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9),
+    )
+    with SparkContext(cluster.scheduler_address, "tls", security=security) as sc:
+        master = ParameterAveragingTrainingMaster(
+            20,
+            averaging_frequency=2,
+            rng_seed=0,
+            export_directory=str(tmp_path / "export"),
+            collect_training_stats=True,
+        )
+        spark_net = SparkNet(sc, network, master)
+        spark_net.fit(sc.parallelize(DataSet(x, y).batch_by(20), 4), epochs=3)
+        rounds = spark_net.training_stats.rounds
+        assert rounds and all(len(r.workers) == 2 for r in rounds)  # every round averaged between the two
+        listeners = sc.client.run(lambda dask_worker: plugin(dask_worker).port())
+        assert list(listeners.values()) == [None, None]
+        assert spark_net.evaluate(sc.parallelize(DataSet(x, y).batch_by(50), 2)).accuracy() > 0.5

@@ -368,6 +368,34 @@ def test_streaming_rounds_take_each_average_during_the_next_round(sc, tmp_path, 
     assert float((result["params"] - plain["params"]).abs().max()) > 1e-3
 
 
+def test_parts_go_over_the_workers_own_connections_or_through_dask_s_comms_alike(sc, tmp_path, one_thread) -> None:
+    """``dlscale.averaging.transport``: ``"tcp"`` (the default: each worker connects to the other's
+    listener) or ``"dask"`` (``worker.rpc``: no listener): the same fit to the last bit."""
+
+    def fit(context: SparkContext, folder: str) -> torch.Tensor:
+        master = ParameterAveragingTrainingMaster(
+            10, averaging_frequency=2, rng_seed=4, export_directory=str(tmp_path / folder)
+        )
+        spark_net = SparkNet(context, mlp_network(MOMENTUM, norm=True), master)
+        spark_net.fit(rdd_of(context, 160, 10, 2), epochs=2)
+        return spark_net.network.params()
+
+    def connected(context: SparkContext) -> dict[str, list[str] | None]:
+        def peers(dask_worker: Any) -> list[str] | None:
+            sockets = plugin(dask_worker).sockets
+            return None if sockets is None else sockets.peers
+
+        return context.client.run(peers)
+
+    over_tcp = fit(sc, "tcp")
+    a, b = sorted(connected(sc))
+    assert connected(sc) == {a: [b], b: [a]}
+    with dask.config.set({"dlscale.averaging.transport": "dask"}), SparkContext("local[2]", "dask-comms") as other:
+        through_dask = fit(other, "dask")
+        assert list(connected(other).values()) == [None, None]
+    torch.testing.assert_close(over_tcp, through_dask, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype, bound", [("float16", 1e-4), ("int8", 1.5e-2)])
 def test_an_exchange_in_fewer_bits_moves_the_fit_by_its_rounding(sc, tmp_path, dtype, bound) -> None:
     """The states' parts travel in ``dtype``: the fit lands near the float32 one (the parameters moved

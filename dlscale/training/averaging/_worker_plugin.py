@@ -3,10 +3,12 @@ puts a peer's part of a round's allreduce in the trainer's mailbox, the ``dlscal
 handler that hands a round's average to a peer that missed part of it, the sends to peers, and the
 replica a trainer parks for the next fit (``dlscale.training._parking``; one session's at most).
 
-Sends are made on the worker's event loop through ``worker.rpc`` (Dask's pooled connections, TLS
-included), the arrays as Dask-serialised frames (no copy into a message), one way: the peer sends no
-reply, which would cost both event loops a message a part (on a small model, where rounds take
-milliseconds, a real share of their CPU) and tell nothing a round's end does not. A send is done
+Parts go over the workers' own TCP connections (``_sockets``: written and read by threads that wait in
+the kernel, not by the event loops the trainers share the interpreter's lock with) where the workers
+listen on ``tcp://`` and ``dlscale.averaging.transport`` is ``"tcp"``, the default; otherwise, and to a
+peer without such a listener, on the worker's event loop through ``worker.rpc`` (Dask's pooled
+connections, TLS included), the arrays as Dask-serialised frames. Either way one way: the peer sends no
+reply, which would cost a message a part and tell nothing a round's end does not. A send is done
 once its bytes are handed to the connection. The trainer does not
 wait for them: a part that does not arrive shows as a round that does not complete, which the
 trainer resolves with the scheduler (``_trainer``).
@@ -18,13 +20,19 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from dask.utils import parse_timedelta
+from distributed.comm.addressing import get_address_host, parse_address
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import to_serialize
+from distributed.utils import sync
 
+from dlscale import config
 from dlscale.runtime.retirement import retire_timeout
 from dlscale.training.averaging._exchange import Mailbox
+from dlscale.training.averaging._sockets import Sockets
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -32,6 +40,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger("dlscale.training.averaging")
 
 NAME = "dlscale-averaging"
+TRANSPORTS = ("tcp", "dask")
+
+
+def transport() -> str:
+    """``dlscale.averaging.transport``, checked."""
+    value = config.get("averaging.transport")
+    if value not in TRANSPORTS:
+        raise ValueError(f"dlscale.averaging.transport must be one of {', '.join(TRANSPORTS)}, got {value!r}")
+    return value
 
 
 class AveragingWorkerPlugin(WorkerPlugin):
@@ -46,6 +63,7 @@ class AveragingWorkerPlugin(WorkerPlugin):
         self.busy: set[str] = set()  # sessions whose trainer here is at work: a closing worker waits for it to leave
         self.parked: dict[str, Any] = {}  # session: the replica its trainer here left for the next fit
         self.in_flight: dict[str, int] = {}  # session: its sends not yet done (they read the trainer's buffers)
+        self.sockets: Sockets | None = None
 
     def setup(self, worker: Worker) -> None:
         self.worker = worker
@@ -53,6 +71,17 @@ class AveragingWorkerPlugin(WorkerPlugin):
         self._counting = threading.Lock()
         worker.handlers["dlscale_averaging_part"] = self.part
         worker.handlers["dlscale_averaging_result"] = self.result
+        worker.handlers["dlscale_averaging_port"] = self.port
+        if transport() == "tcp" and parse_address(worker.address)[0] == "tcp":
+            self.sockets = Sockets(
+                get_address_host(worker.address),
+                worker.address,
+                lambda session: session in self.mailboxes,
+                self.part,
+                self._port_of,
+                self._send_later,
+                parse_timedelta(config.get("sharing.end-timeout")),
+            )
 
     async def teardown(self, worker: Worker) -> None:
         """A worker closing lets its trainer leave its session at its round's end first (it sees the
@@ -60,8 +89,21 @@ class AveragingWorkerPlugin(WorkerPlugin):
         deadline = time.monotonic() + retire_timeout()
         while self.busy and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
+        if self.sockets is not None:
+            self.sockets.close()
 
-    def part(self, session: str, sender: str, key: list[int], header: dict[str, Any], payload: Any = None) -> None:
+    def port(self) -> tuple[str, int] | None:
+        """Where this worker's own listener for parts is (``None``: it has none)."""
+        return None if self.sockets is None else self.sockets.address
+
+    def _port_of(self, peer: str) -> tuple[str, int] | None:
+        """Where ``peer``'s listener is, asked through Dask's comms (from the writing thread)."""
+        got = sync(
+            self.worker.loop, self.worker.rpc(peer).dlscale_averaging_port, callback_timeout=self.sockets.timeout
+        )
+        return None if got is None else (str(got[0]), int(got[1]))
+
+    def part(self, session: str, sender: str, key: Any, header: dict[str, Any], payload: Any = None) -> None:
         """A peer's part of a round's allreduce; parts for a session not open here are dropped."""
         box = self.mailboxes.get(session)
         if box is not None:
@@ -108,7 +150,28 @@ class AveragingWorkerPlugin(WorkerPlugin):
         sent: see :meth:`sending`)."""
         with self._counting:
             self.in_flight[session] = self.in_flight.get(session, 0) + 1
-        self.worker.loop.add_callback(self._send, session, peer, key, header, payload)
+        if self.sockets is not None:
+            self.sockets.send(session, peer, key, header, payload, lambda: self._sent(session))
+        else:
+            self._send_later(session, peer, key, header, payload, lambda: self._sent(session))
+
+    def _sent(self, session: str) -> None:
+        with self._counting:
+            left = self.in_flight.pop(session) - 1
+            if left:
+                self.in_flight[session] = left
+
+    def _send_later(
+        self,
+        session: str,
+        peer: str,
+        key: tuple[int, int, int],
+        header: dict[str, Any],
+        payload: Any,
+        done: Callable[[], None],
+    ) -> None:
+        """Send a part through Dask's comms, on the worker's event loop; ``done`` once it is sent."""
+        self.worker.loop.add_callback(self._send, session, peer, key, header, payload, done)
 
     def sending(self, session: str) -> bool:
         """Whether a part of ``session`` is still being sent."""
@@ -116,7 +179,13 @@ class AveragingWorkerPlugin(WorkerPlugin):
             return self.in_flight.get(session, 0) > 0
 
     async def _send(
-        self, session: str, peer: str, key: tuple[int, int, int], header: dict[str, Any], payload: Any
+        self,
+        session: str,
+        peer: str,
+        key: tuple[int, int, int],
+        header: dict[str, Any],
+        payload: Any,
+        done: Callable[[], None],
     ) -> None:
         try:
             await self.worker.rpc(peer).dlscale_averaging_part(
@@ -136,10 +205,7 @@ class AveragingWorkerPlugin(WorkerPlugin):
                 e,
             )
         finally:
-            with self._counting:
-                left = self.in_flight.pop(session) - 1
-                if left:
-                    self.in_flight[session] = left
+            done()
 
 
 def plugin(worker: Worker) -> AveragingWorkerPlugin:

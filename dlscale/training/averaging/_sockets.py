@@ -1,0 +1,266 @@
+"""The parts of the rounds' allreduces over TCP connections of the workers' own, beside Dask's comms: a
+listener on the worker's interface, a thread per incoming connection that reads parts into the
+sessions' mailboxes, and one thread that writes the parts this worker's trainer sends, in the order
+sent, on one kept connection per peer.
+
+Through Dask's comms (``worker.rpc``) a part costs each worker's event loop a message handled in
+Python, in turns at the interpreter's lock with the trainer stepping beside it: a part of the digits
+MLP's state (154 KB) took 1.2-2.2 ms from one worker's task thread to the other's with a model
+stepping on both workers, against 0.2-0.4 ms over a socket written and read by threads that wait in
+the kernel and do nothing else (``benchmarks.round_trip``). A round of a small model lasts a few
+milliseconds, so that was most of its averaging.
+
+A frame: the lengths of its head and its payload (``!IQ``), the head (msgpack, as Dask's comms carry
+it: the session, the sender, the part's key and header, the payload's dtype), then the payload's bytes.
+Nothing is unpickled; a head is at most :data:`MAX_HEAD` bytes, and a payload is allocated only for a
+session open here (any other is read through a small buffer and dropped). A peer's port is asked once
+through Dask's comms and its connection kept. A part that cannot be written (its peer gone) is dropped,
+as a part lost in flight is: the round resolves it with the scheduler. Used where workers listen on
+``tcp://``; a cluster on ``tls://`` keeps its parts in Dask's comms, encrypted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import numpy as np
+
+logger = logging.getLogger("dlscale.training.averaging")
+
+_PREFIX = struct.Struct("!IQ")  # the head's and the payload's lengths in bytes
+MAX_HEAD = 16 * 2**20
+"""The largest head read (a part's header: its report, the state's layout); a longer one closes the
+connection before anything is allocated for it."""
+_SCRATCH = 2**20
+DTYPES = frozenset({"float32", "float16", "int16", "uint8"})  # what a part's payload travels as (``_exchange``)
+
+Deliver = Callable[[str, str, tuple[int, int, int], dict[str, Any], Any], None]
+"""Takes a part read: its session, sender (a worker's address), key, header and payload."""
+
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: bytes | bytearray) -> Any:
+    """As Dask's comms read their messages (lists as tuples)."""
+    return msgpack.unpackb(data, raw=False, use_list=False, strict_map_key=False)
+
+
+class Sockets:
+    """The connections of one worker: :meth:`send` writes a part to a peer (a worker's address) without
+    waiting; parts read from peers go to ``deliver`` if ``wanted(session)`` (else they are dropped).
+    ``port_of(peer)`` asks a peer where its own listener is (``None``: it has none, and ``elsewise``
+    sends the part). A write waits for a peer at most ``timeout`` seconds."""
+
+    def __init__(
+        self,
+        host: str,
+        me: str,
+        wanted: Callable[[str], bool],
+        deliver: Deliver,
+        port_of: Callable[[str], tuple[str, int] | None],
+        elsewise: Callable[[str, str, tuple[int, int, int], dict[str, Any], Any, Callable[[], None]], None],
+        timeout: float,
+    ) -> None:
+        self.me, self.timeout = me, timeout
+        self._wanted, self._deliver, self._port_of, self._elsewise = wanted, deliver, port_of, elsewise
+        self._listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.address: tuple[str, int] = self._listener.getsockname()[:2]
+        self._writers: dict[str, _Writer] = {}
+        self._writing = threading.Lock()
+        self._in: set[socket.socket] = set()
+        self._closed = False
+        threading.Thread(target=self._accept, name="dlscale-averaging-accept", daemon=True).start()
+
+    def send(
+        self,
+        session: str,
+        peer: str,
+        key: tuple[int, int, int],
+        header: dict[str, Any],
+        payload: np.ndarray | None,
+        done: Callable[[], None],
+    ) -> None:
+        """Write a part to ``peer`` from that peer's writing thread; ``done`` is called once it is written
+        (or dropped). The head is encoded here, so that a header msgpack cannot carry fails the caller."""
+        dtype = None if payload is None else str(payload.dtype)
+        if dtype is not None and dtype not in DTYPES:
+            raise TypeError(f"a part's payload travels as one of {sorted(DTYPES)}, not {dtype}")
+        head = pack({"session": session, "sender": self.me, "key": list(key), "header": header, "dtype": dtype})
+        with self._writing:
+            writer = self._writers.get(peer)
+            if writer is None:
+                writer = self._writers[peer] = _Writer(self, peer)
+            writer.queue.put((session, key, header, payload, head, done))
+
+    @property
+    def peers(self) -> list[str]:
+        """The peers this worker holds a connection to, sorted."""
+        with self._writing:
+            return sorted(peer for peer, w in self._writers.items() if w.conn is not None)
+
+    def close(self) -> None:
+        self._closed = True
+        with self._writing:
+            for writer in self._writers.values():
+                writer.queue.put(None)
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        for conn in list(self._in):
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+
+    def _ended(self, writer: _Writer) -> bool:
+        """Whether ``writer``, whose peer is gone, may end: nothing is queued for it (else it goes on)."""
+        with self._writing:
+            if not writer.queue.empty():
+                return False
+            if self._writers.get(writer.peer) is writer:
+                del self._writers[writer.peer]
+            return True
+
+    # -- reading -------------------------------------------------------------------------------------
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._in.add(conn)
+            threading.Thread(target=self._read, args=(conn,), name="dlscale-averaging-read", daemon=True).start()
+
+    def _read(self, conn: socket.socket) -> None:
+        scratch = bytearray(_SCRATCH)
+        try:
+            while (prefix := _read_exactly(conn, _PREFIX.size, at_frame=True)) is not None:
+                n_head, n_data = _PREFIX.unpack(prefix)
+                if n_head > MAX_HEAD:
+                    raise ValueError(f"a head of {n_head} bytes (at most {MAX_HEAD})")
+                head = unpack(_read_exactly(conn, n_head))
+                session, dtype = head["session"], head["dtype"]
+                wanted = self._wanted(session)
+                payload = None
+                if n_data and wanted and dtype in DTYPES and n_data % np.dtype(dtype).itemsize == 0:
+                    payload = np.empty(n_data // np.dtype(dtype).itemsize, dtype=dtype)
+                    _read_into(conn, memoryview(payload).cast("B"))
+                elif n_data:
+                    wanted = False
+                    while n_data:  # dropped without allocating it
+                        n_data -= _read_into(conn, memoryview(scratch)[: min(n_data, _SCRATCH)])
+                if wanted:
+                    self._deliver(session, head["sender"], tuple(head["key"]), head["header"], payload)
+        except Exception as e:  # noqa: BLE001 - a peer gone, or not a peer: its connection ends here
+            if not self._closed:
+                logger.debug("a connection of averaging parts ended (%s: %s)", type(e).__name__, e)
+        finally:
+            self._in.discard(conn)
+            with contextlib.suppress(OSError):
+                conn.close()
+
+
+class _Writer:
+    """The thread that writes the parts for one peer, in the order sent, on one kept connection: a peer
+    that does not read (gone with its machine) holds up its own parts only. It ends once a write to its
+    peer failed and nothing else is queued; the next part for that peer starts another."""
+
+    def __init__(self, sockets: Sockets, peer: str) -> None:
+        self.sockets, self.peer = sockets, peer
+        self.queue: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self.conn: socket.socket | None = None
+        self.listening = True  # whether the peer has a listener of its own (as far as known)
+        threading.Thread(target=self._run, name="dlscale-averaging-write", daemon=True).start()
+
+    def _run(self) -> None:
+        s = self.sockets
+        try:
+            while (item := self.queue.get()) is not None:
+                session, key, header, payload, head, done = item
+                try:
+                    if self._write(head, payload):
+                        done()
+                    else:
+                        s._elsewise(session, self.peer, key, header, payload, done)
+                    continue
+                except Exception as e:  # noqa: BLE001 - a peer lost: the round goes on without it
+                    logger.debug(
+                        "a part of session %s for %s was not delivered (%s: %s)",
+                        session,
+                        self.peer,
+                        type(e).__name__,
+                        e,
+                    )
+                done()
+                if s._ended(self):
+                    return
+        finally:
+            if self.conn is not None:
+                with contextlib.suppress(OSError):
+                    self.conn.close()
+
+    def _write(self, head: bytes, payload: np.ndarray | None) -> bool:
+        """Write one part; ``False`` if the peer has no listener of its own."""
+        data = memoryview(b"") if payload is None else memoryview(np.ascontiguousarray(payload)).cast("B")
+        prefix = _PREFIX.pack(len(head), data.nbytes) + head
+        for again in (False, True):  # a kept connection found broken (its peer restarted): once on a new one
+            kept = self.conn is not None
+            if not kept and not self._connect():
+                return False
+            conn = self.conn
+            try:
+                conn.sendall(prefix)
+                if data.nbytes:
+                    conn.sendall(data)
+                return True
+            except OSError:
+                self.conn = None
+                with contextlib.suppress(OSError):
+                    conn.close()
+                if again or not kept:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _connect(self) -> bool:
+        address = self.sockets._port_of(self.peer) if self.listening else None
+        if address is None:
+            self.listening = False
+            return False
+        conn = socket.create_connection(tuple(address), timeout=self.sockets.timeout)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.conn = conn
+        return True
+
+
+def _read_into(conn: socket.socket, view: memoryview) -> int:
+    got = 0
+    while got < len(view):
+        n = conn.recv_into(view[got:])
+        if not n:
+            raise EOFError("the peer closed the connection within a frame")
+        got += n
+    return got
+
+
+def _read_exactly(conn: socket.socket, n: int, at_frame: bool = False) -> bytearray | None:
+    """``n`` bytes; ``None`` where the peer closed the connection between frames (``at_frame``)."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = conn.recv_into(view) if n else 0
+    if not n:
+        return buf
+    if not got and at_frame:
+        return None
+    if not got:
+        raise EOFError("the peer closed the connection within a frame")
+    if got < n:
+        _read_into(conn, view[got:])
+    return buf

@@ -1,0 +1,151 @@
+"""Parameter averaging's own connections for the parts of a round (``_sockets``), without a cluster: two
+workers' ends in one process, on 127.0.0.1, against what was sent."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dlscale.training.averaging._sockets import MAX_HEAD, Sockets, pack
+
+TIMEOUT = 10.0
+
+
+class End:
+    """One worker's end: what it delivered, and the parts it handed to Dask's comms instead."""
+
+    def __init__(self, name: str, ports: dict[str, tuple[str, int] | None], sessions: set[str]) -> None:
+        self.name, self.sessions = name, sessions
+        self.got: list[tuple[Any, ...]] = []
+        self.elsewise: list[tuple[Any, ...]] = []
+        self.delivered = threading.Condition()
+        self.sockets = Sockets(
+            "127.0.0.1", name, lambda s: s in self.sessions, self._deliver, ports.__getitem__, self._elsewise, TIMEOUT
+        )
+        ports[name] = self.sockets.address
+
+    def _deliver(self, *part: Any) -> None:
+        with self.delivered:
+            self.got.append(part)
+            self.delivered.notify_all()
+
+    def _elsewise(self, session: str, peer: str, key: Any, header: Any, payload: Any, done: Any) -> None:
+        self.elsewise.append((session, peer, key))
+        done()
+
+    def wait_for(self, n: int) -> list[tuple[Any, ...]]:
+        with self.delivered:
+            assert self.delivered.wait_for(lambda: len(self.got) >= n, TIMEOUT), self.got
+            return list(self.got)
+
+
+def sent(end: End, *part: Any) -> threading.Event:
+    done = threading.Event()
+    end.sockets.send(*part, done.set)
+    return done
+
+
+@pytest.fixture
+def ends() -> Iterator[tuple[End, End, dict[str, tuple[str, int] | None]]]:
+    ports: dict[str, tuple[str, int] | None] = {}
+    a, b = End("tcp://a", ports, {"s"}), End("tcp://b", ports, {"s"})
+    yield a, b, ports
+    a.sockets.close()
+    b.sockets.close()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int16", "uint8"])
+def test_a_part_arrives_as_dask_s_comms_deliver_it(ends, dtype: str) -> None:
+    a, b, _ = ends
+    payload = (np.arange(50_000) % 251).astype(dtype)
+    header = {"weight": 3, "report": {"items": [4, 1], "score": float("nan")}, "layout": [["w", [2, 3]]]}
+    assert sent(a, "s", "tcp://b", (7, 1, 2), header, payload).wait(TIMEOUT)
+    ((session, sender, key, got_header, got),) = b.wait_for(1)
+    assert (session, sender, key) == ("s", "tcp://a", (7, 1, 2))
+    assert got.dtype == payload.dtype and np.array_equal(got, payload)
+    # lists as tuples, as msgpack reads them in Dask's comms
+    assert got_header["weight"] == 3 and got_header["layout"] == (("w", (2, 3)),)
+    assert got_header["report"]["items"] == (4, 1) and np.isnan(got_header["report"]["score"])
+
+
+def test_parts_arrive_in_the_order_sent_both_ways_without_a_payload_too(ends) -> None:
+    a, b, _ = ends
+    for k in range(20):
+        sent(a, "s", "tcp://b", (k, 0, 1), {"k": k}, None if k % 3 else np.full(1000, k, np.float32))
+        sent(b, "s", "tcp://a", (k, 0, 1), {"k": k}, None)
+    for end in (a, b):
+        parts = end.wait_for(20)
+        assert [p[2][0] for p in parts] == list(range(20)) and [p[3]["k"] for p in parts] == list(range(20))
+    assert [p[4] is None for p in b.got] == [bool(k % 3) for k in range(20)]
+    assert all(np.all(p[4] == k) for k, p in enumerate(b.got) if k % 3 == 0)
+
+
+def test_a_part_of_a_session_not_open_is_dropped_and_the_next_arrives(ends) -> None:
+    a, b, _ = ends
+    assert sent(a, "closed", "tcp://b", (0, 0, 1), {}, np.ones(3 * 2**20, np.float32)).wait(TIMEOUT)
+    assert sent(a, "s", "tcp://b", (1, 0, 1), {}, np.ones(5, np.float32)).wait(TIMEOUT)
+    ((session, _, key, _, _),) = b.wait_for(1)
+    assert (session, key) == ("s", (1, 0, 1))
+
+
+def test_a_peer_without_a_listener_gets_its_parts_through_dask_s_comms(ends) -> None:
+    a, _, ports = ends
+    ports["tcp://c"] = None
+    assert sent(a, "s", "tcp://c", (0, 0, 1), {}, np.ones(5, np.float32)).wait(TIMEOUT)
+    assert a.elsewise == [("s", "tcp://c", (0, 0, 1))]
+
+
+def test_a_part_for_a_peer_gone_is_dropped_and_a_restarted_peer_is_reached_anew(ends) -> None:
+    a, b, ports = ends
+    assert sent(a, "s", "tcp://b", (0, 0, 1), {}, None).wait(TIMEOUT)
+    b.wait_for(1)
+    b.sockets.close()
+    ports["tcp://b"] = ("127.0.0.1", 1)  # nothing listens there: refused
+    # the kept connection is found broken, a new one refused: dropped, and done is still called
+    for k in range(1, 4):
+        assert sent(a, "s", "tcp://b", (k, 0, 1), {}, np.ones(2**20, np.float32)).wait(TIMEOUT)
+    restarted = End("tcp://b", ports, {"s"})
+    try:
+        assert sent(a, "s", "tcp://b", (9, 0, 1), {}, np.ones(5, np.float32)).wait(TIMEOUT)
+        ((_, _, key, _, _),) = restarted.wait_for(1)
+        assert key == (9, 0, 1)
+    finally:
+        restarted.sockets.close()
+
+
+def test_a_connection_that_sends_what_is_not_a_part_is_closed_before_anything_is_allocated(ends) -> None:
+    _, b, _ = ends
+    with socket.create_connection(b.sockets.address, timeout=TIMEOUT) as bad:
+        bad.sendall(struct.pack("!IQ", MAX_HEAD + 1, 2**40))
+        assert bad.recv(1) == b""  # closed by b
+    with socket.create_connection(b.sockets.address, timeout=TIMEOUT) as peer:
+        for sender, dtype in (("x", "object"), ("y", "float32")):  # a dtype no part travels as: dropped
+            head = pack({"session": "s", "sender": sender, "key": [0, 0, 1], "header": {}, "dtype": dtype})
+            peer.sendall(struct.pack("!IQ", len(head), 8) + head + b"\0" * 8)
+        ((_, sender, _, _, payload),) = b.wait_for(1)  # in the order sent: the first was not delivered
+        assert sender == "y" and payload.tolist() == [0.0, 0.0]
+
+
+def test_a_header_msgpack_cannot_carry_fails_the_sender_at_once(ends) -> None:
+    a, _, _ = ends
+    with pytest.raises(TypeError):
+        a.sockets.send("s", "tcp://b", (0, 0, 1), {"bad": object()}, None, lambda: None)
+    with pytest.raises(TypeError, match="travels as one of"):
+        a.sockets.send("s", "tcp://b", (0, 0, 1), {}, np.ones(3, np.float64), lambda: None)
+
+
+def test_a_peer_that_does_not_read_holds_up_its_own_parts_only(ends) -> None:
+    a, b, ports = ends
+    with socket.create_server(("127.0.0.1", 0)) as hung:  # connections are taken, never read
+        ports["tcp://c"] = hung.getsockname()[:2]
+        stuck = sent(a, "s", "tcp://c", (0, 0, 1), {}, np.ones(16 * 2**20, np.float32))  # beyond the buffers
+        assert sent(a, "s", "tcp://b", (0, 0, 1), {}, None).wait(TIMEOUT)
+        b.wait_for(1)
+        assert not stuck.is_set()
+    assert stuck.wait(TIMEOUT)  # its connection reset: dropped
