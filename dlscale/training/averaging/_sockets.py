@@ -4,11 +4,11 @@ sessions' mailboxes, and one thread that writes the parts this worker's trainer 
 sent, on one kept connection per peer.
 
 Through Dask's comms (``worker.rpc``) a part costs each worker's event loop a message handled in
-Python, in turns at the interpreter's lock with the trainer stepping beside it: a part of the digits
-MLP's state (154 KB) took 1.2-2.2 ms from one worker's task thread to the other's with a model
-stepping on both workers, against 0.2-0.4 ms over a socket written and read by threads that wait in
-the kernel and do nothing else (``benchmarks.round_trip``). A round of a small model lasts a few
-milliseconds, so that was most of its averaging.
+Python, in turns at the interpreter's lock with the trainer stepping beside it: a round trip of the
+digits MLP's state (154 KB) between two workers' tasks took 1.4 ms with a model stepping on both
+workers (0.64 ms without), against 0.28 ms (0.25 ms) over these sockets, written and read by threads
+that wait in the kernel and do nothing else (``benchmarks.round_trip``). A round of a small model
+lasts a few milliseconds, so that was a large share of its averaging.
 
 A frame: the lengths of its head and its payload (``!IQ``), the head (msgpack, as Dask's comms carry
 it: the session, the sender, the part's key and header, the payload's dtype), then the payload's bytes.
