@@ -26,9 +26,16 @@ class End:
         self.elsewise: list[tuple[Any, ...]] = []
         self.delivered = threading.Condition()
         self.sockets = Sockets(
-            "127.0.0.1", name, lambda s: s in self.sessions, self._deliver, ports.__getitem__, self._elsewise, TIMEOUT
+            "127.0.0.1", name, lambda s: s in self.sessions, self._deliver, self._port_of, self._elsewise, TIMEOUT, 2.0
         )
+        self.ports = ports
         ports[name] = self.sockets.address
+
+    def _port_of(self, peer: str) -> tuple[str, int] | None:
+        """As a peer's plugin answers through Dask's comms; a peer gone: the call fails."""
+        if peer not in self.ports:
+            raise OSError(f"{peer} is gone")
+        return self.ports[peer]
 
     def _deliver(self, *part: Any) -> None:
         with self.delivered:
@@ -106,10 +113,11 @@ def test_a_part_for_a_peer_gone_is_dropped_and_a_restarted_peer_is_reached_anew(
     assert sent(a, "s", "tcp://b", (0, 0, 1), {}, None).wait(TIMEOUT)
     b.wait_for(1)
     b.sockets.close()
-    ports["tcp://b"] = ("127.0.0.1", 1)  # nothing listens there: refused
-    # the kept connection is found broken, a new one refused: dropped, and done is still called
+    del ports["tcp://b"]  # gone: asking it for its port fails
+    # the kept connection is found broken, the peer cannot be asked again: dropped, done still called
     for k in range(1, 4):
         assert sent(a, "s", "tcp://b", (k, 0, 1), {}, np.ones(2**20, np.float32)).wait(TIMEOUT)
+    assert a.elsewise == []
     restarted = End("tcp://b", ports, {"s"})
     try:
         assert sent(a, "s", "tcp://b", (9, 0, 1), {}, np.ones(5, np.float32)).wait(TIMEOUT)
@@ -117,6 +125,18 @@ def test_a_part_for_a_peer_gone_is_dropped_and_a_restarted_peer_is_reached_anew(
         assert key == (9, 0, 1)
     finally:
         restarted.sockets.close()
+
+
+def test_a_peer_whose_listener_cannot_be_reached_gets_its_parts_through_dask_s_comms(ends, caplog) -> None:
+    a, _, ports = ends
+    with socket.create_server(("127.0.0.1", 0)) as closed:
+        ports["tcp://c"] = closed.getsockname()[:2]  # answers, but nothing listens there: refused
+    for k in range(2):
+        assert sent(a, "s", "tcp://c", (k, 0, 1), {}, None).wait(TIMEOUT)
+    assert a.elsewise == [("s", "tcp://c", (0, 0, 1)), ("s", "tcp://c", (1, 0, 1))]
+    (warning,) = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert "cannot connect to the listener of worker tcp://c" in warning.getMessage()
+    assert "dlscale.averaging.transport: dask" in warning.getMessage()
 
 
 def test_a_connection_that_sends_what_is_not_a_part_is_closed_before_anything_is_allocated(ends) -> None:

@@ -15,8 +15,10 @@ it: the session, the sender, the part's key and header, the payload's dtype), th
 Nothing is unpickled; a head is at most :data:`MAX_HEAD` bytes, and a payload is allocated only for a
 session open here (any other is read through a small buffer and dropped). A peer's port is asked once
 through Dask's comms and its connection kept. A part that cannot be written (its peer gone) is dropped,
-as a part lost in flight is: the round resolves it with the scheduler. Used where workers listen on
-``tcp://``; a cluster on ``tls://`` keeps its parts in Dask's comms, encrypted.
+as a part lost in flight is: the round resolves it with the scheduler. A peer that answers but whose
+listener cannot be reached (a firewall between the workers) gets its parts through Dask's comms, with
+a warning. Used where workers listen on ``tcp://``; a cluster on ``tls://`` keeps its parts in Dask's
+comms, encrypted.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ class Sockets:
     """The connections of one worker: :meth:`send` writes a part to a peer (a worker's address) without
     waiting; parts read from peers go to ``deliver`` if ``wanted(session)`` (else they are dropped).
     ``port_of(peer)`` asks a peer where its own listener is (``None``: it has none, and ``elsewise``
-    sends the part). A write waits for a peer at most ``timeout`` seconds."""
+    sends the part, as it does for a peer whose listener cannot be reached within ``connect_timeout``
+    seconds: a firewall between the workers). A write waits for a peer at most ``timeout`` seconds."""
 
     def __init__(
         self,
@@ -70,8 +73,9 @@ class Sockets:
         port_of: Callable[[str], tuple[str, int] | None],
         elsewise: Callable[[str, str, tuple[int, int, int], dict[str, Any], Any, Callable[[], None]], None],
         timeout: float,
+        connect_timeout: float,
     ) -> None:
-        self.me, self.timeout = me, timeout
+        self.me, self.timeout, self.connect_timeout = me, timeout, connect_timeout
         self._wanted, self._deliver, self._port_of, self._elsewise = wanted, deliver, port_of, elsewise
         self._listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
@@ -234,7 +238,21 @@ class _Writer:
         if address is None:
             self.listening = False
             return False
-        conn = socket.create_connection(tuple(address), timeout=self.sockets.timeout)
+        try:
+            conn = socket.create_connection(tuple(address), timeout=self.sockets.connect_timeout)
+        except OSError as e:  # the peer answered through Dask's comms, but its listener cannot be reached
+            logger.warning(
+                "parameter averaging: worker %s cannot connect to the listener of worker %s at %s (%s: %s); "
+                "their parts go through Dask's comms (dlscale.averaging.transport: dask skips the attempt)",
+                self.sockets.me,
+                self.peer,
+                address,
+                type(e).__name__,
+                e,
+            )
+            self.listening = False
+            return False
+        conn.settimeout(self.sockets.timeout)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.conn = conn
         return True

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import dask
 from dask.utils import parse_timedelta
 from distributed.comm.addressing import get_address_host, parse_address
 from distributed.diagnostics.plugin import WorkerPlugin
@@ -81,6 +82,7 @@ class AveragingWorkerPlugin(WorkerPlugin):
                 self._port_of,
                 self._send_later,
                 parse_timedelta(config.get("sharing.end-timeout")),
+                parse_timedelta(dask.config.get("distributed.comm.timeouts.connect")),
             )
 
     async def teardown(self, worker: Worker) -> None:
