@@ -6,12 +6,14 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
+from dlscale.training.averaging import _sockets
 from dlscale.training.averaging._sockets import MAX_HEAD, Sockets, pack
 
 TIMEOUT = 10.0
@@ -169,3 +171,16 @@ def test_a_peer_that_does_not_read_holds_up_its_own_parts_only(ends) -> None:
         b.wait_for(1)
         assert not stuck.is_set()
     assert stuck.wait(TIMEOUT)  # its connection reset: dropped
+
+
+def test_an_idle_peer_s_connection_is_closed_and_the_next_part_connects_anew(ends, monkeypatch) -> None:
+    a, b, _ = ends
+    monkeypatch.setattr(_sockets, "IDLE", 0.2)
+    assert sent(a, "s", "tcp://b", (0, 0, 1), {}, None).wait(TIMEOUT)
+    assert a.sockets.peers == ["tcp://b"]
+    deadline = time.monotonic() + TIMEOUT
+    while a.sockets.peers and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert a.sockets.peers == []  # its writing thread ended, its connection closed
+    assert sent(a, "s", "tcp://b", (1, 0, 1), {}, None).wait(TIMEOUT)
+    assert [p[2] for p in b.wait_for(2)] == [(0, 0, 1), (1, 0, 1)]

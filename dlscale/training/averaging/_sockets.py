@@ -42,6 +42,9 @@ MAX_HEAD = 16 * 2**20
 """The largest head read (a part's header: its report, the state's layout); a longer one closes the
 connection before anything is allocated for it."""
 _SCRATCH = 2**20
+IDLE = 300.0
+"""Seconds without a part for a peer after which its writing thread closes the connection and ends (a
+peer that left the cluster keeps no thread or socket here); the next part for it connects anew."""
 DTYPES = frozenset({"float32", "float16", "int16", "uint8"})  # what a part's payload travels as (``_exchange``)
 
 Deliver = Callable[[str, str, tuple[int, int, int], dict[str, Any], Any], None]
@@ -124,7 +127,7 @@ class Sockets:
                 conn.shutdown(socket.SHUT_RDWR)
 
     def _ended(self, writer: _Writer) -> bool:
-        """Whether ``writer``, whose peer is gone, may end: nothing is queued for it (else it goes on)."""
+        """Whether ``writer`` (its peer gone, or idle) may end: nothing is queued for it (else it goes on)."""
         with self._writing:
             if not writer.queue.empty():
                 return False
@@ -175,7 +178,8 @@ class Sockets:
 class _Writer:
     """The thread that writes the parts for one peer, in the order sent, on one kept connection: a peer
     that does not read (gone with its machine) holds up its own parts only. It ends once a write to its
-    peer failed and nothing else is queued; the next part for that peer starts another."""
+    peer failed, or :data:`IDLE` seconds passed without a part, and nothing else is queued; the next part
+    for that peer starts another."""
 
     def __init__(self, sockets: Sockets, peer: str) -> None:
         self.sockets, self.peer = sockets, peer
@@ -187,7 +191,15 @@ class _Writer:
     def _run(self) -> None:
         s = self.sockets
         try:
-            while (item := self.queue.get()) is not None:
+            while True:
+                try:
+                    item = self.queue.get(timeout=IDLE)
+                except queue.Empty:  # no part for this peer in a while (gone, or no longer averaging with)
+                    if s._ended(self):
+                        return
+                    continue
+                if item is None:
+                    return
                 session, key, header, payload, head, done = item
                 try:
                     if self._write(head, payload):
