@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from dlscale.training.averaging import _sockets
-from dlscale.training.averaging._sockets import MAX_HEAD, Sockets, pack
+from dlscale.training.averaging._sockets import MAX_HEAD, Sockets
+from dlscale.training.sharing._messages import packed
 
 TIMEOUT = 10.0
 
@@ -148,7 +149,7 @@ def test_a_connection_that_sends_what_is_not_a_part_is_closed_before_anything_is
         assert bad.recv(1) == b""  # closed by b
     with socket.create_connection(b.sockets.address, timeout=TIMEOUT) as peer:
         for sender, dtype in (("x", "object"), ("y", "float32")):  # a dtype no part travels as: dropped
-            head = pack({"session": "s", "sender": sender, "key": [0, 0, 1], "header": {}, "dtype": dtype})
+            head = packed({"session": "s", "sender": sender, "key": [0, 0, 1], "header": {}, "dtype": dtype})
             peer.sendall(struct.pack("!IQ", len(head), 8) + head + b"\0" * 8)
         ((_, sender, _, _, payload),) = b.wait_for(1)  # in the order sent: the first was not delivered
         assert sender == "y" and payload.tolist() == [0.0, 0.0]

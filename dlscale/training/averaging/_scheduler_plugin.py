@@ -17,7 +17,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dlscale.training.averaging._rounds import Rounds
 from dlscale.training.sharing._exceptions import SessionClosedError, SessionStoppedError
-from dlscale.training.sharing._messages import OK, refusal
+from dlscale.training.sharing._messages import OK, refusal, unpacked
 
 if TYPE_CHECKING:
     from distributed.scheduler import Scheduler, WorkerState
@@ -137,9 +137,13 @@ class AveragingSchedulerPlugin(SchedulerPlugin):
         return self._reply(session, lambda s: s.sync(trainer, round))
 
     def commit(
-        self, session: str, trainer: str, round: int, attempt: int, report: list[dict[str, Any]], ahead: int = 0
+        self, session: str, trainer: str, round: int, attempt: int, report: bytes, ahead: int = 0
     ) -> dict[str, Any]:
-        return self._reply(session, lambda s: s.commit(trainer, round, attempt, report, ahead))
+        """A trainer's commit; ``report`` (what each member fitted) comes :func:`packed`: a trainer commits
+        every round, and its worker's event loop, which the trainer shares the interpreter with, would
+        otherwise walk the nested reports to size the message."""
+        reports = unpacked(report)
+        return self._reply(session, lambda s: s.commit(trainer, round, attempt, reports, ahead))
 
     def leave(self, session: str, trainer: str, round: int) -> dict[str, Any]:
         return self._reply(session, lambda s: {"outcome": s.leave(trainer, round)})

@@ -32,8 +32,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import msgpack
 import numpy as np
+
+from dlscale.training.sharing._messages import packed, unpacked
 
 logger = logging.getLogger("dlscale.training.averaging")
 
@@ -49,15 +50,6 @@ DTYPES = frozenset({"float32", "float16", "int16", "uint8"})  # what a part's pa
 
 Deliver = Callable[[str, str, tuple[int, int, int], dict[str, Any], Any], None]
 """Takes a part read: its session, sender (a worker's address), key, header and payload."""
-
-
-def pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
-
-
-def unpack(data: bytes | bytearray) -> Any:
-    """As Dask's comms read their messages (lists as tuples)."""
-    return msgpack.unpackb(data, raw=False, use_list=False, strict_map_key=False)
 
 
 class Sockets:
@@ -102,7 +94,7 @@ class Sockets:
         dtype = None if payload is None else str(payload.dtype)
         if dtype is not None and dtype not in DTYPES:
             raise TypeError(f"a part's payload travels as one of {sorted(DTYPES)}, not {dtype}")
-        head = pack({"session": session, "sender": self.me, "key": list(key), "header": header, "dtype": dtype})
+        head = packed({"session": session, "sender": self.me, "key": list(key), "header": header, "dtype": dtype})
         with self._writing:
             writer = self._writers.get(peer)
             if writer is None:
@@ -153,7 +145,7 @@ class Sockets:
                 n_head, n_data = _PREFIX.unpack(prefix)
                 if n_head > MAX_HEAD:
                     raise ValueError(f"a head of {n_head} bytes (at most {MAX_HEAD})")
-                head = unpack(_read_exactly(conn, n_head))
+                head = unpacked(_read_exactly(conn, n_head))
                 session, dtype = head["session"], head["dtype"]
                 wanted = self._wanted(session)
                 payload = None

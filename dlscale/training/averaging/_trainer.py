@@ -55,7 +55,7 @@ from dlscale.training._worker import check_finite, release_replica, state_of, tr
 from dlscale.training.averaging._exchange import DTYPES, Contribution, Exchange, FlatState
 from dlscale.training.averaging._worker_plugin import plugin
 from dlscale.training.sharing._exceptions import SessionAbortedError, SessionClosedError, SessionStoppedError
-from dlscale.training.sharing._messages import unwrap
+from dlscale.training.sharing._messages import packed, unwrap
 from dlscale.training.sharing._trainer import HeldMinibatch
 
 logger = logging.getLogger("dlscale.training.averaging")
@@ -357,7 +357,7 @@ class _Trainer:
         (``result``; ``None``: this trainer was alone, its state is the round's); returns the future of
         the scheduler's reply (see the module's docstring)."""
         self._hear()  # the last commit's reply first: commits reach the scheduler in order, one at a time
-        reply = self.control.send("commit", round=k, attempt=attempt, report=reports, ahead=self.ahead)
+        reply = self.control.send("commit", round=k, attempt=attempt, report=packed(reports), ahead=self.ahead)
         if result is None:
             if self.spec.streaming:
                 self.flat.keep_own()
@@ -384,7 +384,7 @@ class _Trainer:
                         average = torch.from_numpy(np.asarray(got["payload"]).copy()).to(self.flat.params.device)
                         header = got["header"]
                         self._hear()  # as _commit: the last commit's reply first
-                        reply = self.control("commit", round=k, attempt=attempt, report=[], ahead=self.ahead)
+                        reply = self.control("commit", round=k, attempt=attempt, report=packed([]), ahead=self.ahead)
                         self._take(average, header["layout"], header["kept"])
                         self.plugin.keep(self.session, k, attempt, header, average.cpu().numpy())
                         logger.info("trainer %s took round %d's average from %s", self.name, k, holder)

@@ -18,6 +18,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
+import msgpack
+
 from dlscale.training.sharing._exceptions import STOPPED, MalformedMessageError, SessionStoppedError
 
 OK = "OK"
@@ -89,6 +91,18 @@ class Handout(Record):
     what: ClassVar[str] = "handout"
     items: tuple[int, ...]
     view: View
+
+
+def packed(plain: Any) -> bytes:
+    """``plain`` as msgpack's bytes: a nested value that a hot message carries as one ``bytes`` field,
+    which Dask's comms then size and frame at once (they walk a nested message in Python to decide
+    whether to serialise it off the event loop, a large share of a small message's cost)."""
+    return msgpack.packb(plain, use_bin_type=True)
+
+
+def unpacked(data: bytes | bytearray) -> Any:
+    """The value of :func:`packed`'s bytes as Dask's comms deliver a plain message (lists as tuples)."""
+    return msgpack.unpackb(data, raw=False, use_list=False, strict_map_key=False)
 
 
 def ok(record: Record) -> dict[str, Any]:
