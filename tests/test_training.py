@@ -446,7 +446,8 @@ def test_dask_s_profiler_is_paused_while_trainers_train(sc, tmp_path, profile_tr
             seen = _ProfilerSeen(sc)
             spark_net = SparkNet(sc, mlp_network(), master)
             spark_net.set_listeners(seen)
-            spark_net.fit(rdd_of(sc, 400, 10, 2), epochs=3)
+            # long enough that the driver hears of the first steps while the trainers still train
+            spark_net.fit(rdd_of(sc, 400, 10, 2), epochs=12)
             assert seen.seen == {profile_training}, type(master).__name__
             deadline = time.monotonic() + 5  # restarted on each worker's event loop
             while set(sc.client.run(_profiling).values()) != {True} and time.monotonic() < deadline:
