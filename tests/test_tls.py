@@ -35,17 +35,21 @@ def tls_cluster() -> Iterator[tuple[LocalCluster, Security]]:
         yield cluster, security
 
 
+def digits_network() -> Network:
+    torch.manual_seed(0)
+    return Network(
+        torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10)),
+        "cross_entropy",
+        functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9),
+    )
+
+
 def test_training_evaluation_and_inference_over_tls(tls_cluster, tmp_path) -> None:
     cluster, security = tls_cluster
     assert cluster.scheduler_address.startswith("tls://")
     x, y = load_digits()
     x, y = x.flatten(1)[:600], y[:600]
-    torch.manual_seed(0)
-    network = Network(
-        torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10)),
-        "cross_entropy",
-        functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9),
-    )
+    network = digits_network()
     before = network.params().clone()
     with SparkContext(cluster.scheduler_address, "tls", security=security) as sc:
         workers = cluster_workers(sc.client)
@@ -81,12 +85,7 @@ def test_parameter_averaging_keeps_its_parts_in_the_encrypted_comms(tls_cluster,
     cluster, security = tls_cluster
     x, y = load_digits()
     x, y = x.flatten(1)[:400], y[:400]
-    torch.manual_seed(0)
-    network = Network(
-        torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10)),
-        "cross_entropy",
-        functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9),
-    )
+    network = digits_network()
     with SparkContext(cluster.scheduler_address, "tls", security=security) as sc:
         master = ParameterAveragingTrainingMaster(
             20,

@@ -17,6 +17,7 @@ trainer resolves with the scheduler (``_trainer``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -80,7 +81,7 @@ class AveragingWorkerPlugin(WorkerPlugin):
                 lambda session: session in self.mailboxes,
                 self.part,
                 self._port_of,
-                self._send_later,
+                functools.partial(worker.loop.add_callback, self._send),  # through Dask's comms
                 parse_timedelta(config.get("sharing.end-timeout")),
                 parse_timedelta(dask.config.get("distributed.comm.timeouts.connect")),
             )
@@ -152,28 +153,17 @@ class AveragingWorkerPlugin(WorkerPlugin):
         sent: see :meth:`sending`)."""
         with self._counting:
             self.in_flight[session] = self.in_flight.get(session, 0) + 1
+        done = functools.partial(self._sent, session)
         if self.sockets is not None:
-            self.sockets.send(session, peer, key, header, payload, lambda: self._sent(session))
+            self.sockets.send(session, peer, key, header, payload, done)
         else:
-            self._send_later(session, peer, key, header, payload, lambda: self._sent(session))
+            self.worker.loop.add_callback(self._send, session, peer, key, header, payload, done)
 
     def _sent(self, session: str) -> None:
         with self._counting:
             left = self.in_flight.pop(session) - 1
             if left:
                 self.in_flight[session] = left
-
-    def _send_later(
-        self,
-        session: str,
-        peer: str,
-        key: tuple[int, int, int],
-        header: dict[str, Any],
-        payload: Any,
-        done: Callable[[], None],
-    ) -> None:
-        """Send a part through Dask's comms, on the worker's event loop; ``done`` once it is sent."""
-        self.worker.loop.add_callback(self._send, session, peer, key, header, payload, done)
 
     def sending(self, session: str) -> bool:
         """Whether a part of ``session`` is still being sent."""
@@ -189,6 +179,7 @@ class AveragingWorkerPlugin(WorkerPlugin):
         payload: Any,
         done: Callable[[], None],
     ) -> None:
+        """Send a part through Dask's comms, on the worker's event loop; ``done`` once it is sent."""
         try:
             await self.worker.rpc(peer).dlscale_averaging_part(
                 session=session,
