@@ -185,3 +185,10 @@ def test_an_idle_peer_s_connection_is_closed_and_the_next_part_connects_anew(end
     assert a.sockets.peers == []  # its writing thread ended, its connection closed
     assert sent(a, "s", "tcp://b", (1, 0, 1), {}, None).wait(TIMEOUT)
     assert [p[2] for p in b.wait_for(2)] == [(0, 0, 1), (1, 0, 1)]
+
+
+def test_a_part_sent_once_the_worker_closes_is_dropped_at_once(ends) -> None:
+    a, b, _ = ends
+    a.sockets.close()
+    assert sent(a, "s", "tcp://b", (0, 0, 1), {}, None).is_set()
+    assert a.sockets.peers == []

@@ -29,6 +29,7 @@ import queue
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -96,6 +97,9 @@ class Sockets:
             raise TypeError(f"a part's payload travels as one of {sorted(DTYPES)}, not {dtype}")
         head = packed({"session": session, "sender": self.me, "key": list(key), "header": header, "dtype": dtype})
         with self._writing:
+            if self._closed:  # the worker is closing: nothing more goes out
+                done()
+                return
             writer = self._writers.get(peer)
             if writer is None:
                 writer = self._writers[peer] = _Writer(self, peer)
@@ -108,8 +112,8 @@ class Sockets:
             return sorted(peer for peer, w in self._writers.items() if w.conn is not None)
 
     def close(self) -> None:
-        self._closed = True
         with self._writing:
+            self._closed = True
             for writer in self._writers.values():
                 writer.queue.put(None)
         with contextlib.suppress(OSError):
@@ -132,8 +136,15 @@ class Sockets:
         while not self._closed:
             try:
                 conn, _ = self._listener.accept()
-            except OSError:
-                return  # closed
+            except OSError as e:
+                if self._closed:
+                    return
+                # out of file descriptors, say: the peers' parts wait in the backlog until it passes
+                logger.warning(
+                    "worker %s cannot take a connection for averaging parts (%s: %s)", self.me, type(e).__name__, e
+                )
+                time.sleep(1.0)
+                continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._in.add(conn)
             threading.Thread(target=self._read, args=(conn,), name="dlscale-averaging-read", daemon=True).start()
