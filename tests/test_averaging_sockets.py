@@ -23,13 +23,23 @@ TIMEOUT = 10.0
 class End:
     """One worker's end: what it delivered, and the parts it handed to Dask's comms instead."""
 
-    def __init__(self, name: str, ports: dict[str, tuple[str, int] | None], sessions: set[str]) -> None:
+    def __init__(
+        self, name: str, ports: dict[str, tuple[str, int] | None], sessions: set[str], largest: int = 2**30
+    ) -> None:
         self.name, self.sessions = name, sessions
         self.got: list[tuple[Any, ...]] = []
         self.elsewise: list[tuple[Any, ...]] = []
         self.delivered = threading.Condition()
         self.sockets = Sockets(
-            "127.0.0.1", name, lambda s: s in self.sessions, self._deliver, self._port_of, self._elsewise, TIMEOUT, 2.0
+            "127.0.0.1",
+            name,
+            lambda s: s in self.sessions,
+            self._deliver,
+            self._port_of,
+            self._elsewise,
+            TIMEOUT,
+            2.0,
+            largest,
         )
         self.ports = ports
         ports[name] = self.sockets.address
@@ -192,3 +202,17 @@ def test_a_part_sent_once_the_worker_closes_is_dropped_at_once(ends) -> None:
     a.sockets.close()
     assert sent(a, "s", "tcp://b", (0, 0, 1), {}, None).is_set()
     assert a.sockets.peers == []
+
+
+def test_a_part_larger_than_the_worker_could_hold_is_refused_unread(caplog) -> None:
+    ports: dict[str, tuple[str, int] | None] = {}
+    a, small = End("tcp://a", ports, {"s"}), End("tcp://small", ports, {"s"}, largest=2**20)
+    try:
+        sent(a, "s", "tcp://small", (0, 0, 1), {}, np.ones(2**20, np.float32))  # 4 MiB
+        assert sent(a, "s", "tcp://small", (1, 0, 1), {}, np.ones(4, np.float32)).wait(TIMEOUT)
+        ((_, _, key, _, payload),) = small.wait_for(1)  # the big one never delivered
+        assert key == (1, 0, 1) and payload.tolist() == [1.0] * 4
+        assert any("refused a part of 4194304 bytes" in r.getMessage() for r in caplog.records)
+    finally:
+        a.sockets.close()
+        small.sockets.close()

@@ -12,8 +12,9 @@ lasts a few milliseconds, so that was a large share of its averaging.
 
 A frame: the lengths of its head and its payload (``!IQ``), the head (msgpack, as Dask's comms carry
 it: the session, the sender, the part's key and header, the payload's dtype), then the payload's bytes.
-Nothing is unpickled; a head is at most :data:`MAX_HEAD` bytes, and a payload is allocated only for a
-session open here (any other is read through a small buffer and dropped). A peer's port is asked once
+Nothing is unpickled; a head is at most :data:`MAX_HEAD` bytes and a payload at most half the worker's
+memory limit (a state this worker trains and averages could not be larger), and a payload is allocated
+only for a session open here (any other is read through a small buffer and dropped). A peer's port is asked once
 through Dask's comms and its connection kept. A part that cannot be written (its peer gone) is dropped,
 as a part lost in flight is: the round resolves it with the scheduler. A peer that answers but whose
 listener cannot be reached (a firewall between the workers) gets its parts through Dask's comms, with
@@ -58,7 +59,8 @@ class Sockets:
     waiting; parts read from peers go to ``deliver`` if ``wanted(session)`` (else they are dropped).
     ``port_of(peer)`` asks a peer where its own listener is (``None``: it has none, and ``elsewise``
     sends the part, as it does for a peer whose listener cannot be reached within ``connect_timeout``
-    seconds: a firewall between the workers). A write waits for a peer at most ``timeout`` seconds."""
+    seconds: a firewall between the workers). A write waits for a peer at most ``timeout`` seconds; a
+    part of more than ``largest`` bytes is refused unread (its connection closed)."""
 
     def __init__(
         self,
@@ -70,8 +72,9 @@ class Sockets:
         elsewise: Callable[[str, str, tuple[int, int, int], dict[str, Any], Any, Callable[[], None]], None],
         timeout: float,
         connect_timeout: float,
+        largest: int,
     ) -> None:
-        self.me, self.timeout, self.connect_timeout = me, timeout, connect_timeout
+        self.me, self.timeout, self.connect_timeout, self.largest = me, timeout, connect_timeout, largest
         self._wanted, self._deliver, self._port_of, self._elsewise = wanted, deliver, port_of, elsewise
         self._listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
@@ -154,8 +157,17 @@ class Sockets:
         try:
             while (prefix := _read_exactly(conn, _PREFIX.size, at_frame=True)) is not None:
                 n_head, n_data = _PREFIX.unpack(prefix)
-                if n_head > MAX_HEAD:
-                    raise ValueError(f"a head of {n_head} bytes (at most {MAX_HEAD})")
+                if n_head > MAX_HEAD or n_data > self.largest:
+                    logger.warning(
+                        "worker %s refused a part of %d bytes with a head of %d (at most %d and %d): its connection "
+                        "is closed",
+                        self.me,
+                        n_data,
+                        n_head,
+                        self.largest,
+                        MAX_HEAD,
+                    )
+                    return
                 head = unpacked(_read_exactly(conn, n_head))
                 session, dtype = head["session"], head["dtype"]
                 wanted = self._wanted(session)

@@ -29,6 +29,7 @@ from dask.utils import parse_timedelta
 from distributed.comm.addressing import get_address_host, parse_address
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import to_serialize
+from distributed.system import MEMORY_LIMIT
 from distributed.utils import sync
 
 from dlscale import config
@@ -84,6 +85,7 @@ class AveragingWorkerPlugin(WorkerPlugin):
                 functools.partial(worker.loop.add_callback, self._send),  # through Dask's comms
                 parse_timedelta(config.get("sharing.end-timeout")),
                 parse_timedelta(dask.config.get("distributed.comm.timeouts.connect")),
+                (worker.memory_manager.memory_limit or MEMORY_LIMIT) // 2,
             )
 
     async def teardown(self, worker: Worker) -> None:
