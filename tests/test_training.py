@@ -369,6 +369,7 @@ def test_streaming_rounds_take_each_average_during_the_next_round(sc, tmp_path, 
     assert float((result["params"] - plain["params"]).abs().max()) > 1e-3
 
 
+@pytest.mark.slow  # a second local[2] context; the default run covers both ways (test_tls: Dask's comms)
 def test_parts_go_over_the_workers_own_connections_or_through_dask_s_comms_alike(sc, tmp_path, one_thread) -> None:
     """``dlscale.averaging.transport``: ``"tcp"`` (the default: each worker connects to the other's
     listener) or ``"dask"`` (``worker.rpc``: no listener): the same fit to the last bit."""
