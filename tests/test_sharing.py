@@ -106,6 +106,10 @@ def test_digits_accuracy_matches_single_process_with_100x_compression(
     assert sum(t.bytes_sent for t in stats.trainers) / steps <= 0.01 * dense
     assert all(t.messages_received > 0 and t.seconds("fit") > 0 for t in stats.trainers)
     assert net.epoch == EPOCHS
+    # the updates went over the workers' own connections (dlscale.sharing.transport: tcp, the default)
+    peers = ctx.client.run(lambda dask_worker: dask_worker.plugins["dlscale-sharing"].sockets.peers)
+    trainers = {t.worker for t in stats.trainers}
+    assert all(trainers - {w} <= set(peers[w]) for w in trainers)
 
 
 def synthetic(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,7 @@
 """Gradient sharing's protocol, role by role: the send-buffer limiter, the records and their plain
 form, the session errors, the settings, the scheduler's session logic (alone and over the comm), the
-data plane's sends and retries on in-process clusters, and the mesh on 64 comm servers."""
+data plane's sends and retries on in-process clusters, through Dask's comms and over the workers' own
+connections, and the mesh on 64 comm servers."""
 
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ import warnings
 from typing import Any
 
 import dask.config
+import numpy as np
 import pytest
 import torch
 from distributed import get_client
 from distributed.comm.core import CommClosedError
 from distributed.core import ConnectionPool, Server
 from distributed.protocol import dumps, loads
-from distributed.utils_test import gen_cluster
+from distributed.utils_test import captured_logger, gen_cluster
 from tornado.ioloop import IOLoop
 
 from dlscale.data import DataSet
@@ -38,7 +40,7 @@ from dlscale.training.sharing._exceptions import (
     TrainerLostError,
 )
 from dlscale.training.sharing._limiter import ResourceLimiter
-from dlscale.training.sharing._messages import Ack, Handout, Update, View, ok, refusal, unwrap
+from dlscale.training.sharing._messages import Ack, Handout, Update, View, framed, ok, refusal, unwrap
 from dlscale.training.sharing._scheduler_plugin import Session, SharingSchedulerPlugin
 from dlscale.training.sharing._trainer import _PATIENCE, HeldMinibatch, _Control
 from dlscale.training.sharing._worker_plugin import NAME, SharingWorkerPlugin
@@ -515,6 +517,7 @@ async def test_the_control_plane_over_the_comm(c: Any, s: Any, a: Any, b: Any) -
 
 # -- the data plane: sends, retries, the bound ------------------------------------------------------
 
+DASK_COMMS = {"dlscale.sharing.transport": "dask"}  # the handlers below stand in for a peer's
 FAST_RETRIES = {"dlscale.sharing.send-retries": 2, "dlscale.sharing.send-retry-delay": "10ms"}
 
 
@@ -556,7 +559,7 @@ def updates(n: int, origin: str = "a#0") -> list[Update]:
 
 @pytest.mark.parametrize("deliver_first", [False, True])
 @pytest.mark.gen_cluster
-@gen_cluster(client=True, config=FAST_RETRIES)
+@gen_cluster(client=True, config=FAST_RETRIES | DASK_COMMS)
 async def test_a_failure_that_clears_within_the_retries_loses_nothing(
     c: Any, s: Any, a: Any, b: Any, deliver_first: bool
 ) -> None:
@@ -573,7 +576,7 @@ async def test_a_failure_that_clears_within_the_retries_loses_nothing(
 
 
 @pytest.mark.gen_cluster
-@gen_cluster(client=True, config=FAST_RETRIES)
+@gen_cluster(client=True, config=FAST_RETRIES | DASK_COMMS)
 async def test_a_peer_unreachable_beyond_the_retries_is_dropped(c: Any, s: Any, a: Any, b: Any) -> None:
     node_a, node_b = await open_nodes(c, a, b)
     calls = flaky_handler(b, failures=100)
@@ -588,7 +591,7 @@ async def test_a_peer_unreachable_beyond_the_retries_is_dropped(c: Any, s: Any, 
 
 
 @pytest.mark.gen_cluster
-@gen_cluster(client=True, config=FAST_RETRIES)
+@gen_cluster(client=True, config=FAST_RETRIES | DASK_COMMS)
 async def test_a_call_hanging_on_a_peer_dropped_from_the_membership_ends_at_once(
     c: Any, s: Any, a: Any, b: Any
 ) -> None:
@@ -613,7 +616,7 @@ async def test_a_call_hanging_on_a_peer_dropped_from_the_membership_ends_at_once
 
 
 @pytest.mark.gen_cluster
-@gen_cluster(client=True, config=FAST_RETRIES)
+@gen_cluster(client=True, config=FAST_RETRIES | DASK_COMMS)
 async def test_a_peers_own_error_is_not_retried(c: Any, s: Any, a: Any, b: Any) -> None:
     node_a, _ = await open_nodes(c, a, b)
     calls = [0]
@@ -629,7 +632,7 @@ async def test_a_peers_own_error_is_not_retried(c: Any, s: Any, a: Any, b: Any) 
 
 
 @pytest.mark.gen_cluster
-@gen_cluster(client=True)
+@gen_cluster(client=True, config=DASK_COMMS)
 async def test_a_malformed_update_is_refused(c: Any, s: Any, a: Any, b: Any) -> None:
     _, node_b = await open_nodes(c, a, b)
     with pytest.raises(MalformedMessageError, match=r"update: missing fields \['payload', 'residual', 'seq'\]"):
@@ -638,7 +641,7 @@ async def test_a_malformed_update_is_refused(c: Any, s: Any, a: Any, b: Any) -> 
 
 
 @pytest.mark.gen_cluster
-@gen_cluster(client=True, config={"dlscale.sharing.send-buffer": 2500})
+@gen_cluster(client=True, config={"dlscale.sharing.send-buffer": 2500} | DASK_COMMS)
 async def test_a_trainer_waits_for_the_network_when_the_send_buffer_is_full(c: Any, s: Any, a: Any, b: Any) -> None:
     node_a, node_b = await open_nodes(c, a, b)
     update = b.handlers["dlscale_update"]
@@ -656,6 +659,106 @@ async def test_a_trainer_waits_for_the_network_when_the_send_buffer_is_full(c: A
     assert list(node_b.inboxes[0]) == sent
     assert waited > 0 and max(held) <= 2500 - 1 + 1000
     await async_wait_until(lambda: node_a.limiter.empty)  # the last reply is in
+
+
+# -- over the workers' own connections (the default) ----------------------------------------------
+
+
+def counted_handler(worker: Any) -> list[int]:
+    """Count ``worker``'s calls of ``dlscale_update`` (Dask's comms), delivering them."""
+    calls = [0]
+    update = worker.handlers["dlscale_update"]
+
+    def handler(session: str, sender: str, messages: list[Any]) -> None:
+        calls[0] += 1
+        update(session=session, sender=sender, messages=messages)
+
+    worker.handlers["dlscale_update"] = handler
+    return calls
+
+
+@pytest.mark.gen_cluster
+@gen_cluster(client=True, config=FAST_RETRIES)
+async def test_updates_go_over_the_workers_own_connections_each_once_in_order(c: Any, s: Any, a: Any, b: Any) -> None:
+    node_a, node_b = await open_nodes(c, a, b)
+    calls = counted_handler(b)
+    sent = [Update("a#0", i, bytes([i]) * (i * 1000)) for i in range(30)] + [Update("a#0", 30, b"", residual=True)]
+    for u in sent:
+        node_a.send(u, 0)
+    await async_wait_until(lambda: len(node_b.inboxes[0]) >= len(sent))
+    await asyncio.sleep(0.05)  # a duplicate would be in by now
+    assert list(node_b.inboxes[0]) == sent and calls[0] == 0
+    assert a.plugins[NAME].sockets.peers == [b.address]
+    await async_wait_until(lambda: node_a.limiter.empty)
+
+
+@pytest.mark.gen_cluster
+@gen_cluster(client=True, config=FAST_RETRIES)
+async def test_a_peer_whose_connection_cannot_be_made_beyond_the_retries_is_dropped(
+    c: Any, s: Any, a: Any, b: Any
+) -> None:
+    node_a, node_b = await open_nodes(c, a, b)
+    asked = [0]
+
+    def gone() -> None:
+        asked[0] += 1
+        raise CommClosedError("connection dropped")
+
+    b.handlers["dlscale_sharing_port"] = gone
+    node_a.send(Update("a#0", 0, b"x" * 1000), 0)
+    await async_wait_until(lambda: dropped(node_a, b.address) and node_a.limiter.empty)
+    assert asked[0] == 3 and not node_b.inboxes[0]  # the first try and two retries
+
+
+@pytest.mark.gen_cluster
+@gen_cluster(client=True)
+async def test_a_peer_without_a_listener_gets_its_updates_through_dask_s_comms(c: Any, s: Any, a: Any, b: Any) -> None:
+    node_a, node_b = await open_nodes(c, a, b)
+    calls = counted_handler(b)
+    b.handlers["dlscale_sharing_port"] = lambda: None  # as a worker with transport "dask" answers
+    sent = updates(5)
+    for u in sent:
+        node_a.send(u, 0)
+    await async_wait_until(lambda: len(node_b.inboxes[0]) >= 5)
+    assert list(node_b.inboxes[0]) == sent and calls[0] >= 1
+    await async_wait_until(lambda: node_a.limiter.empty)
+
+
+@pytest.mark.gen_cluster
+@gen_cluster(client=True)
+async def test_a_malformed_message_on_a_worker_s_own_connection_is_refused(c: Any, s: Any, a: Any, b: Any) -> None:
+    _, node_b = await open_nodes(c, a, b)
+    sockets = a.plugins[NAME].sockets
+    with captured_logger("dlscale.training.sharing", level=logging.WARNING) as log:
+        for head in ({"updates": [["a#0", 0, False, 5]]}, {"updates": [["a#0", "zero", False, 3]]}, {"other": 1}):
+            sockets.send("s", b.address, head, np.frombuffer(b"abc", np.uint8), lambda error: None)
+        good = Update("a#0", 1, b"abc")
+        sockets.send("s", b.address, *framed([good]), lambda error: None)
+        await async_wait_until(lambda: len(node_b.inboxes[0]) == 1)
+    assert list(node_b.inboxes[0]) == [good]
+    refused = [line for line in log.getvalue().splitlines() if "refused" in line]
+    assert len(refused) == 3
+    assert "do not add up to the 3 bytes" in refused[0] and "update.seq: expected an integer" in refused[1]
+
+
+@pytest.mark.gen_cluster
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3)
+async def test_a_mesh_relays_what_it_reads_off_its_own_connections(c: Any, s: Any, a: Any, b: Any, w: Any) -> None:
+    """A chain (fan-out 1): the middle node passes each end's updates on to the other end."""
+    workers = sorted([a, b, w], key=lambda x: x.address)
+    await c.register_plugin(SharingWorkerPlugin())
+    config = dataclasses.replace(SharingConfig.from_dask(), mesh_fanout=1)
+    nodes = [x.plugins[NAME].open("s", 1, "mesh", config) for x in workers]
+    for node in nodes:
+        node.set_nodes(0, [x.address for x in workers])
+    await asyncio.sleep(0.01)
+    first, last = nodes[0], nodes[2]
+    sent = [Update(f"{workers[0].address}#0", i, bytes([i]) * 100) for i in range(10)]
+    for u in sent:
+        first.send(u, 0)
+    await async_wait_until(lambda: len(last.inboxes[0]) >= 10)
+    assert list(last.inboxes[0]) == sent and list(nodes[1].inboxes[0]) == sent
+    assert workers[0].plugins[NAME].sockets.peers == [workers[1].address]  # not to the far end
 
 
 # -- the mesh on 64 lightweight peers: real comm servers in one process ------------------------

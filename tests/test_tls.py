@@ -22,7 +22,6 @@ from dlscale.data import DataSet, load_digits
 from dlscale.evaluation import Evaluation
 from dlscale.nn import Network
 from dlscale.runtime.cluster import cluster_workers
-from dlscale.training.averaging._worker_plugin import plugin
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +61,8 @@ def test_training_evaluation_and_inference_over_tls(tls_cluster, tmp_path) -> No
         spark_net.fit(rdd, epochs=10)
         assert not torch.equal(network.params(), before)
         assert {t.worker for t in spark_net.training_stats.trainers} == set(workers)
+        listeners = sc.client.run(lambda dask_worker: dask_worker.handlers["dlscale_sharing_port"]())
+        assert list(listeners.values()) == [None, None]  # the updates stay in the encrypted comms
         evaluation = spark_net.evaluate(rdd)
         local = Evaluation()
         local.eval(y, network.output(x))
@@ -98,6 +99,6 @@ def test_parameter_averaging_keeps_its_parts_in_the_encrypted_comms(tls_cluster,
         spark_net.fit(sc.parallelize(DataSet(x, y).batch_by(20), 4), epochs=3)
         rounds = spark_net.training_stats.rounds
         assert rounds and all(len(r.workers) == 2 for r in rounds)  # every round averaged between the two
-        listeners = sc.client.run(lambda dask_worker: plugin(dask_worker).port())
+        listeners = sc.client.run(lambda dask_worker: dask_worker.handlers["dlscale_averaging_port"]())
         assert list(listeners.values()) == [None, None]
         assert spark_net.evaluate(sc.parallelize(DataSet(x, y).batch_by(50), 2)).accuracy() > 0.5

@@ -3,7 +3,7 @@ puts a peer's part of a round's allreduce in the trainer's mailbox, the ``dlscal
 handler that hands a round's average to a peer that missed part of it, the sends to peers, and the
 replica a trainer parks for the next fit (``dlscale.training._parking``; one session's at most).
 
-Parts go over the workers' own TCP connections (``_sockets``: written and read by threads that wait in
+Parts go over the workers' own TCP connections (``dlscale.training._sockets``: written and read by threads that wait in
 the kernel, not by the event loops the trainers share the interpreter's lock with) where the workers
 listen on ``tcp://`` and ``dlscale.averaging.transport`` is ``"tcp"``, the default; otherwise, and to a
 peer without such a listener, on the worker's event loop through ``worker.rpc`` (Dask's pooled
@@ -24,18 +24,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import dask
-from dask.utils import parse_timedelta
-from distributed.comm.addressing import get_address_host, parse_address
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import to_serialize
-from distributed.system import MEMORY_LIMIT
-from distributed.utils import sync
 
-from dlscale import config
 from dlscale.runtime.retirement import retire_timeout
+from dlscale.training._sockets import Sockets, open_sockets
 from dlscale.training.averaging._exchange import Mailbox
-from dlscale.training.averaging._sockets import Sockets
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -43,15 +37,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("dlscale.training.averaging")
 
 NAME = "dlscale-averaging"
-TRANSPORTS = ("tcp", "dask")
-
-
-def transport() -> str:
-    """``dlscale.averaging.transport``, checked."""
-    value = config.get("averaging.transport")
-    if value not in TRANSPORTS:
-        raise ValueError(f"dlscale.averaging.transport must be one of {', '.join(TRANSPORTS)}, got {value!r}")
-    return value
 
 
 class AveragingWorkerPlugin(WorkerPlugin):
@@ -74,19 +59,9 @@ class AveragingWorkerPlugin(WorkerPlugin):
         self._counting = threading.Lock()
         worker.handlers["dlscale_averaging_part"] = self.part
         worker.handlers["dlscale_averaging_result"] = self.result
-        worker.handlers["dlscale_averaging_port"] = self.port
-        if transport() == "tcp" and parse_address(worker.address)[0] == "tcp":
-            self.sockets = Sockets(
-                get_address_host(worker.address),
-                worker.address,
-                lambda session: session in self.mailboxes,
-                self.part,
-                self._port_of,
-                functools.partial(worker.loop.add_callback, self._send),  # through Dask's comms
-                parse_timedelta(config.get("sharing.end-timeout")),
-                parse_timedelta(dask.config.get("distributed.comm.timeouts.connect")),
-                (worker.memory_manager.memory_limit or MEMORY_LIMIT) // 2,
-            )
+        self.sockets = open_sockets(
+            worker, "averaging", lambda session: session in self.mailboxes, self._delivered, self._elsewise
+        )
 
     async def teardown(self, worker: Worker) -> None:
         """A worker closing lets its trainer leave its session at its round's end first (it sees the
@@ -97,16 +72,13 @@ class AveragingWorkerPlugin(WorkerPlugin):
         if self.sockets is not None:
             self.sockets.close()
 
-    def port(self) -> tuple[str, int] | None:
-        """Where this worker's own listener for parts is (``None``: it has none)."""
-        return None if self.sockets is None else self.sockets.address
+    def _delivered(self, session: str, sender: str, head: dict[str, Any], payload: Any) -> None:
+        """A part read from this worker's own connections."""
+        self.part(session, sender, head["key"], head["header"], payload)
 
-    def _port_of(self, peer: str) -> tuple[str, int] | None:
-        """Where ``peer``'s listener is, asked through Dask's comms (from the writing thread)."""
-        got = sync(
-            self.worker.loop, self.worker.rpc(peer).dlscale_averaging_port, callback_timeout=self.sockets.timeout
-        )
-        return None if got is None else (str(got[0]), int(got[1]))
+    def _elsewise(self, session: str, peer: str, head: dict[str, Any], payload: Any, done: Any) -> None:
+        """A part for a peer without a listener of its own: through Dask's comms."""
+        self.worker.loop.add_callback(self._send, session, peer, head["key"], head["header"], payload, done)
 
     def part(self, session: str, sender: str, key: Any, header: dict[str, Any], payload: Any = None) -> None:
         """A peer's part of a round's allreduce; parts for a session not open here are dropped."""
@@ -157,11 +129,12 @@ class AveragingWorkerPlugin(WorkerPlugin):
             self.in_flight[session] = self.in_flight.get(session, 0) + 1
         done = functools.partial(self._sent, session)
         if self.sockets is not None:
-            self.sockets.send(session, peer, key, header, payload, done)
+            self.sockets.send(session, peer, {"key": list(key), "header": header}, payload, done)
         else:
             self.worker.loop.add_callback(self._send, session, peer, key, header, payload, done)
 
-    def _sent(self, session: str) -> None:
+    def _sent(self, session: str, error: BaseException | None = None) -> None:
+        """A send of ``session`` done; one that failed is a part lost in flight (``_trainer``)."""
         with self._counting:
             left = self.in_flight.pop(session) - 1
             if left:
@@ -179,9 +152,10 @@ class AveragingWorkerPlugin(WorkerPlugin):
         key: tuple[int, int, int],
         header: dict[str, Any],
         payload: Any,
-        done: Callable[[], None],
+        done: Callable[[BaseException | None], None],
     ) -> None:
         """Send a part through Dask's comms, on the worker's event loop; ``done`` once it is sent."""
+        error = None
         try:
             await self.worker.rpc(peer).dlscale_averaging_part(
                 session=session,
@@ -192,6 +166,7 @@ class AveragingWorkerPlugin(WorkerPlugin):
                 reply=False,
             )
         except Exception as e:  # noqa: BLE001 - a peer lost: the round goes on without it
+            error = e
             logger.debug(
                 "parameter averaging session %s: a part for %s was not delivered (%s: %s)",
                 session,
@@ -200,7 +175,7 @@ class AveragingWorkerPlugin(WorkerPlugin):
                 e,
             )
         finally:
-            done()
+            done(error)
 
 
 def plugin(worker: Worker) -> AveragingWorkerPlugin:

@@ -1,7 +1,9 @@
 """The send side of a node: one link per peer, after ``distributed.shuffle``'s comm buffer.
 
 A link sends whatever is waiting for its peer in one call, up to ``coalesce`` bytes (so small
-updates are coalesced), and one call at a time (so a peer receives each sender's updates in order),
+updates are coalesced), and one call at a time (so a peer receives each sender's updates in order):
+over the worker's own connection to the peer where it has one (``dlscale.training._sockets``, whose
+threads write and read the bytes while the trainers step, without the event loops), otherwise
 through ``worker.rpc(peer).dlscale_update`` (Dask's pooled connections, TLS included). A call that
 fails with a connection error is retried ``send-retries`` times, after ``send-retry-delay`` doubling
 each time; a peer that still cannot be reached, or whose handler raised, is dropped. A retry can
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -21,10 +24,12 @@ from typing import TYPE_CHECKING
 
 from dlscale.training.sharing._config import SharingConfig
 from dlscale.training.sharing._limiter import ResourceLimiter
-from dlscale.training.sharing._messages import Update
+from dlscale.training.sharing._messages import Update, framed
 
 if TYPE_CHECKING:
     from distributed.core import ConnectionPool
+
+    from dlscale.training._sockets import Sockets
 
 logger = logging.getLogger("dlscale.training.sharing")
 
@@ -43,12 +48,19 @@ class Link:
 
 
 class PeerLinks:
-    """The links of one node of ``session`` at ``address`` to its peers."""
+    """The links of one node of ``session`` at ``address`` to its peers, over ``sockets`` where the
+    worker has them (else Dask's comms, ``rpc``)."""
 
     def __init__(
-        self, session: str, address: str, rpc: ConnectionPool, limiter: ResourceLimiter, config: SharingConfig
+        self,
+        session: str,
+        address: str,
+        rpc: ConnectionPool,
+        limiter: ResourceLimiter,
+        config: SharingConfig,
+        sockets: Sockets | None = None,
     ) -> None:
-        self.session, self.address, self.rpc = session, address, rpc
+        self.session, self.address, self.rpc, self.sockets = session, address, rpc, sockets
         self.limiter, self.config = limiter, config
         self.links: dict[str, Link] = {}
         self.closed = False
@@ -113,13 +125,10 @@ class PeerLinks:
     async def _send(self, link: Link, batch: list[Update]) -> None:
         """One call to ``link.peer``, retried after connection errors (``CommClosedError`` is one); the
         peer's own errors are not retried."""
-        messages = [u.to_plain() for u in batch]
         for attempt in itertools.count():
             if link.dead or self.closed:  # dropped while waiting to retry: the batch goes with it
                 return
-            link.call = asyncio.ensure_future(
-                self.rpc(link.peer).dlscale_update(session=self.session, sender=self.address, messages=messages)
-            )
+            link.call = asyncio.ensure_future(self._call(link.peer, batch))
             try:
                 await link.call
                 return
@@ -140,3 +149,30 @@ class PeerLinks:
                 await asyncio.sleep(delay)
             finally:
                 link.call = None
+
+    async def _call(self, peer: str, batch: list[Update]) -> None:
+        """Send ``batch`` to ``peer`` once: done when its bytes are handed to the connection (and, through
+        Dask's comms, when the peer has replied)."""
+        if self.sockets is None:
+            messages = [u.to_plain() for u in batch]
+            await self.rpc(peer).dlscale_update(session=self.session, sender=self.address, messages=messages)
+            return
+        loop = asyncio.get_running_loop()
+        written = loop.create_future()
+
+        def done(error: BaseException | None) -> None:  # from the writing thread
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
+                loop.call_soon_threadsafe(_settle, written, error)
+
+        head, payload = framed(batch)
+        self.sockets.send(self.session, peer, head, payload, done)
+        await written
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():  # cancelled: its peer was dropped
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

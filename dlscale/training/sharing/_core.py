@@ -1,17 +1,19 @@
 """One worker's part in one gradient-sharing session: a :class:`Node` holding its trainers' inboxes,
 the membership it routes by, and its links to the peers.
 
-Received updates only enqueue: trainers decode and apply what their inbox holds between steps, in
-their own threads. A trainer's own update goes straight to the worker's other trainers and, through
-the event loop, to the peers the mode routes it to (``_mesh``); in a mesh, received updates are
-passed on too, and duplicates (after a change of tree, or a retried send) are recognised by their
-origin's sequence number. Encoded bytes waiting to be sent are bounded by the session's
+Received updates only enqueue (from the thread that read them off the worker's own connection to
+their sender, or from the event loop through Dask's comms): trainers decode and apply what their
+inbox holds between steps, in their own threads. A trainer's own update goes straight to the
+worker's other trainers and, through the event loop, to the peers the mode routes it to (``_mesh``);
+in a mesh, received updates are passed on too, and duplicates (after a change of tree, or a retried
+send) are recognised by their origin's sequence number. Encoded bytes waiting to be sent are bounded by the session's
 ``send_buffer``: a trainer whose update would exceed it waits for the network.
 """
 
 from __future__ import annotations
 
 import collections
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -24,13 +26,16 @@ from dlscale.training.sharing._messages import Update
 if TYPE_CHECKING:
     from distributed.core import ConnectionPool
 
+    from dlscale.training._sockets import Sockets
+
 
 class Node:
     """One worker's part in ``session``: ``inboxes[i]`` receives, for local trainer ``i``, every update
     of every other trainer of the session.
 
-    :meth:`set_nodes` and :meth:`send` are called from trainer threads; :meth:`receive` and
-    :meth:`close` on the worker's event loop ``loop``.
+    :meth:`set_nodes` and :meth:`send` are called from trainer threads; :meth:`receive` from a thread
+    reading the worker's own connections (``sockets``, where the worker has them) or on the worker's
+    event loop ``loop``, as is :meth:`close`.
     """
 
     def __init__(
@@ -42,16 +47,18 @@ class Node:
         trainers: int,
         mode: str,
         config: SharingConfig,
+        sockets: Sockets | None = None,
     ) -> None:
         self.session, self.address, self.loop, self.mode, self.config = session, address, loop, mode, config
         self.limiter = ResourceLimiter(config.send_buffer)
-        self.comms = PeerLinks(session, address, rpc, self.limiter, config)
+        self.comms = PeerLinks(session, address, rpc, self.limiter, config, sockets)
         self.inboxes: list[collections.deque[Update]] = [collections.deque() for _ in range(trainers)]
         self.nodes: list[str] = [address]
         self.version = -1
         self.closed = False
         self.busy: set[int] = set()  # local trainers at work: a worker that closes waits for them to leave
-        self._seen: dict[str, _mesh.Seen] = collections.defaultdict(_mesh.Seen)  # event loop only
+        self._seen: dict[str, _mesh.Seen] = collections.defaultdict(_mesh.Seen)
+        self._seeing = threading.Lock()  # _seen: updates are received on reading threads and the loop
 
     # -- called from trainer threads ----------------------------------------------------------
     def set_nodes(self, version: int, nodes: list[str] | tuple[str, ...]) -> None:
@@ -80,18 +87,21 @@ class Node:
             time.sleep(0.005)
         return True
 
-    # -- on the event loop --------------------------------------------------------------------
     def receive(self, sender: str, updates: list[Update]) -> None:
         """Updates from ``sender``: each new one goes to every local trainer (and, in a mesh, on to
-        the neighbours it did not come from)."""
-        for update in updates:
-            if self.closed or not self._seen[update.origin].add(update.seq):
-                continue
-            for box in self.inboxes:
-                box.append(update)
-            if self.mode == "mesh":
-                self._route(update, sender)
+        the neighbours it did not come from, from the event loop)."""
+        fresh = []
+        with self._seeing:
+            for update in updates:
+                if self.closed or not self._seen[update.origin].add(update.seq):
+                    continue
+                for box in self.inboxes:
+                    box.append(update)
+                fresh.append(update)
+        if self.mode == "mesh" and fresh:
+            self.loop.add_callback(self._relay, fresh, sender)
 
+    # -- on the event loop --------------------------------------------------------------------
     def close(self) -> None:
         """End the session here: waiting trainers go on, nothing more is sent or received."""
         self.closed = True
@@ -104,9 +114,14 @@ class Node:
             if peer not in nodes:
                 self.comms.drop(peer)
 
+    def _relay(self, updates: list[Update], came_from: str) -> None:
+        for update in updates:
+            self._route(update, came_from)
+
     def _route(self, update: Update, came_from: str | None) -> None:
         for peer in _mesh.targets(self.nodes, self.address, self.mode, self.config.mesh_fanout, came_from):
             self.comms.put(peer, update)
         if came_from is None:  # a local trainer's update: the links hold its bytes now
-            self._seen[update.origin].add(update.seq)
+            with self._seeing:
+                self._seen[update.origin].add(update.seq)
             self.limiter.release(len(update.payload))

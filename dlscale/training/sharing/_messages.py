@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
 import msgpack
+import numpy as np
 
 from dlscale.training.sharing._exceptions import STOPPED, MalformedMessageError, SessionStoppedError
 
@@ -91,6 +92,32 @@ class Handout(Record):
     what: ClassVar[str] = "handout"
     items: tuple[int, ...]
     view: View
+
+
+def framed(updates: list[Update]) -> tuple[dict[str, Any], np.ndarray]:
+    """``updates`` as one message on the workers' own connections: a head of their fields and sizes,
+    and their payloads one after the other (``dlscale.training._sockets``)."""
+    head = {"updates": [[u.origin, u.seq, u.residual, len(u.payload)] for u in updates]}
+    data = updates[0].payload if len(updates) == 1 else b"".join(u.payload for u in updates)
+    return head, np.frombuffer(data, np.uint8)
+
+
+def unframed(head: Any, payload: np.ndarray | None) -> list[Update]:
+    """The updates of a message :func:`framed` made, checked as :meth:`Record.from_plain` checks them
+    (and their sizes against the payload's)."""
+    fields = head.get("updates") if isinstance(head, dict) else None
+    if not isinstance(fields, list | tuple) or not all(isinstance(f, list | tuple) and len(f) == 4 for f in fields):
+        raise MalformedMessageError(f"updates: expected a list of [origin, seq, residual, size], got {head!r:.200}")
+    data = b"" if payload is None else payload.tobytes()
+    sizes = [size for *_, size in fields]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes) or sum(sizes) != len(data):
+        raise MalformedMessageError(f"updates: sizes {sizes!r:.200} do not add up to the {len(data)} bytes sent")
+    updates, at = [], 0
+    for origin, seq, residual, size in fields:
+        plain = {"origin": origin, "seq": seq, "payload": data[at : at + size], "residual": residual}
+        updates.append(Update.from_plain(plain))
+        at += size
+    return updates
 
 
 def packed(plain: Any) -> bytes:

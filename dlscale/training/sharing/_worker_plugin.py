@@ -1,6 +1,9 @@
-"""The data plane of gradient sharing on every worker: a ``dlscale_update`` handler that receives
-encoded updates from peers, and the session's :class:`~dlscale.training.sharing._core.Node` it hands
-them to (see ``_core`` for the node, ``_comms`` for sending); and the trainers kept between fits.
+"""The data plane of gradient sharing on every worker: the worker's own connections for encoded
+updates (``dlscale.training._sockets``, where the worker listens on ``tcp://`` and
+``dlscale.sharing.transport`` is ``"tcp"``, the default) and the ``dlscale_update`` handler that
+receives them through Dask's comms otherwise (TLS included), the session's
+:class:`~dlscale.training.sharing._core.Node` they are handed to (see ``_core`` for the node,
+``_comms`` for sending); and the trainers kept between fits.
 
 A trainer that ends its fit *parks* what it trains with (its replica of the network, the shared
 parameters and its compressor's state, residual included) under its session; the driver's next fit
@@ -11,6 +14,7 @@ parking another's forgets the older ones."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -18,12 +22,16 @@ from typing import TYPE_CHECKING, Any
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from dlscale.runtime.retirement import retire_timeout
+from dlscale.training._sockets import Done, Sockets, open_sockets
 from dlscale.training.sharing._config import SharingConfig
 from dlscale.training.sharing._core import Node
-from dlscale.training.sharing._messages import Update
+from dlscale.training.sharing._exceptions import MalformedMessageError
+from dlscale.training.sharing._messages import Update, unframed
 
 if TYPE_CHECKING:
     from distributed import Worker
+
+logger = logging.getLogger("dlscale.training.sharing")
 
 NAME = "dlscale-sharing"
 
@@ -37,11 +45,15 @@ class SharingWorkerPlugin(WorkerPlugin):
     def __init__(self) -> None:
         self.nodes: dict[str, Node] = {}
         self.parked: dict[str, dict[int, Any]] = {}  # session: {local trainer: what it parked}
+        self.sockets: Sockets | None = None
 
     def setup(self, worker: Worker) -> None:
         self.worker = worker
         self._parking = threading.Lock()  # made here: the plugin is pickled to reach the worker
         worker.handlers["dlscale_update"] = self.update
+        self.sockets = open_sockets(
+            worker, "sharing", lambda session: session in self.nodes, self._delivered, self._elsewise
+        )
 
     async def teardown(self, worker: Worker) -> None:
         """A worker closing lets its trainers leave their sessions first (they see it closing: see
@@ -52,6 +64,8 @@ class SharingWorkerPlugin(WorkerPlugin):
         for node in self.nodes.values():
             node.close()
         self.nodes.clear()
+        if self.sockets is not None:
+            self.sockets.close()
 
     def update(self, session: str, sender: str, messages: list[Any]) -> None:
         """Updates from ``sender``, in plain form; a malformed one is refused (the sender drops this
@@ -60,11 +74,38 @@ class SharingWorkerPlugin(WorkerPlugin):
         if node is not None:
             node.receive(sender, [Update.from_plain(m) for m in messages])
 
+    def _delivered(self, session: str, sender: str, head: dict[str, Any], payload: Any) -> None:
+        """Updates read off this worker's own connections; a malformed message is dropped, with a warning."""
+        node = self.nodes.get(session)
+        if node is None:
+            return
+        try:
+            updates = unframed(head, payload)
+        except MalformedMessageError as e:
+            logger.warning("gradient sharing session %s: updates from %s refused: %s", session, sender, e)
+            return
+        node.receive(sender, updates)
+
+    def _elsewise(self, session: str, peer: str, head: dict[str, Any], payload: Any, done: Done) -> None:
+        """Updates for a peer without a listener of its own: through Dask's comms."""
+
+        async def send() -> None:
+            error = None
+            try:
+                messages = [u.to_plain() for u in unframed(head, payload)]
+                me = self.worker.address
+                await self.worker.rpc(peer).dlscale_update(session=session, sender=me, messages=messages)
+            except Exception as e:  # noqa: BLE001 - the links retry it or drop the peer
+                error = e
+            done(error)
+
+        self.worker.loop.add_callback(send)
+
     def open(self, session: str, trainers: int, mode: str, config: SharingConfig) -> Node:
         """Start this worker's part in ``session`` for ``trainers`` local trainers, with the
         session's ``dlscale.sharing`` settings (read on the driver)."""
         node = self.nodes[session] = Node(
-            session, self.worker.address, self.worker.rpc, self.worker.loop, trainers, mode, config
+            session, self.worker.address, self.worker.rpc, self.worker.loop, trainers, mode, config, self.sockets
         )
         return node
 

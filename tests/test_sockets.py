@@ -1,5 +1,6 @@
-"""Parameter averaging's own connections for the parts of a round (``_sockets``), without a cluster: two
-workers' ends in one process, on 127.0.0.1, against what was sent."""
+"""The workers' own connections for the trainers' messages (``dlscale.training._sockets``: averaging's
+parts, sharing's updates), without a cluster: two workers' ends in one process, on 127.0.0.1, against
+what was sent."""
 
 from __future__ import annotations
 
@@ -13,15 +14,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dlscale.training.averaging import _sockets
-from dlscale.training.averaging._sockets import MAX_HEAD, Sockets
+from dlscale.training import _sockets
+from dlscale.training._sockets import MAX_HEAD, Sockets
 from dlscale.training.sharing._messages import packed
 
 TIMEOUT = 10.0
 
 
 class End:
-    """One worker's end: what it delivered, and the parts it handed to Dask's comms instead."""
+    """One worker's end: what it delivered (session, sender, the head's key and header, payload), and the
+    messages it handed to Dask's comms instead."""
 
     def __init__(
         self, name: str, ports: dict[str, tuple[str, int] | None], sessions: set[str], largest: int = 2**30
@@ -31,6 +33,7 @@ class End:
         self.elsewise: list[tuple[Any, ...]] = []
         self.delivered = threading.Condition()
         self.sockets = Sockets(
+            "averaging",
             "127.0.0.1",
             name,
             lambda s: s in self.sessions,
@@ -50,14 +53,14 @@ class End:
             raise OSError(f"{peer} is gone")
         return self.ports[peer]
 
-    def _deliver(self, *part: Any) -> None:
+    def _deliver(self, session: str, sender: str, head: Any, payload: Any) -> None:
         with self.delivered:
-            self.got.append(part)
+            self.got.append((session, sender, tuple(head["key"]), head["header"], payload))
             self.delivered.notify_all()
 
-    def _elsewise(self, session: str, peer: str, key: Any, header: Any, payload: Any, done: Any) -> None:
-        self.elsewise.append((session, peer, key))
-        done()
+    def _elsewise(self, session: str, peer: str, head: Any, payload: Any, done: Any) -> None:
+        self.elsewise.append((session, peer, tuple(head["key"])))
+        done(None)
 
     def wait_for(self, n: int) -> list[tuple[Any, ...]]:
         with self.delivered:
@@ -65,9 +68,19 @@ class End:
             return list(self.got)
 
 
-def sent(end: End, *part: Any) -> threading.Event:
-    done = threading.Event()
-    end.sockets.send(*part, done.set)
+class Sent(threading.Event):
+    """Set once a message is written or could not be; ``error`` says which."""
+
+    error: BaseException | None = None
+
+    def __call__(self, error: BaseException | None) -> None:
+        self.error = error
+        self.set()
+
+
+def sent(end: End, session: str, peer: str, key: Any, header: Any, payload: Any) -> Sent:
+    done = Sent()
+    end.sockets.send(session, peer, {"key": list(key), "header": header}, payload, done)
     return done
 
 
@@ -123,14 +136,16 @@ def test_a_peer_without_a_listener_gets_its_parts_through_dask_s_comms(ends) -> 
 
 def test_a_part_for_a_peer_gone_is_dropped_and_a_restarted_peer_is_reached_anew(ends) -> None:
     a, b, ports = ends
-    assert sent(a, "s", "tcp://b", (0, 0, 1), {}, None).wait(TIMEOUT)
+    first = sent(a, "s", "tcp://b", (0, 0, 1), {}, None)
+    assert first.wait(TIMEOUT) and first.error is None
     b.wait_for(1)
     b.sockets.close()
     del ports["tcp://b"]  # gone: asking it for its port fails
-    # the kept connection is found broken, the peer cannot be asked again: dropped, done still called
+    # the kept connection is found broken, the peer cannot be asked again: done is told why
     for k in range(1, 4):
-        assert sent(a, "s", "tcp://b", (k, 0, 1), {}, np.ones(2**20, np.float32)).wait(TIMEOUT)
-    assert a.elsewise == []
+        later = sent(a, "s", "tcp://b", (k, 0, 1), {}, np.ones(2**20, np.float32))
+        assert later.wait(TIMEOUT)
+    assert isinstance(later.error, OSError) and a.elsewise == []
     restarted = End("tcp://b", ports, {"s"})
     try:
         assert sent(a, "s", "tcp://b", (9, 0, 1), {}, np.ones(5, np.float32)).wait(TIMEOUT)
@@ -148,8 +163,9 @@ def test_a_peer_whose_listener_cannot_be_reached_gets_its_parts_through_dask_s_c
         assert sent(a, "s", "tcp://c", (k, 0, 1), {}, None).wait(TIMEOUT)
     assert a.elsewise == [("s", "tcp://c", (0, 0, 1)), ("s", "tcp://c", (1, 0, 1))]
     (warning,) = [r for r in caplog.records if r.levelname == "WARNING"]
-    assert "cannot connect to the listener of worker tcp://c" in warning.getMessage()
+    assert "listener of worker tcp://c" in warning.getMessage()
     assert "dlscale.averaging.transport: dask" in warning.getMessage()
+    assert "cannot connect to the averaging listener" in warning.getMessage()
 
 
 def test_a_connection_that_sends_what_is_not_a_part_is_closed_before_anything_is_allocated(ends) -> None:
@@ -159,7 +175,7 @@ def test_a_connection_that_sends_what_is_not_a_part_is_closed_before_anything_is
         assert bad.recv(1) == b""  # closed by b
     with socket.create_connection(b.sockets.address, timeout=TIMEOUT) as peer:
         for sender, dtype in (("x", "object"), ("y", "float32")):  # a dtype no part travels as: dropped
-            head = packed({"session": "s", "sender": sender, "key": [0, 0, 1], "header": {}, "dtype": dtype})
+            head = packed({"session": "s", "sender": sender, "dtype": dtype, "head": {"key": [0, 0, 1], "header": {}}})
             peer.sendall(struct.pack("!IQ", len(head), 8) + head + b"\0" * 8)
         ((_, sender, _, _, payload),) = b.wait_for(1)  # in the order sent: the first was not delivered
         assert sender == "y" and payload.tolist() == [0.0, 0.0]
@@ -168,9 +184,9 @@ def test_a_connection_that_sends_what_is_not_a_part_is_closed_before_anything_is
 def test_a_header_msgpack_cannot_carry_fails_the_sender_at_once(ends) -> None:
     a, _, _ = ends
     with pytest.raises(TypeError):
-        a.sockets.send("s", "tcp://b", (0, 0, 1), {"bad": object()}, None, lambda: None)
+        a.sockets.send("s", "tcp://b", {"bad": object()}, None, lambda error: None)
     with pytest.raises(TypeError, match="travels as one of"):
-        a.sockets.send("s", "tcp://b", (0, 0, 1), {}, np.ones(3, np.float64), lambda: None)
+        a.sockets.send("s", "tcp://b", {}, np.ones(3, np.float64), lambda error: None)
 
 
 def test_a_peer_that_does_not_read_holds_up_its_own_parts_only(ends) -> None:
@@ -212,7 +228,7 @@ def test_a_part_larger_than_the_worker_could_hold_is_refused_unread(caplog) -> N
         assert sent(a, "s", "tcp://small", (1, 0, 1), {}, np.ones(4, np.float32)).wait(TIMEOUT)
         ((_, _, key, _, payload),) = small.wait_for(1)  # the big one never delivered
         assert key == (1, 0, 1) and payload.tolist() == [1.0] * 4
-        assert any("refused a part of 4194304 bytes" in r.getMessage() for r in caplog.records)
+        assert any("refused a message of 4194304 bytes" in r.getMessage() for r in caplog.records)
     finally:
         a.sockets.close()
         small.sockets.close()
