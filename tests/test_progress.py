@@ -64,6 +64,25 @@ def test_each_epoch_line_has_the_epochs_own_loss_rate_and_time(monkeypatch, capl
     ]
 
 
+def test_an_epoch_ended_in_the_same_instant_as_the_one_before_has_no_rate(monkeypatch, caplog) -> None:
+    """A tiny fit's report can end several epochs at once: the later ones took no time of their own,
+    and no rate is made up for them."""
+    clock = Clock()
+    monkeypatch.setattr(progress.time, "time", clock)
+    caplog.set_level(logging.INFO, logger="dlscale")
+    with dask.config.set({"dlscale.progress": True}):
+        bar = Progress("training", per_epoch=1, epochs=2)
+    clock.now += 0.5
+    bar.advance(0, 1, 32, 2.0)
+    bar.advance(1, 1, 32, 1.0)
+    bar.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "dlscale"]
+    assert lines == [
+        "training: epoch 1/2, 32 examples in 0.5 s, 64 examples/s, loss 2, elapsed 0.5 s",
+        "training: epoch 2/2, 32 examples in 0.0 s, - examples/s, loss 1, elapsed 0.5 s",
+    ]
+
+
 def test_rates_come_from_when_the_work_was_reported_not_when_it_was_read(monkeypatch, caplog) -> None:
     """A checkpoint or a slow poll delivers a whole epoch's reports at once: the epoch's rate is
     counted from the reports' own times, not from the moment the driver read them."""

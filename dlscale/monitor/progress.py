@@ -159,7 +159,7 @@ class Progress:
                 self.first_epoch + self.epochs,
                 f"{examples:,}",
                 _duration(seconds),
-                f"{examples / max(seconds, 1e-9):,.0f}",
+                f"{examples / seconds:,.0f}" if seconds > 0 else "-",  # an epoch done in the same instant
                 self.loss,
                 _duration(now - self.start),
             )
