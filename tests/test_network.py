@@ -480,3 +480,20 @@ def test_class_indices_out_of_range_are_refused_where_the_labels_are(loss: str) 
     sequences = Network(torch.nn.Linear(8, 3), loss, functools.partial(torch.optim.SGD, lr=0.1))
     with pytest.raises(DataShapeError, match="class 3 is outside 0..2"):
         sequences.score(DataSet(torch.randn(2, 5, 8), torch.tensor([[0, 1, 2, 1, 0], [2, 2, 3, 0, 0]])))
+
+
+def test_labels_read_once_are_read_again_once_changed_in_place() -> None:
+    """A minibatch's labels are read once for every fit of them (a kept minibatch's at its first step
+    only); changed in place, they are read again: a bad class refused, ignored labels counted as 0."""
+    net = Network(fresh(mlp), "cross_entropy", functools.partial(torch.optim.SGD, lr=0.1))
+    x, labels = torch.randn(4, 8), torch.tensor([0, 1, 2, 1])
+    batch = DataSet(x, labels)
+    net.fit_batch(batch)
+    labels[2] = 3
+    with pytest.raises(DataShapeError, match="class 3 is outside 0..2"):
+        net.fit_batch(batch)
+    labels[2] = -100
+    out = net.output(x)
+    expected = torch.nn.functional.cross_entropy(out, labels, reduction="none").mean()
+    torch.testing.assert_close(losses.named_loss("cross_entropy", out, labels, None), expected)
+    assert not torch.allclose(torch.nn.functional.cross_entropy(out, labels), expected)
