@@ -3,7 +3,10 @@
 Run from the repository root with ``python -m benchmarks.small_model`` (about 2 minutes).
 scikit-learn's digits (1,200 training and 597 test images), the MLP 64-256-10 of
 ``benchmarks.quality`` (19,210 parameters), SGD (lr 0.01, momentum 0.9), minibatches of 16, 20
-epochs (1,500 minibatches), each run ``REPEATS`` times (the median goes in the table):
+epochs (1,500 minibatches), each run ``REPEATS`` times (the median goes in the table), the rows
+in turn within each repeat, with ``local[1]`` and ``local[2]`` open side by side, so that a slow
+spell of the machine (the single process ran anywhere from 31,000 to 51,000 examples/s in runs an
+hour apart) weighs on every row alike:
 
 - **single**: plain PyTorch, one thread, the whole training timed;
 - **ddp**: PyTorch DDP over gloo, 2 processes × 1 thread, 16 examples each a step; as in
@@ -164,40 +167,60 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {**ranked[len(ranked) // 2], "repeats": [r["examples_per_s"] for r in runs]}
 
 
+def _prepared(sc: SparkContext, data: tuple[torch.Tensor, ...], folder: str, workers: int) -> tuple[SparkContext, Any]:
+    """``sc`` with the digits exported to ``folder`` and each master's first fit done (its imports, its
+    first pickling, the workers' connections): the timed fits start warm."""
+    paths = export_paths(sc, data[0], data[1], folder, batch=BATCH)
+    paths = sc.parallelize(paths.collect(), workers)
+    few = sc.parallelize(paths.take(2 * workers), workers)
+    sharing(sc, few, data)
+    for frequency in AVERAGING_FREQUENCIES:
+        averaging(sc, few, data, frequency)
+    return sc, paths
+
+
+def _runs(data: tuple[torch.Tensor, ...], contexts: dict[int, tuple[SparkContext, Any]]) -> dict[str, Any]:
+    """Every row's run, by name, in the order a repeat runs them."""
+    runs: dict[str, Any] = {
+        "single": functools.partial(single, data),
+        "ddp (2 processes)": functools.partial(ddp, data),
+    }
+    for workers, (sc, paths) in contexts.items():
+        label = f"{workers} worker{'s' * (workers > 1)}"
+        runs[f"sharing ({label})"] = functools.partial(sharing, sc, paths, data)
+        if workers == 1:
+            runs["sharing (1 worker, prefetch 0)"] = functools.partial(sharing, sc, paths, data, prefetch=0)
+        for lease in LEASES if workers > 1 else ():
+            runs[f"sharing (2 workers, lease {lease})"] = functools.partial(_with_lease, lease, sc, paths, data)
+        for frequency in AVERAGING_FREQUENCIES if workers > 1 else AVERAGING_FREQUENCIES[:1]:
+            name = f"averaging ({label}, frequency {frequency})"
+            runs[name] = functools.partial(averaging, sc, paths, data, frequency)
+            if workers > 1:
+                runs[f"{name[:-1]}, streaming)"] = functools.partial(averaging, sc, paths, data, frequency, True)
+    return runs
+
+
+def _with_lease(lease: int, *args: Any) -> dict[str, Any]:
+    with dask.config.set({"dlscale.sharing.lease": lease}):
+        return sharing(*args)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse(command_line(__doc__.splitlines()[0]), argv, RESULTS)
     if args.smoke:
         shrink(globals(), EPOCHS=1, REPEATS=1, LEASES=(4,), AVERAGING_FREQUENCIES=(5,))
     data = digits()
-    rows: dict[str, dict[str, Any]] = {
-        "single": median_run([single(data) for _ in range(REPEATS)]),
-        "ddp (2 processes)": median_run([ddp(data) for _ in range(REPEATS)]),
-    }
-    for workers in (1, 2):
-        with tempfile.TemporaryDirectory() as tmp, SparkContext(f"local[{workers}]", "small-model") as sc:
-            paths = export_paths(sc, data[0], data[1], f"{tmp}/train", batch=BATCH)
-            paths = sc.parallelize(paths.collect(), workers)
-            sharing(sc, sc.parallelize(paths.take(2 * workers), workers), data)  # imports, connections
-            rows[f"sharing ({workers} worker{'s' * (workers > 1)})"] = median_run(
-                [sharing(sc, paths, data) for _ in range(REPEATS)]
-            )
-            if workers == 1:
-                rows["sharing (1 worker, prefetch 0)"] = median_run(
-                    [sharing(sc, paths, data, prefetch=0) for _ in range(REPEATS)]
-                )
-            for lease in LEASES if workers > 1 else ():
-                with dask.config.set({"dlscale.sharing.lease": lease}):
-                    rows[f"sharing (2 workers, lease {lease})"] = median_run(
-                        [sharing(sc, paths, data) for _ in range(REPEATS)]
-                    )
-            for frequency in AVERAGING_FREQUENCIES if workers > 1 else AVERAGING_FREQUENCIES[:1]:
-                averaging(sc, sc.parallelize(paths.take(2 * workers), workers), data, frequency)  # its first pickling
-                name = f"averaging ({workers} worker{'s' * (workers > 1)}, frequency {frequency})"
-                rows[name] = median_run([averaging(sc, paths, data, frequency) for _ in range(REPEATS)])
-                if workers > 1:
-                    rows[f"{name[:-1]}, streaming)"] = median_run(
-                        [averaging(sc, paths, data, frequency, streaming=True) for _ in range(REPEATS)]
-                    )
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        SparkContext("local[1]", "small-model-1") as one,
+        SparkContext("local[2]", "small-model-2") as two,
+    ):
+        runs = _runs(data, {1: _prepared(one, data, f"{tmp}/1", 1), 2: _prepared(two, data, f"{tmp}/2", 2)})
+        repeats: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
+        for _ in range(REPEATS):  # each repeat runs every row once: a slow spell of the machine hits them alike
+            for name, run in runs.items():
+                repeats[name].append(run())
+    rows = {name: median_run(results) for name, results in repeats.items()}
     base = rows["single"]["examples_per_s"]
     for row in rows.values():
         row["vs_single"] = row["examples_per_s"] / base
