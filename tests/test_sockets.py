@@ -1,9 +1,11 @@
 """The workers' own connections for the trainers' messages (``dlscale.training._sockets``: averaging's
 parts, sharing's updates), without a cluster: two workers' ends in one process, on 127.0.0.1, against
-what was sent."""
+what was sent; and averaging's plugin handing a part its peer cannot take there to Dask's comms, on
+in-process workers (sharing's: ``test_sharing_protocol``)."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import struct
 import threading
@@ -13,24 +15,24 @@ from typing import Any
 
 import numpy as np
 import pytest
+from distributed.utils_test import gen_cluster
 
 from dlscale.training import _sockets
-from dlscale.training._sockets import MAX_HEAD, Sockets
+from dlscale.training._sockets import MAX_HEAD, NoListener, Sockets
+from dlscale.training.averaging._worker_plugin import NAME, AveragingWorkerPlugin
 from dlscale.training.sharing._messages import packed
 
 TIMEOUT = 10.0
 
 
 class End:
-    """One worker's end: what it delivered (session, sender, the head's key and header, payload), and the
-    messages it handed to Dask's comms instead."""
+    """One worker's end: what it delivered (session, sender, the head's key and header, payload)."""
 
     def __init__(
         self, name: str, ports: dict[str, tuple[str, int] | None], sessions: set[str], largest: int = 2**30
     ) -> None:
         self.name, self.sessions = name, sessions
         self.got: list[tuple[Any, ...]] = []
-        self.elsewise: list[tuple[Any, ...]] = []
         self.delivered = threading.Condition()
         self.sockets = Sockets(
             "averaging",
@@ -39,7 +41,6 @@ class End:
             lambda s: s in self.sessions,
             self._deliver,
             self._port_of,
-            self._elsewise,
             TIMEOUT,
             2.0,
             largest,
@@ -57,10 +58,6 @@ class End:
         with self.delivered:
             self.got.append((session, sender, tuple(head["key"]), head["header"], payload))
             self.delivered.notify_all()
-
-    def _elsewise(self, session: str, peer: str, head: Any, payload: Any, done: Any) -> None:
-        self.elsewise.append((session, peer, tuple(head["key"])))
-        done(None)
 
     def wait_for(self, n: int) -> list[tuple[Any, ...]]:
         with self.delivered:
@@ -130,8 +127,8 @@ def test_a_part_of_a_session_not_open_is_dropped_and_the_next_arrives(ends) -> N
 def test_a_peer_without_a_listener_gets_its_parts_through_dask_s_comms(ends) -> None:
     a, _, ports = ends
     ports["tcp://c"] = None
-    assert sent(a, "s", "tcp://c", (0, 0, 1), {}, np.ones(5, np.float32)).wait(TIMEOUT)
-    assert a.elsewise == [("s", "tcp://c", (0, 0, 1))]
+    handed = sent(a, "s", "tcp://c", (0, 0, 1), {}, np.ones(5, np.float32))
+    assert handed.wait(TIMEOUT) and isinstance(handed.error, NoListener)  # for its sender to send elsewise
 
 
 def test_a_part_for_a_peer_gone_is_dropped_and_a_restarted_peer_is_reached_anew(ends) -> None:
@@ -145,7 +142,7 @@ def test_a_part_for_a_peer_gone_is_dropped_and_a_restarted_peer_is_reached_anew(
     for k in range(1, 4):
         later = sent(a, "s", "tcp://b", (k, 0, 1), {}, np.ones(2**20, np.float32))
         assert later.wait(TIMEOUT)
-    assert isinstance(later.error, OSError) and a.elsewise == []
+    assert isinstance(later.error, OSError)  # not NoListener: not to be sent through Dask's comms
     restarted = End("tcp://b", ports, {"s"})
     try:
         assert sent(a, "s", "tcp://b", (9, 0, 1), {}, np.ones(5, np.float32)).wait(TIMEOUT)
@@ -159,9 +156,8 @@ def test_a_peer_whose_listener_cannot_be_reached_gets_its_parts_through_dask_s_c
     a, _, ports = ends
     with socket.create_server(("127.0.0.1", 0)) as closed:
         ports["tcp://c"] = closed.getsockname()[:2]  # answers, but nothing listens there: refused
-    for k in range(2):
-        assert sent(a, "s", "tcp://c", (k, 0, 1), {}, None).wait(TIMEOUT)
-    assert a.elsewise == [("s", "tcp://c", (0, 0, 1)), ("s", "tcp://c", (1, 0, 1))]
+    handed = [sent(a, "s", "tcp://c", (k, 0, 1), {}, None) for k in range(2)]
+    assert all(h.wait(TIMEOUT) and isinstance(h.error, NoListener) for h in handed)
     (warning,) = [r for r in caplog.records if r.levelname == "WARNING"]
     assert "listener of worker tcp://c" in warning.getMessage()
     assert "dlscale.averaging.transport: dask" in warning.getMessage()
@@ -232,3 +228,25 @@ def test_a_part_larger_than_the_worker_could_hold_is_refused_unread(caplog) -> N
     finally:
         a.sockets.close()
         small.sockets.close()
+
+
+@pytest.mark.gen_cluster
+@gen_cluster(client=True)
+async def test_averaging_sends_a_part_its_peer_has_no_listener_for_through_dask_s_comms(
+    c: Any, s: Any, a: Any, b: Any
+) -> None:
+    await c.register_plugin(AveragingWorkerPlugin())
+    sender, receiver = a.plugins[NAME], b.plugins[NAME]
+    assert sender.sockets is not None
+    b.handlers["dlscale_averaging_port"] = lambda: None  # as a worker with transport "dask" answers
+    box = receiver.open("s")
+    part = np.arange(10, dtype=np.float32)
+    sender.send("s", b.address, (3, 0, 1), {"weight": 2}, part)
+    got = await asyncio.to_thread(box.wait, (3, 0, 1), {a.address}, TIMEOUT)
+    assert got is not None
+    header, payload = got[a.address]
+    assert header == {"weight": 2} and np.array_equal(payload, part)
+    deadline = time.monotonic() + TIMEOUT
+    while sender.sending("s") and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert not sender.sending("s") and sender.sockets.peers == []  # no connection made to b

@@ -16,10 +16,11 @@ bytes. Nothing is unpickled; a head is at most :data:`MAX_HEAD` bytes and a payl
 worker's memory limit (a state this worker trains could not be larger), and a payload is allocated
 only for a session open here (any other is read through a small buffer and dropped). A peer's port
 is asked once through Dask's comms and its connection kept. A message that cannot be written (its
-peer gone) is reported to its sender, which drops it or tries again. A peer that answers but whose
-listener cannot be reached (a firewall between the workers) gets its messages through Dask's comms,
-with a warning. Used where workers listen on ``tcp://``; a cluster on ``tls://`` keeps its messages
-in Dask's comms, encrypted.
+peer gone) is reported to its sender, which drops it or tries again; one for a peer without a
+listener, or whose listener cannot be reached (a firewall between the workers, with a warning), is
+handed back with :class:`NoListener`, and its sender sends it through Dask's comms instead. Used
+where workers listen on ``tcp://``; a cluster on ``tls://`` keeps its messages in Dask's comms,
+encrypted.
 """
 
 from __future__ import annotations
@@ -65,8 +66,11 @@ Deliver = Callable[[str, str, dict[str, Any], Any], None]
 """Takes a message read: its session, sender (a worker's address), head and payload."""
 Done = Callable[[BaseException | None], None]
 """Called once a message is written (``None``), or could not be (the error): from the writing thread."""
-Elsewise = Callable[[str, str, dict[str, Any], Any, Done], None]
-"""Sends a message through Dask's comms instead: its session, peer, head, payload and ``done``."""
+
+
+class NoListener(Exception):
+    """What ``done`` is told of a message for a peer that has no listener of its own, or whose listener
+    cannot be reached: not written, for its sender to send through Dask's comms."""
 
 
 def transport(master: str) -> str:
@@ -77,9 +81,7 @@ def transport(master: str) -> str:
     return value
 
 
-def open_sockets(
-    worker: Worker, master: str, wanted: Callable[[str], bool], deliver: Deliver, elsewise: Elsewise
-) -> Sockets | None:
+def open_sockets(worker: Worker, master: str, wanted: Callable[[str], bool], deliver: Deliver) -> Sockets | None:
     """``worker``'s :class:`Sockets` for ``master``'s messages, and the ``dlscale_<master>_port``
     handler through which its peers ask where they listen; ``None`` (the handler answers ``None``)
     where ``dlscale.<master>.transport`` is ``"dask"`` or the worker does not listen on ``tcp://``.
@@ -101,7 +103,6 @@ def open_sockets(
             wanted,
             deliver,
             port_of,
-            elsewise,
             timeout,
             parse_timedelta(dask.config.get("distributed.comm.timeouts.connect")),
             (worker.memory_manager.memory_limit or MEMORY_LIMIT) // 2,
@@ -114,10 +115,10 @@ class Sockets:
     """The connections of one worker for ``master`` (``"averaging"`` or ``"sharing"``): :meth:`send`
     writes a message to a peer (a worker's address) without waiting; messages read from peers go to
     ``deliver`` if ``wanted(session)`` (else they are dropped). ``port_of(peer)`` asks a peer where its
-    own listener is (``None``: it has none, and ``elsewise`` sends the message, as it does for a peer
-    whose listener cannot be reached within ``connect_timeout`` seconds: a firewall between the
-    workers). A write waits for a peer at most ``timeout`` seconds; a message of more than ``largest``
-    bytes is refused unread (its connection closed)."""
+    own listener is (``None``: it has none, and its messages are handed back with :class:`NoListener`,
+    as they are for a peer whose listener cannot be reached within ``connect_timeout`` seconds: a
+    firewall between the workers). A write waits for a peer at most ``timeout`` seconds; a message of
+    more than ``largest`` bytes is refused unread (its connection closed)."""
 
     def __init__(
         self,
@@ -127,14 +128,13 @@ class Sockets:
         wanted: Callable[[str], bool],
         deliver: Deliver,
         port_of: Callable[[str], tuple[str, int] | None],
-        elsewise: Elsewise,
         timeout: float,
         connect_timeout: float,
         largest: int,
     ) -> None:
         self.master, self.me, self.timeout, self.connect_timeout = master, me, timeout, connect_timeout
         self.largest = largest
-        self._wanted, self._deliver, self._port_of, self._elsewise = wanted, deliver, port_of, elsewise
+        self._wanted, self._deliver, self._port_of = wanted, deliver, port_of
         self._listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
         self._writers: dict[str, _Writer] = {}
@@ -165,7 +165,7 @@ class Sockets:
             writer = self._writers.get(peer)
             if writer is None:
                 writer = self._writers[peer] = _Writer(self, peer)
-            writer.queue.put((session, head, payload, frame, done))
+            writer.queue.put((session, payload, frame, done))
 
     @property
     def peers(self) -> list[str]:
@@ -280,12 +280,12 @@ class _Writer:
                     continue
                 if item is None:
                     return
-                session, head, payload, frame, done = item
+                session, payload, frame, done = item
                 try:
                     if self._write(frame, payload):
                         done(None)
                     else:
-                        s._elsewise(session, self.peer, head, payload, done)
+                        done(NoListener(self.peer))
                     continue
                 except Exception as e:  # noqa: BLE001 - a peer lost: its sender decides what follows
                     logger.debug(

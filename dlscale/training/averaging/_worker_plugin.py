@@ -28,7 +28,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import to_serialize
 
 from dlscale.runtime.retirement import retire_timeout
-from dlscale.training._sockets import Sockets, open_sockets
+from dlscale.training._sockets import NoListener, Sockets, open_sockets
 from dlscale.training.averaging._exchange import Mailbox
 
 if TYPE_CHECKING:
@@ -59,9 +59,7 @@ class AveragingWorkerPlugin(WorkerPlugin):
         self._counting = threading.Lock()
         worker.handlers["dlscale_averaging_part"] = self.part
         worker.handlers["dlscale_averaging_result"] = self.result
-        self.sockets = open_sockets(
-            worker, "averaging", lambda session: session in self.mailboxes, self._delivered, self._elsewise
-        )
+        self.sockets = open_sockets(worker, "averaging", lambda session: session in self.mailboxes, self._delivered)
 
     async def teardown(self, worker: Worker) -> None:
         """A worker closing lets its trainer leave its session at its round's end first (it sees the
@@ -75,10 +73,6 @@ class AveragingWorkerPlugin(WorkerPlugin):
     def _delivered(self, session: str, sender: str, head: dict[str, Any], payload: Any) -> None:
         """A part read from this worker's own connections."""
         self.part(session, sender, head["key"], head["header"], payload)
-
-    def _elsewise(self, session: str, peer: str, head: dict[str, Any], payload: Any, done: Any) -> None:
-        """A part for a peer without a listener of its own: through Dask's comms."""
-        self.worker.loop.add_callback(self._send, session, peer, head["key"], head["header"], payload, done)
 
     def part(self, session: str, sender: str, key: Any, header: dict[str, Any], payload: Any = None) -> None:
         """A peer's part of a round's allreduce; parts for a session not open here are dropped."""
@@ -128,10 +122,17 @@ class AveragingWorkerPlugin(WorkerPlugin):
         with self._counting:
             self.in_flight[session] = self.in_flight.get(session, 0) + 1
         done = functools.partial(self._sent, session)
-        if self.sockets is not None:
-            self.sockets.send(session, peer, {"key": list(key), "header": header}, payload, done)
-        else:
+        if self.sockets is None:
             self.worker.loop.add_callback(self._send, session, peer, key, header, payload, done)
+            return
+
+        def written(error: BaseException | None) -> None:  # a peer without a listener: through Dask's comms
+            if isinstance(error, NoListener):
+                self.worker.loop.add_callback(self._send, session, peer, key, header, payload, done)
+            else:
+                done(error)
+
+        self.sockets.send(session, peer, {"key": list(key), "header": header}, payload, written)
 
     def _sent(self, session: str, error: BaseException | None = None) -> None:
         """A send of ``session`` done; one that failed is a part lost in flight (``_trainer``)."""

@@ -22,6 +22,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from dlscale.training._sockets import NoListener
 from dlscale.training.sharing._config import SharingConfig
 from dlscale.training.sharing._limiter import ResourceLimiter
 from dlscale.training.sharing._messages import Update, framed
@@ -151,22 +152,26 @@ class PeerLinks:
                 link.call = None
 
     async def _call(self, peer: str, batch: list[Update]) -> None:
-        """Send ``batch`` to ``peer`` once: done when its bytes are handed to the connection (and, through
-        Dask's comms, when the peer has replied)."""
-        if self.sockets is None:
-            messages = [u.to_plain() for u in batch]
-            await self.rpc(peer).dlscale_update(session=self.session, sender=self.address, messages=messages)
-            return
-        loop = asyncio.get_running_loop()
-        written = loop.create_future()
+        """Send ``batch`` to ``peer`` once: done when its bytes are handed to the worker's own connection,
+        or, through Dask's comms (a worker without the connections, a peer without a listener), when the
+        peer has replied."""
+        if self.sockets is not None:
+            loop = asyncio.get_running_loop()
+            written = loop.create_future()
 
-        def done(error: BaseException | None) -> None:  # from the writing thread
-            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
-                loop.call_soon_threadsafe(_settle, written, error)
+            def done(error: BaseException | None) -> None:  # from the writing thread
+                with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
+                    loop.call_soon_threadsafe(_settle, written, error)
 
-        head, payload = framed(batch)
-        self.sockets.send(self.session, peer, head, payload, done)
-        await written
+            head, payload = framed(batch)
+            self.sockets.send(self.session, peer, head, payload, done)
+            try:
+                await written
+                return
+            except NoListener:
+                pass
+        messages = [u.to_plain() for u in batch]
+        await self.rpc(peer).dlscale_update(session=self.session, sender=self.address, messages=messages)
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:

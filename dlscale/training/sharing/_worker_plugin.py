@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from dlscale.runtime.retirement import retire_timeout
-from dlscale.training._sockets import Done, Sockets, open_sockets
+from dlscale.training._sockets import Sockets, open_sockets
 from dlscale.training.sharing._config import SharingConfig
 from dlscale.training.sharing._core import Node
 from dlscale.training.sharing._exceptions import MalformedMessageError
@@ -51,9 +51,7 @@ class SharingWorkerPlugin(WorkerPlugin):
         self.worker = worker
         self._parking = threading.Lock()  # made here: the plugin is pickled to reach the worker
         worker.handlers["dlscale_update"] = self.update
-        self.sockets = open_sockets(
-            worker, "sharing", lambda session: session in self.nodes, self._delivered, self._elsewise
-        )
+        self.sockets = open_sockets(worker, "sharing", lambda session: session in self.nodes, self._delivered)
 
     async def teardown(self, worker: Worker) -> None:
         """A worker closing lets its trainers leave their sessions first (they see it closing: see
@@ -85,21 +83,6 @@ class SharingWorkerPlugin(WorkerPlugin):
             logger.warning("gradient sharing session %s: updates from %s refused: %s", session, sender, e)
             return
         node.receive(sender, updates)
-
-    def _elsewise(self, session: str, peer: str, head: dict[str, Any], payload: Any, done: Done) -> None:
-        """Updates for a peer without a listener of its own: through Dask's comms."""
-
-        async def send() -> None:
-            error = None
-            try:
-                messages = [u.to_plain() for u in unframed(head, payload)]
-                me = self.worker.address
-                await self.worker.rpc(peer).dlscale_update(session=session, sender=me, messages=messages)
-            except Exception as e:  # noqa: BLE001 - the links retry it or drop the peer
-                error = e
-            done(error)
-
-        self.worker.loop.add_callback(send)
 
     def open(self, session: str, trainers: int, mode: str, config: SharingConfig) -> Node:
         """Start this worker's part in ``session`` for ``trainers`` local trainers, with the
