@@ -371,14 +371,15 @@ class _Averaging:
         }
 
     def _state(self, futures: dict[str, Future]) -> tuple[dict[str, Any], bool]:
-        """The trainers' common state, from one trainer that ended with it, and whether every trainer
-        did (and so parked its replica)."""
+        """The trainers' common state, from the first trainer that ended with it (one that left, was
+        stopped or was lost returns a few fields: the driver fetches one state only), and whether every
+        trainer finished (those that ended with the state parked their replicas; the next fit checks on
+        each worker that its replica is there before going on with them)."""
         finished = [f for f in futures.values() if f.status == "finished"]
-        summaries = [self.client.submit(_summary, f, pure=False) for f in finished]
-        held = [self.run.pauses.result(s) for s in summaries]
-        for f, has_state in zip(finished, held, strict=True):
-            if has_state:
-                return _network_state(f.result()), len(finished) == len(futures) and all(held)
+        for f in finished:
+            result = f.result()
+            if "params" in result:
+                return _network_state(result), len(finished) == len(futures)
         raise RuntimeError("every parameter-averaging trainer was lost; the network is unchanged")
 
     def _follow(self, session: str, futures: dict[str, Future]) -> list[Any]:
@@ -534,11 +535,6 @@ class _Averaging:
                 )
             )
         self.rounds_done[epoch] += 1
-
-
-def _summary(result: dict[str, Any]) -> bool:
-    """Whether a trainer's result holds the state (on the worker: the driver fetches one state only)."""
-    return "params" in result
 
 
 def _lost_worker(future: Future) -> bool:
