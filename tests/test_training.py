@@ -19,6 +19,8 @@ from typing import Any
 import dask
 import pytest
 import torch
+from dask.utils import key_split
+from distributed import get_task_stream
 
 import dlscale
 from dlscale import (
@@ -31,6 +33,7 @@ from dlscale import (
 )
 from dlscale.data import (
     DataSet,
+    DataSetLoader,
     DataShapeError,
     MultiDataSet,
     export_minibatches,
@@ -854,6 +857,41 @@ def test_a_fit_loop_goes_on_with_the_last_fits_replicas_unless_the_network_chang
     assert torch.equal(kept.module[1].running_mean, sent_each_time.module[1].running_mean)
     state, other = kept.optimizer_state()["state"], sent_each_time.optimizer_state()["state"]
     assert all(torch.equal(state[i]["momentum_buffer"], other[i]["momentum_buffer"]) for i in other)
+
+
+@pytest.mark.parametrize("master_name", ["averaging", "sharing"])
+def test_a_fit_going_on_with_the_last_fits_trainers_probes_no_minibatch_they_trained_on(
+    sc, tmp_path, master_name
+) -> None:
+    """A fit that goes on with the last fit's parked trainers, on the same paths read by a loader that
+    pickles alike, runs no task to probe its first minibatch: the network, unchanged since, took a step
+    on it. Another loader is probed on a parked replica; and a first file replaced since by one the
+    network cannot take is refused by the trainers, naming it, with the network unchanged."""
+    x, y = data(64)
+    export_minibatches([DataSet(x, y)], str(tmp_path / "data"), 8)
+    paths = list_paths(sc, str(tmp_path / "data"))
+    if master_name == "averaging":
+        master = ParameterAveragingTrainingMaster(8, averaging_frequency=2, rng_seed=0)
+    else:
+        master = SharedTrainingMaster(8, rng_seed=0)
+    spark_net = SparkNet(sc, mlp_network(MOMENTUM), master)
+
+    def probes(**kwargs: Any) -> list[str]:
+        with get_task_stream(sc.client) as tasks:
+            spark_net.fit_paths(paths, **kwargs)
+        return [key_split(t["key"]) for t in tasks.data if "probe" in key_split(t["key"])]
+
+    assert probes() == ["probe"]  # the network sent, and scored on the first minibatch
+    assert probes() == []  # the default loader, made anew for each fit, pickles alike
+    assert probes(loader=DataSetLoader()) == ["probe_parked"]  # on a parked replica
+    assert probes(loader=DataSetLoader()) == []
+    first = paths.first()
+    save(DataSet(torch.randn(8, 7), y[:8]), first)  # seven features where the network takes six
+    before = spark_net.network.params().clone()
+    with pytest.raises(RuntimeError) as info:
+        spark_net.fit_paths(paths, loader=DataSetLoader())
+    assert any(Path(first).name in note for note in info.value.__notes__)
+    assert torch.equal(spark_net.network.params(), before)
 
 
 @pytest.mark.parametrize("master_name", ["averaging", "sharing"])

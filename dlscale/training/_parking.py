@@ -14,6 +14,7 @@ import dataclasses
 import weakref
 from typing import Any
 
+import cloudpickle
 import crc32c
 import torch
 
@@ -22,18 +23,32 @@ import torch
 class Warm:
     """A fit's trainers, parked on their workers under its last ``session``, and what the next fit must
     match to take them back: the same ``network`` (a weak reference), unchanged since (its
-    ``fingerprint``), the master's same ``settings`` and the same ``trainers`` (where each is)."""
+    ``fingerprint``), the master's same ``settings`` and the same ``trainers`` (where each is); and
+    the first minibatch that fit trained on (``first``: its reference and its loader, pickled), if it
+    trained on every one (:meth:`trained_on`)."""
 
     session: str
     network: weakref.ref[Any]
     fingerprint: tuple[int, str]
     settings: str
     trainers: tuple[Any, ...]
+    first: tuple[Any, bytes] | None = None
 
     @classmethod
-    def left(cls, session: str, network: Any, settings: str, trainers: tuple[Any, ...]) -> Warm:
-        """What the trainers of ``session``, parked as a fit of ``network`` with ``settings`` ends, leave."""
-        return cls(session, weakref.ref(network), fingerprint(network), settings, trainers)
+    def left(
+        cls, session: str, network: Any, settings: str, trainers: tuple[Any, ...], first: tuple[Any, Any] | None
+    ) -> Warm:
+        """What the trainers of ``session``, parked as a fit of ``network`` with ``settings`` ends, leave;
+        ``first``: the reference and loader of the fit's first minibatch when it trained on every one
+        (it began at its first epoch's start), else ``None``."""
+        loaded = None if first is None else (first[0], cloudpickle.dumps(first[1]))
+        return cls(session, weakref.ref(network), fingerprint(network), settings, trainers, loaded)
+
+    def trained_on(self, ref: Any, loader: Any) -> bool:
+        """Whether the fit that left these trainers trained on minibatch ``ref`` read by ``loader`` (equal
+        references, loaders that pickle alike): a fit going on with them need not probe it, since the
+        network, unchanged since, took a step on it."""
+        return self.first is not None and self.first[0] == ref and self.first[1] == cloudpickle.dumps(loader)
 
     def same(self, network: Any, settings: str) -> bool:
         """Whether ``network``, trained with ``settings``, is the one these trainers left, unchanged."""

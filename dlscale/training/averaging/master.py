@@ -209,11 +209,11 @@ class _Averaging:
         run, client = self.run, self.client
         install(client, AVERAGING)
         nodes = workers(client)
+        left, b = self.master._warm, self.batches  # what the last fit left, taken back or forgotten below
         warm = self._take_parked(nodes)
         if probe and warm is None:
             run.probe()
-        elif probe:
-            b = self.batches
+        elif probe and not left.trained_on(b.refs[0], b.loader):
             run.pauses.result(client.submit(_probe_parked, warm, b.refs[0], b.loader, workers=[nodes[0]], pure=False))
         run.show_progress()
         remaining = self._remaining()
@@ -234,7 +234,8 @@ class _Averaging:
                 segment += 1
             session, trainers, complete = self.parked[-1] if self.parked else (None, [], False)
             if complete and self.config.keep_trainers:  # every trainer parked: the next fit can go on with them
-                self.master._warm = Warm.left(session, run.network, repr(self.master), tuple(trainers))
+                first = (self.batches.refs[0], self.batches.loader) if run.resume is None else None
+                self.master._warm = Warm.left(session, run.network, repr(self.master), tuple(trainers), first)
                 kept = True
         except Exception as e:
             lost = sorted(set(self.seen) - set(cluster_workers(client)))

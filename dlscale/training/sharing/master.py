@@ -185,14 +185,14 @@ class _Session:
     def train(self, probe: bool) -> None:
         master, client, run = self.master, self.client, self.run
         install(client, SHARING)
+        left, b = master._warm, self.batches  # what the last fit left, taken back or forgotten below
         warm = self.warm = self._take_parked()
         if warm is None:
             run.replicas = [f"{run.blob.key}/{i}" for i in range(master.workers_per_node)]
             if probe:
                 run.probe()
-        elif probe:
+        elif probe and not left.trained_on(b.refs[0], b.loader):
             w, i = next(iter(self.trainers.values()))
-            b = self.batches
             run.pauses.result(client.submit(_probe_parked, warm, i, b.refs[0], b.loader, workers=[w], pure=False))
         spec = self._spec(warm)
         if master.encoding_debug_mode:
@@ -220,7 +220,9 @@ class _Session:
                 run.write_checkpoint(due, run.position(epoch, remaining=tuple(remaining)), lambda network: None)
                 segment += 1
             if self.complete and self.config.keep_trainers:  # every trainer parked: the next fit can go on with them
-                master._warm = Warm.left(self.session, run.network, repr(master), tuple(sorted(self.trainers.items())))
+                first = (self.batches.refs[0], self.batches.loader) if run.resume is None else None
+                trainers = tuple(sorted(self.trainers.items()))
+                master._warm = Warm.left(self.session, run.network, repr(master), trainers, first)
                 kept = True
         finally:
             if not kept:
