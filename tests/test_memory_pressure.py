@@ -27,8 +27,7 @@ from dlscale import (
     StorageLevel,
 )
 from dlscale.data import DataSet, export_minibatches, list_paths
-from dlscale.nn import Network, TrainingListener
-from dlscale.nn.listeners import StepReport
+from dlscale.nn import Network
 from dlscale.runtime.cluster import PAUSE_CHECK, cluster_workers
 
 WORKERS = 2
@@ -127,21 +126,6 @@ def _release(dask_worker) -> None:
     del dask_worker.dlscale_test_ballast
 
 
-class _PauseAtFirstStep(TrainingListener):
-    """At the fit's first step report, takes the worker past Dask's pause threshold (0.8 of its limit,
-    short of its restart at 0.95) and returns once the scheduler knows it paused: the fit's end (its
-    state gathered by a task) then waits on a paused worker."""
-
-    def __init__(self, client: Client) -> None:
-        self.client, self.done = client, False
-
-    def step_done(self, network: Network, step: StepReport) -> None:
-        if self.done:
-            return
-        self.done = True
-        _pause(self.client)
-
-
 def _pause(client: Client) -> None:
     """Take every worker past Dask's pause threshold (0.8 of its limit, short of its restart at 0.95);
     returns once the scheduler knows they paused."""
@@ -153,8 +137,9 @@ def _pause(client: Client) -> None:
 
 
 def test_a_fit_waiting_on_a_worker_dask_paused_says_so_and_goes_on_once_its_memory_falls(caplog) -> None:
-    """A worker past Dask's pause threshold starts no task, so a fit waits; the driver warns, naming the
-    worker and its memory, within a look or two, and once the memory is freed the fit ends as it would have."""
+    """A worker past Dask's pause threshold takes no network sent to it and starts no task, so a fit
+    whose trainers can only run there waits; the driver warns, naming the worker and its memory, within
+    a look or two, and once the memory is freed the fit ends as it would have."""
     conf = SparkConf().setMaster("local[1]").set("spark.executor.memory", str(MEMORY_LIMIT))
     with SparkContext(conf=conf) as ctx:
         (address,) = cluster_workers(ctx.client)
@@ -165,7 +150,7 @@ def test_a_fit_waiting_on_a_worker_dask_paused_says_so_and_goes_on_once_its_memo
         nets[1].set_params(nets[0].params())
         SparkNet(ctx, nets[0], ParameterAveragingTrainingMaster(8, rng_seed=0)).fit(batches)  # the reference
         spark_net = SparkNet(ctx, nets[1], ParameterAveragingTrainingMaster(8, rng_seed=0))
-        spark_net.set_listeners(_PauseAtFirstStep(ctx.client))
+        _pause(ctx.client)
         _waits_warns_and_goes_on(ctx.client, caplog, threading.Thread(target=spark_net.fit, args=(batches,)), address)
         assert torch.equal(nets[1].params(), nets[0].params())
 

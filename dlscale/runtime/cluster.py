@@ -34,7 +34,8 @@ class PauseWatch:
     """Tells, while a driver waits on its workers, of the workers Dask has paused.
 
     A worker whose process memory passes ``distributed.worker.memory.pause`` starts no task until it
-    falls again: a fit then waits on a task there (a trainer to start, the end's summary) for as long
+    falls again, and Dask's scatter waits for it: a fit then waits on it (its network sent there, a
+    trainer to start) for as long
     as the worker holds that memory, and Dask says so only in the worker's own log. The driver warns
     once a pause, naming the worker and its memory, and says when it runs again. :meth:`check` looks at
     most every :data:`PAUSE_CHECK` seconds, so a loop may call it at every turn. ``waiting`` names what
