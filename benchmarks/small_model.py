@@ -8,7 +8,10 @@ in turn within each repeat, with ``local[1]`` and ``local[2]`` open side by side
 spell of the machine (the single process ran anywhere from 31,000 to 51,000 examples/s in runs an
 hour apart) weighs on every row alike:
 
-- **single**: plain PyTorch, one thread, the whole training timed;
+- **single**: plain PyTorch, one thread, the whole training timed, in a process of its own (started
+  for each repeat, so that neither the driver's event loops nor the open clusters share its
+  interpreter: in the driver, beside the two clusters, the same loop ran 2-11% slower in 5 of 6
+  alternated pairs);
 - **ddp**: PyTorch DDP over gloo, 2 processes × 1 thread, 16 examples each a step; as in
   ``benchmarks.compare``, its timed epochs only (after a few warm-up steps), not starting the
   processes;
@@ -38,7 +41,9 @@ defaults slower than its 1-worker fit. Results go to ``benchmarks/results/small_
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import multiprocessing
 import tempfile
 import time
 from pathlib import Path
@@ -60,6 +65,12 @@ LEASES = (1, 4)  # besides the default
 AVERAGING_FREQUENCIES = (5, 38, "auto")  # the default, once an epoch on 2 workers (75 minibatches an epoch), measured
 OPTIMIZER = functools.partial(torch.optim.SGD, lr=LR, momentum=0.9)
 PHASES = ("fit", "encode", "send", "apply", "wait")
+
+
+def single_process(data: tuple[torch.Tensor, ...]) -> dict[str, Any]:
+    """:func:`single` in a fresh process (spawned: nothing of this one's threads or clusters)."""
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(single, data).result()
 
 
 def single(data: tuple[torch.Tensor, ...]) -> dict[str, Any]:
@@ -182,7 +193,7 @@ def _prepared(sc: SparkContext, data: tuple[torch.Tensor, ...], folder: str, wor
 def _runs(data: tuple[torch.Tensor, ...], contexts: dict[int, tuple[SparkContext, Any]]) -> dict[str, Any]:
     """Every row's run, by name, in the order a repeat runs them."""
     runs: dict[str, Any] = {
-        "single": functools.partial(single, data),
+        "single": functools.partial(single_process, data),
         "ddp (2 processes)": functools.partial(ddp, data),
     }
     for workers, (sc, paths) in contexts.items():
