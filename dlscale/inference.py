@@ -36,7 +36,7 @@ def _batch_size(batch_size: int | None) -> int:
 
 
 def _shipped(network: Network, task: Any, rdd: RDD, batch_size: int, with_optimizer: bool = False) -> RDD:
-    shipped = shipping.ship(rdd.ctx.client, network, with_optimizer)
+    shipped = shipping.ship(rdd.ctx.client, network, with_optimizer, waiting="the inference")
     return rdd.map_partitions_with_future(partial(task, shipped.key, batch_size), shipped)
 
 
@@ -313,7 +313,7 @@ def predict(network: Network, data: Any, batch_size: int | None = None, columns:
     import dask.array as da
 
     size = _batch_size(batch_size)
-    blob = shipping.ship(get_client(), network)
+    blob = shipping.ship(get_client(), network, waiting="the prediction")
     key = blob.key
     if isinstance(data, da.Array):
         if data.ndim < 1:

@@ -63,7 +63,7 @@ def do_evaluation(
     if data.getNumPartitions() == 0:
         merged = templates
     else:
-        shipped = shipping.ship(data.ctx.client, network)
+        shipped = shipping.ship(data.ctx.client, network, waiting="the evaluation")
         task = partial(_evaluate_partition, shipped.key, templates, batch_size, num_workers, loader, output)
         merged = data.map_partitions_with_future(task, shipped).treeReduce(_merge_lists)
         shipped.release()

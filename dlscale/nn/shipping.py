@@ -25,6 +25,7 @@ import cloudpickle
 
 from dlscale import config
 from dlscale.errors import NetworkSerializationError
+from dlscale.runtime.cluster import watching_pauses
 from dlscale.runtime.devices import device_for
 from dlscale.runtime.replicas import EVERY_WORKER, set_replication
 
@@ -52,16 +53,19 @@ def serialise(network: Network, with_optimizer: bool = True) -> bytes:
         network.listeners, network.optimizer, network.optimizer_factory = saved
 
 
-def ship(client: Client, network: Network, with_optimizer: bool = False) -> Future:
+def ship(client: Client, network: Network, with_optimizer: bool = False, *, waiting: str) -> Future:
     """``network`` pickled (see :func:`serialise`) and held on every worker, those joining later
-    included; the future's key names it in :func:`borrow`."""
-    return ship_blob(client, serialise(network, with_optimizer))
+    included; the future's key names it in :func:`borrow`. ``waiting``: see :func:`ship_blob`."""
+    return ship_blob(client, serialise(network, with_optimizer), waiting=waiting)
 
 
-def ship_blob(client: Client, blob: bytes) -> Future:
+def ship_blob(client: Client, blob: bytes, *, waiting: str) -> Future:
     """``blob`` (a pickled network) held on every worker, those joining later included: scattered data
-    cannot be recomputed, so a single copy would take every task that needs it down with its worker."""
-    future = client.scatter([blob], broadcast=True, hash=False)[0]
+    cannot be recomputed, so a single copy would take every task that needs it down with its worker.
+    Dask's scatter waits for a paused worker to run again: the driver warns of it meanwhile, naming
+    what waits (``waiting``, as :func:`~dlscale.runtime.cluster.watching_pauses` takes it)."""
+    with watching_pauses(client, waiting):
+        future = client.scatter([blob], broadcast=True, hash=False)[0]
     set_replication(client, [future], EVERY_WORKER)
     return future
 

@@ -31,7 +31,7 @@ from dlscale.monitor.stats import TrainingStats
 from dlscale.nn import shipping
 from dlscale.nn.listeners import SentUpdate, StepReport, TrainingListener
 from dlscale.nn.network import Network
-from dlscale.runtime.cluster import PauseWatch, cluster_workers, watching_pauses
+from dlscale.runtime.cluster import PauseWatch, cluster_workers
 from dlscale.runtime.extensions import install
 from dlscale.runtime.retirement import RETIREMENT
 from dlscale.training import _worker
@@ -210,8 +210,7 @@ class FitRun:
         if self._shipped is None:
             if self._blob is None:
                 self._blob = shipping.serialise(self.network)
-            with watching_pauses(self.client, "the fit"):  # Dask's scatter waits for paused workers to run
-                self._shipped = shipping.ship_blob(self.client, self._blob)
+            self._shipped = shipping.ship_blob(self.client, self._blob, waiting="the fit")
             self.replicas = [self._shipped.key]
         return self._shipped
 
