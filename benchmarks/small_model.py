@@ -65,7 +65,8 @@ from dlscale.nn import Network
 RESULTS = Path(__file__).resolve().parent / "results" / "small_model.json"
 BATCH, EPOCHS, LR, REPEATS = 16, 20, 0.01, 3
 LEASES = (1, 4)  # besides the default
-AVERAGING_FREQUENCIES = (5, 38, "auto")  # the default, once an epoch on 2 workers (75 minibatches an epoch), measured
+ONCE_AN_EPOCH = 38  # on 2 workers: each worker's share of an epoch's 75 minibatches
+AVERAGING_FREQUENCIES = (5, ONCE_AN_EPOCH, "auto")  # the default, once an epoch on 2 workers, measured
 OPTIMIZER = functools.partial(torch.optim.SGD, lr=LR, momentum=0.9)
 PHASES = ("fit", "encode", "send", "apply", "wait")
 
@@ -220,9 +221,8 @@ def _runs(data: tuple[torch.Tensor, ...], contexts: dict[int, tuple[SparkContext
             if workers > 1:
                 runs[f"{name[:-1]}, streaming)"] = functools.partial(averaging, sc, paths, data, frequency, True)
         if workers > 1:  # DL4J's loop of a fit per epoch, once an epoch: each fit's fixed costs paid every epoch
-            once = AVERAGING_FREQUENCIES[1]
-            loop = functools.partial(averaging, sc, paths, data, once, True, EPOCHS)
-            runs[f"a fit per epoch: averaging ({label}, frequency {once}, streaming)"] = loop
+            loop = functools.partial(averaging, sc, paths, data, ONCE_AN_EPOCH, True, EPOCHS)
+            runs[f"a fit per epoch: averaging ({label}, frequency {ONCE_AN_EPOCH}, streaming)"] = loop
     return runs
 
 
