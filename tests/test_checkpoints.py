@@ -206,6 +206,7 @@ def _alive(pids: set[int]) -> set[int]:
     return alive
 
 
+@pytest.mark.slow  # three drivers, each starting its cluster: about 50 s
 def test_a_driver_killed_mid_fit_frees_its_workers_and_the_fit_resumes_in_a_new_process(tmp_path: Path) -> None:
     script = tmp_path / "job.py"
     script.write_text(_JOB)

@@ -125,7 +125,10 @@ def test_a_worker_that_joins_a_sharing_fit_trains_a_share_of_the_rest() -> None:
     joined = [step for t in trainers if t.worker != first for step, *_ in t.steps]
     rest = [step for t in trainers for step, *_ in t.steps if step >= min(joined)]
     assert len(joined) >= 0.3 * len(rest), (len(joined), len(rest), planned - scaler.scaled_at)
-    assert accuracy >= reference - 0.02, (accuracy, reference)
+    # both fits are asynchronous and move with timing (297 test digits, 0.0034 each): 26 pairs measured
+    # quiet and beside the test suite differ by -0.013 to +0.007 (references 0.919-0.933, joined
+    # 0.916-0.933); one run in CI by -0.020 (0.909 against 0.929)
+    assert accuracy >= reference - 0.025, (accuracy, reference)
 
 
 def _replay(rounds: list[Any]) -> Network:

@@ -781,7 +781,7 @@ async def _mesh_round(nodes: dict[str, Node], version: int, seq: int) -> None:
         node.inboxes[0].clear()
 
 
-@pytest.mark.parametrize("mode, fanout", [("mesh", 4), ("plain", 4)])
+@pytest.mark.parametrize("mode, fanout", [("mesh", 4), pytest.param("plain", 4, marks=pytest.mark.slow)])
 def test_every_update_reaches_every_peer_once_on_64_nodes(mode: str, fanout: int) -> None:
     config = dataclasses.replace(SharingConfig.from_dask(), mesh_fanout=fanout)
 
