@@ -107,12 +107,15 @@ AVERAGING = (
     "streaming_f50",
     "streaming_f50_fp16",
     "streaming_f50_int8",
+    "streaming_f50_onefit",
     "streaming_auto",
 )
 """dlscale's parameter averaging: every 10 or 50 minibatches, the states exchanged in 16 bits, DiLoCo's
 Nesterov outer step (lr 0.7, momentum 0.9), "auto", ``fit(rdd)`` (the default export, its first
 epoch exporting) in place of ``fit_paths``, and streaming rounds (``streaming=True``), their states
-exchanged in 16 and 8 bits too."""
+exchanged in 16 and 8 bits too, and every epoch in one fit (``_onefit``: ``fit_paths(paths, epochs=...)``,
+as on a slow link, where each fit's start and end send the whole state; its test accuracy is then
+known at the end only)."""
 RUNNERS = ("single", "ceiling", "ddp", "ddp_powersgd", "torch_distributor", *AVERAGING, "sharing")
 DEVICE_RUNNERS = ("single", "ceiling", *AVERAGING, "sharing")  # those that run on one shared GPU
 # Runs that move dense tensors every step or round take minutes a epoch at 100 Mbit/s: there they
@@ -352,7 +355,7 @@ def run_dlscale(
 ) -> None:
     """A SparkNet on ``local[workers]`` (one thread each, training on ``device``) fitting minibatch
     files exported before timing, one ``fit_paths`` per epoch so that the network can be evaluated
-    between epochs."""
+    between epochs (one for them all with ``_onefit``)."""
     from dlscale import (
         ParameterAveragingTrainingMaster,
         SharedTrainingMaster,
@@ -380,11 +383,12 @@ def run_dlscale(
         spark_net = SparkNet(sc, net, master())
         elapsed, curve, edges, rounds = 0.0, [], [], []
         rdd = sc.parallelize(DataSet(x, y).batch_by(BATCH), workers) if master_name.endswith("_rdd") else None
+        fits, per_fit = (1, epochs) if master_name.endswith("_onefit") else (epochs, 1)
         with measured(out):
-            for _ in range(epochs):
+            for _ in range(fits):
                 start, wall = time.perf_counter(), time.time()
                 if rdd is None:
-                    spark_net.fit_paths(paths)
+                    spark_net.fit_paths(paths, epochs=per_fit)
                 else:
                     spark_net.fit(rdd)
                 elapsed += time.perf_counter() - start
