@@ -100,6 +100,29 @@ def test_a_worker_the_cluster_was_asked_for_is_waited_for_and_trained_on(caplog:
         assert any(r.getMessage().startswith("training on 2 workers: tcp://127.0.0.1:") for r in caplog.records)
 
 
+def test_a_loop_of_fits_names_its_workers_once_and_again_when_they_change(caplog: pytest.LogCaptureFixture) -> None:
+    """One fit per epoch, as DL4J's examples train: the workers trained on are logged by the first fit and
+    by a fit whose workers differ from the last one's; the fits between log them at debug level."""
+    with _cluster(pending=0) as cluster, SparkContext(cluster=cluster) as sc:
+        spark_net = SparkNet(sc, _net(), ParameterAveragingTrainingMaster(8, rng_seed=0))
+        with caplog.at_level(logging.DEBUG, logger="dlscale"):
+            for _ in range(2):
+                spark_net.fit(_data(sc))
+            cluster.scale(2)
+            sc.client.wait_for_workers(2, timeout=30)
+            spark_net.fit(_data(sc))
+        told = [
+            (r.levelno, r.getMessage().split(":")[0])
+            for r in caplog.records
+            if r.getMessage().startswith("training on")
+        ]
+        assert told == [
+            (logging.INFO, "training on 1 worker"),
+            (logging.DEBUG, "training on 1 worker"),
+            (logging.INFO, "training on 2 workers"),
+        ]
+
+
 def test_bad_minimum_is_refused() -> None:
     with _cluster(pending=0) as cluster, SparkContext(cluster=cluster) as sc:
         with dask.config.set({"dlscale.training.min-workers": 0}):

@@ -297,6 +297,7 @@ def test_outside_a_terminal_a_line_per_epoch_and_the_panel_once(tmp_path: Path) 
     assert "\r" not in done.stderr
     panel = re.findall(LOGGED + r"training panel at http://127\.0\.0\.1:\d+/training\n", done.stderr)
     assert len(panel) == 1  # two fits, one context
+    assert len(re.findall(LOGGED + r"training on 2 workers: ", done.stderr)) == 1  # the same workers
     epoch = LOGGED + r"gradient sharing: epoch (\d/\d), 3,072 examples in [\d.]+ s, [\d,]+ examples/s, loss [\d.e-]+, "
     assert re.findall(epoch, done.stderr) == ["1/3", "2/3", "3/3", "4/6", "5/6", "6/6"], done.stderr
 

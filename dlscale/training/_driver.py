@@ -15,6 +15,7 @@ import logging
 import math
 import secrets
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -124,10 +125,16 @@ def _pending(client: Client) -> str:
     return f"; {cluster_name} has {len(pending)} job(s) not connected yet (pending or starting): {_listed(pending)}"
 
 
+_told: weakref.WeakKeyDictionary[Client, list[str]] = weakref.WeakKeyDictionary()
+"""The workers each client's last fit started on, as logged: a loop of one fit per epoch on the same
+workers says which they are once, not once a fit (the debug log has every fit's)."""
+
+
 def start_workers(client: Client) -> list[str]:
     """The workers a fit starts on, sorted, once :func:`wanted_workers` are up: on a batch system they join as
     their jobs start, and a fit that began with the first would leave the others idle. Waits up to
-    ``dlscale.training.workers-timeout``, then fails naming how many are up and which jobs are pending."""
+    ``dlscale.training.workers-timeout``, then fails naming how many are up and which jobs are pending.
+    Logs them when they are not those of the client's last fit."""
     wanted = wanted_workers(client)
     timeout = parse_timedelta(config.get("training.workers-timeout"))
     start = time.monotonic()
@@ -144,7 +151,9 @@ def start_workers(client: Client) -> list[str]:
             logger.info("waiting for workers: %d of %d up%s", len(found), wanted, _pending(client))
             told = now
         time.sleep(0.2)
-    logger.info("training on %d worker%s: %s", len(found), "s" * (len(found) > 1), _listed(found))
+    level = logging.DEBUG if _told.get(client) == found else logging.INFO
+    _told[client] = found
+    logger.log(level, "training on %d worker%s: %s", len(found), "s" * (len(found) > 1), _listed(found))
     return found
 
 
