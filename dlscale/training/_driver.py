@@ -198,6 +198,7 @@ class FitRun:
         )
         self._row_phases = panel.RowPhases(self.stats) if self.stats is not None else None
         self._blob = blob
+        self.parked_network = blob is None  # the master found the network as the last fit's parked trainers left it
         self._counters = self.network.iteration, self.network.epoch
         self._first_epoch = resume.first_epoch if resume is not None else self.network.epoch
         self.fit_id: str | None = None

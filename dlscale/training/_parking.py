@@ -54,10 +54,6 @@ class Warm:
         """Whether ``network``, trained with ``settings``, is the one these trainers left, unchanged."""
         return self.network() is network and self.settings == settings and self.fingerprint == fingerprint(network)
 
-    def matches(self, network: Any, settings: str, trainers: tuple[Any, ...]) -> bool:
-        """Whether a fit of ``network`` with ``settings`` on ``trainers`` can go on with these."""
-        return self.trainers == trainers and self.same(network, settings)
-
 
 def fingerprint(network: Any) -> tuple[int, str]:
     """A digest of ``network``'s state: the CRC-32C of its parameters, buffers and optimizer state

@@ -254,7 +254,7 @@ class _Averaging:
         warm, self.master._warm = self.master._warm, None
         if warm is None:
             return None
-        usable = self.run.resume is None and warm.matches(self.run.network, repr(self.master), tuple(nodes))
+        usable = self.run.resume is None and self.run.parked_network and warm.trainers == tuple(nodes)
         if usable:
             usable = all(self.client.run(_is_parked, warm.session, workers=nodes).values())
         if not usable:
@@ -266,12 +266,14 @@ class _Averaging:
 
     def _forget(self, keep: str | None) -> None:
         """Drop the replicas that this fit's segments parked, but those of session ``keep``."""
+        dropped = [(session, trainers) for session, trainers, _ in self.parked if session != keep]
+        if not dropped:
+            return
         with contextlib.suppress(Exception):  # after a failure, the failure matters, not this
             alive = set(cluster_workers(self.client))
-            for session, trainers, _ in self.parked:
-                if session != keep:
-                    on = [w for w in trainers if w in alive]
-                    self.client.run(_forget_parked, session, workers=on, on_error="ignore")
+            for session, trainers in dropped:
+                on = [w for w in trainers if w in alive]
+                self.client.run(_forget_parked, session, workers=on, on_error="ignore")
 
     def _note_lost(self, alive: list[str]) -> None:
         """Warn once about each worker of the fit that was lost (not retired): the others train its share."""

@@ -262,7 +262,8 @@ class _Session:
         usable = (
             self.run.resume is None
             and alive.issuperset(nodes)
-            and warm.matches(self.run.network, repr(self.master), tuple(sorted(self.trainers.items())))
+            and self.run.parked_network
+            and warm.trainers == tuple(sorted(self.trainers.items()))
         )
         if usable:
             held = self.client.run(_parked, warm.session, workers=nodes)
