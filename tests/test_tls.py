@@ -5,6 +5,9 @@ not the workers' own plain TCP connections), evaluation and keyed inference all 
 from __future__ import annotations
 
 import functools
+import gc
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -76,10 +79,24 @@ def test_training_evaluation_and_inference_over_tls(tls_cluster, tmp_path) -> No
         )
 
 
-def test_without_credentials_the_connection_is_refused(tls_cluster) -> None:
+def test_without_credentials_the_connection_is_refused_and_its_client_closed(tls_cluster) -> None:
+    """The client that could not connect is closed then, its event loop's thread ended: left for the
+    garbage collector, its ``__del__`` could deadlock a client being made at that moment (distributed's
+    loop runners share one lock), as it once hung the next test's ``SparkContext``."""
     cluster, _ = tls_cluster
-    with pytest.raises(ClusterConnectionError, match="needs TLS credentials: pass security="):
-        SparkContext(cluster.scheduler_address, "no credentials")
+    loops = {t for t in threading.enumerate() if t.name == "IO loop"}
+    gc.disable()  # nothing is closed by the collector meanwhile
+    try:
+        with pytest.raises(ClusterConnectionError, match="needs TLS credentials: pass security="):
+            SparkContext(cluster.scheduler_address, "no credentials")
+        deadline = time.monotonic() + 10
+        while (
+            left := {t for t in threading.enumerate() if t.name == "IO loop"} - loops
+        ) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        gc.enable()
+    assert not left
 
 
 def test_parameter_averaging_keeps_its_parts_in_the_encrypted_comms(tls_cluster, tmp_path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import importlib
 import itertools
@@ -182,15 +183,39 @@ def _connect_to_scheduler(master: str, security: distributed.Security | None) ->
     timeout = config.get("connect-timeout")
     try:
         return distributed.Client(master, timeout=timeout, security=security)
-    except TypeError as e:
+    except Exception as e:
+        _close_unmade(e)
+        _explain(e, master, scheme, location, timeout)
+        raise
+
+
+def _close_unmade(error: BaseException) -> None:
+    """Close the client whose making raised ``error`` (found in its traceback): its event loop thread runs
+    until it is closed, and left to the garbage collector, its ``__del__`` stops that thread's loop runner
+    under the lock of every loop runner, which a client being made in the same thread at that moment
+    holds: a deadlock of the process (distributed's ``LoopRunner``)."""
+    trace = error.__traceback__
+    while trace is not None:
+        unmade = trace.tb_frame.f_locals.get("self")
+        if isinstance(unmade, distributed.Client):
+            with contextlib.suppress(Exception):
+                unmade.close()
+            return
+        trace = trace.tb_next
+
+
+def _explain(e: Exception, master: str, scheme: str, location: str, timeout: Any) -> None:
+    """Raise what a user can do about ``e``, the failure to connect to ``master``, where there is
+    something to say; return otherwise."""
+    if isinstance(e, TypeError):
         if scheme != "tls":
-            raise
+            return
         raise ClusterConnectionError(
             f"{master} needs TLS credentials: pass security=distributed.Security(...) or set "
             "distributed.comm.tls.ca-file and distributed.comm.tls.client.cert/key in Dask's "
             f"configuration ({e})"
         ) from e
-    except (OSError, TimeoutError, ValueError) as e:
+    if isinstance(e, (OSError, TimeoutError, ValueError)):
         if scheme == "tls" and _tls_failure(e):
             raise ClusterConnectionError(
                 f"the TLS handshake with the Dask scheduler at {master} failed ({_cause(e)}): the scheduler "
@@ -198,7 +223,7 @@ def _connect_to_scheduler(master: str, security: distributed.Security | None) ->
                 "security= or distributed.comm.tls.* in Dask's configuration)"
             ) from e
         if isinstance(e, ValueError):
-            raise
+            return
         raise ClusterConnectionError(
             f"could not reach the Dask scheduler at {master} within {timeout} (dlscale.connect-timeout): {_cause(e)}"
         ) from e
