@@ -182,26 +182,30 @@ def _connect_to_scheduler(master: str, security: distributed.Security | None) ->
             raise MasterURLError(f"master {master!r} is not a valid scheduler address: {e}") from e
     timeout = config.get("connect-timeout")
     try:
-        return distributed.Client(master, timeout=timeout, security=security)
+        return _new_client(master, timeout=timeout, security=security)
     except Exception as e:
-        _close_unmade(e)
         _explain(e, master, scheme, location, timeout)
         raise
 
 
-def _close_unmade(error: BaseException) -> None:
-    """Close the client whose making raised ``error`` (found in its traceback): its event loop thread runs
-    until it is closed, and left to the garbage collector, its ``__del__`` stops that thread's loop runner
-    under the lock of every loop runner, which a client being made in the same thread at that moment
-    holds: a deadlock of the process (distributed's ``LoopRunner``)."""
-    trace = error.__traceback__
-    while trace is not None:
-        unmade = trace.tb_frame.f_locals.get("self")
-        if isinstance(unmade, distributed.Client):
-            with contextlib.suppress(Exception):
-                unmade.close()
-            return
-        trace = trace.tb_next
+def _new_client(*args: Any, **kwargs: Any) -> distributed.Client:
+    """``distributed.Client(*args, **kwargs)``; one whose making raised is closed first (found in the
+    error's traceback): its event loop thread runs until it is closed, and left to the garbage
+    collector, its ``__del__`` stops that thread's loop runner under the lock of every loop runner, which
+    a client being made in the same thread at that moment holds: a deadlock of the process
+    (distributed's ``LoopRunner``)."""
+    try:
+        return distributed.Client(*args, **kwargs)
+    except Exception as e:
+        trace = e.__traceback__
+        while trace is not None:
+            unmade = trace.tb_frame.f_locals.get("self")
+            if isinstance(unmade, distributed.Client):
+                with contextlib.suppress(Exception):
+                    unmade.close()
+                break
+            trace = trace.tb_next
+        raise
 
 
 def _explain(e: Exception, master: str, scheme: str, location: str, timeout: Any) -> None:
@@ -266,7 +270,7 @@ class SparkContext:
             self._client = client
         elif cluster is not None:
             self.master = cluster.scheduler_address
-            self._client = distributed.Client(cluster)
+            self._client = _new_client(cluster)
         else:
             self.master = master or self._conf.get("spark.master") or "local[*]"
             self._client = self._connect(self.master, security)
@@ -325,7 +329,7 @@ class SparkContext:
             # Its workers are on this machine: scattered networks and gathered results go straight to and
             # from them, not through the scheduler, which carries each twice. Dask's own setting wins.
             direct = dask.config.get("distributed.client.direct-to-workers")
-            return distributed.Client(self._owned_cluster, direct_to_workers=True if direct is None else direct)
+            return _new_client(self._owned_cluster, direct_to_workers=True if direct is None else direct)
         if _ADDRESS.match(master):
             return _connect_to_scheduler(master, security)
         hint = ""
