@@ -6,7 +6,11 @@ minibatches of 64 on a synthetic 10-class problem of MNIST's shape, 25,600 train
 examples. Only torch is imported with this module; the helpers that need dlscale import it when
 called, so that the DDP baseline's processes (``benchmarks._ddp``) never load dlscale.
 
-Every benchmark takes ``--smoke`` and ``--out`` (:func:`command_line`, :func:`parse`). A smoke run
+Every benchmark takes ``--smoke``, ``--out`` and ``--allow-dirty`` (:func:`command_line`, :func:`parse`),
+and its ``--help`` lists its runners or cases, a line each. Every results file names the code it ran
+(:func:`provenance`): the commit, whether the tree was clean, the whole command line, when it started
+and ended. A run from a tree with uncommitted changes writes to ``benchmarks/results/`` only with
+``--allow-dirty``, and its file says ``"clean": false`` with the changed paths. A smoke run
 checks that the benchmark still works, in seconds: small data, a few steps, one seed, one repeat;
 its figures mean nothing, so its results go to ``--out`` or to a scratch folder
 (:data:`SCRATCH`), never to ``benchmarks/results/``, and say ``"smoke": true``. The smoke switch
@@ -24,12 +28,14 @@ import json
 import operator
 import os
 import platform
+import shlex
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -147,10 +153,18 @@ def export_paths(sc: SparkContext, x: torch.Tensor, y: torch.Tensor, url: str, b
     return list_paths(sc, url)
 
 
-def command_line(description: str | None) -> argparse.ArgumentParser:
-    """A benchmark's argument parser, with the options every benchmark takes: ``--smoke`` and ``--out``.
-    Add the benchmark's own, then :func:`parse`."""
-    parser = argparse.ArgumentParser(description=description)
+def command_line(
+    description: str | None, cases: Mapping[str, str] | None = None, title: str = "runners"
+) -> argparse.ArgumentParser:
+    """A benchmark's argument parser, with the options every benchmark takes: ``--smoke``, ``--out`` and
+    ``--allow-dirty``; ``cases`` (a name and one line each: the runners, cases or rows the benchmark
+    measures) are listed under ``title`` at the end of its ``--help``. Add the benchmark's own, then
+    :func:`parse`."""
+    parser = argparse.ArgumentParser(
+        description=description,
+        epilog=listing(cases, title) if cases else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument(
         "--smoke",
         action="store_true",
@@ -163,7 +177,18 @@ def command_line(description: str | None) -> argparse.ArgumentParser:
         metavar="FILE",
         help=f"the results file (default benchmarks/results/NAME.json; with --smoke, NAME.json in {SCRATCH})",
     )
+    parser.add_argument(
+        "--allow-dirty",
+        action="store_true",
+        help="write to benchmarks/results/ from a tree with uncommitted changes (the file says so and lists them)",
+    )
     return parser
+
+
+def listing(cases: Mapping[str, str], title: str) -> str:
+    """``cases`` under ``title``, a line each, as the end of a ``--help``."""
+    width = max(map(len, cases))
+    return f"{title}:\n" + "\n".join(f"  {name:<{width}}  {line}" for name, line in cases.items())
 
 
 def parse(
@@ -173,7 +198,10 @@ def parse(
     benchmark writes none unless asked), else in a smoke run a file of ``results``' name in :data:`SCRATCH`.
     A smoke run (``--smoke``, or a process that a smoke run started) takes ``smoke_defaults`` as the
     defaults of those options (``seeds=1``: one seed unless ``--seeds`` says otherwise), refuses an
-    ``--out`` under ``benchmarks/results/`` and sets :data:`SMOKE_ENV` for the processes it starts."""
+    ``--out`` under ``benchmarks/results/`` and sets :data:`SMOKE_ENV` for the processes it starts.
+    The run's :func:`provenance` is taken here, before anything is measured; one that would write
+    under ``benchmarks/results/`` from a tree with uncommitted changes is refused without
+    ``--allow-dirty``."""
     if smoke_defaults and (SMOKE or parser.parse_known_args(argv)[0].smoke):
         parser.set_defaults(**smoke_defaults)
     args = parser.parse_args(argv)
@@ -187,7 +215,54 @@ def parse(
         _smoke_workload()
     else:
         args.out = args.out or results
+    global _RUN
+    _RUN = provenance()
+    if args.out is not None and args.out.resolve().is_relative_to(RESULTS) and not _RUN["clean"]:
+        if not args.allow_dirty:
+            changed = ", ".join(_RUN.get("changes", [])[:5]) or "not a git checkout"
+            parser.error(
+                f"the tree has uncommitted changes ({changed}): commit them, write elsewhere with --out FILE, "
+                "or record this run as from a dirty tree with --allow-dirty"
+            )
     return args
+
+
+_RUN: dict[str, Any] | None = None
+"""This process's :func:`provenance`, taken by :func:`parse`."""
+OUTPUTS = ("benchmarks/results/", "docs/images/")
+"""What runs write: changes there do not make the tree dirty (a run may follow another's uncommitted results)."""
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(
+            ["git", *args], cwd=RESULTS.parent.parent, capture_output=True, text=True, timeout=30, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout
+
+
+def provenance() -> dict[str, Any]:
+    """What code a run ran and how it was called: the commit (None outside a git checkout), whether
+    the tree was clean (uncommitted changes outside :data:`OUTPUTS`, untracked files included, make it
+    dirty: ``changes`` lists them), the command line as typed, and the start time (UTC)."""
+    commit = _git("rev-parse", "HEAD")
+    status = _git("status", "--porcelain", "--untracked-files=all")
+    changes = None if status is None else [line[3:] for line in status.splitlines() if not line[3:].startswith(OUTPUTS)]
+    module = Path(sys.argv[0]).stem
+    program = f"python -m benchmarks.{module}" if Path(sys.argv[0]).parent == RESULTS.parent else sys.argv[0]
+    return {
+        "commit": commit.strip() if commit else None,
+        "clean": commit is not None and changes == [],
+        **({"changes": changes} if changes else {}),
+        "command": " ".join([program, *map(shlex.quote, sys.argv[1:])]),
+        "started": _now(),
+    }
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
 def _smoke_workload() -> None:
@@ -224,27 +299,52 @@ def java_missing() -> str | None:
 
 
 def header(benchmark: str, **machine: Any) -> dict[str, Any]:
-    """The head of a results file: the benchmark, the date (UTC), and the machine (Python, torch,
-    dlscale, cores and platform, with the versions in ``machine``); ``"smoke": true`` in a smoke run."""
+    """The head of a results file: the benchmark, its :func:`provenance` (``run``), the start date
+    (UTC), and the machine (Python, torch, dlscale, cores, CPU, memory and platform, with the versions in
+    ``machine``); ``"smoke": true`` in a smoke run. :func:`write_results` adds the end time."""
     from dlscale import __version__
 
+    run = dict(_RUN or provenance())
     return {
         "benchmark": benchmark,
         **({"smoke": True} if SMOKE else {}),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "run": run,
+        "date": run["started"],
         "machine": {
             "python": platform.python_version(),
             "torch": torch.__version__,
             "dlscale": __version__,
             "cpu_count": os.cpu_count(),
+            "cpu": _cpu_model(),
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
             "platform": platform.platform(),
             **machine,
         },
     }
 
 
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def write_results(path: Path, report: dict[str, Any], indent: int = 2) -> None:
-    """Write ``report`` as JSON to ``path`` and say where."""
+    """Write ``report`` as JSON to ``path`` and say where, its ``run`` ended now (and naming the commit
+    checked out then, when it differs). A report without a :func:`header` is refused under
+    ``benchmarks/results/``: every recorded figure names its code."""
+    if "run" not in report:
+        if path.resolve().is_relative_to(RESULTS):
+            raise ValueError(f"{path}: a results file needs the run's header (benchmarks._common.header)")
+    else:
+        report["run"]["ended"] = _now()
+        head = _git("rev-parse", "HEAD")
+        if head and head.strip() != report["run"]["commit"]:
+            report["run"]["commit_at_end"] = head.strip()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=indent) + "\n")
     print(f"wrote {path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}")

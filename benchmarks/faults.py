@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
         earlier = json.loads(args.out.read_text())
         for c in earlier["configs"]:
             if f"{c['master']}:{c['approach']}" not in args.configs:
-                kept.append({**c, "date": c.get("date", earlier["date"])})
+                kept.append({**c, "date": c.get("date", earlier["date"]), "commit": c.get("commit")})
     data = digits()
     x, y, _, _ = data
     report: dict[str, Any] = {
@@ -291,7 +291,8 @@ def main(argv: list[str] | None = None) -> None:
                 if hung:
                     print(f"{kind} {approach}: a fit hung; the rest of these fits are not run", flush=True)
                     break
-            summary = {**_summary(kind, approach, unfaulted, faulted), "date": header("faults")["date"]}
+            summary = {**_summary(kind, approach, unfaulted, faulted), "date": report["date"]}
+            summary["commit"] = report["run"]["commit"]
             summaries.append(summary)
             report["configs"].append({**summary, "unfaulted_runs": unfaulted, "faulted_runs": faulted})
             report["table"] = _table(summaries)

@@ -46,7 +46,6 @@ import importlib
 import importlib.util
 import json
 import os
-import platform
 import shutil
 import signal
 import subprocess
@@ -62,7 +61,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import command_line, java_missing, parse, unavailable
+from benchmarks._common import command_line, header, java_missing, parse, unavailable, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results" / "pyspark_tests.json"
 SYSTEMS = ("pyspark", "dlscale")
@@ -447,23 +446,11 @@ def java_version() -> str | None:
     return lines[0] if lines else None
 
 
-def git_commit() -> str | None:
-    """The repository's commit, with ``-dirty`` when its working tree has changes."""
-    repo = Path(__file__).resolve().parent.parent
-    try:
-        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=repo, capture_output=True, text=True)
-    except OSError:
-        return None
-    return out.stdout.strip() or None
-
-
 def build_report(modules: dict[str, Record], settings: Record) -> Record:
     """Everything that goes into the results file."""
     import dask
     import distributed
     import pyspark
-
-    from dlscale import __version__ as dlscale_version
 
     all_tests = {(m, t): r for m, rep in modules.items() for t, r in rep["tests"].items()}
     summary = {s: totals([r[s] for r in all_tests.values() if r.get(s) is not None]) for s in SYSTEMS if modules}
@@ -471,19 +458,13 @@ def build_report(modules: dict[str, Record], settings: Record) -> Record:
     spark_only = sum(len(passing(rep, "pyspark") - passing(rep, "dlscale")) for rep in modules.values())
     dlscale_only = sum(len(passing(rep, "dlscale") - passing(rep, "pyspark")) for rep in modules.values())
     return {
-        "benchmark": "pyspark_tests",
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {
-            "python": platform.python_version(),
-            "dlscale": dlscale_version,
-            "pyspark": pyspark.__version__,
-            "dask": dask.__version__,
-            "distributed": distributed.__version__,
-            "java": java_version(),
-            "dlscale_commit": git_commit(),
-            "cpu_count": os.cpu_count(),
-            "platform": platform.platform(),
-        },
+        **header(
+            "pyspark_tests",
+            pyspark=pyspark.__version__,
+            dask=dask.__version__,
+            distributed=distributed.__version__,
+            java=java_version(),
+        ),
         "settings": settings,
         "totals": {**summary, "pass_both": both, "pass_pyspark_only": spark_only, "pass_dlscale_only": dlscale_only},
         "modules": modules,
@@ -597,14 +578,10 @@ def main(argv: list[str] | None = None) -> None:
         if args.logs is None:
             shutil.rmtree(logs, ignore_errors=True)
     report = portable(build_report(reports, settings), places(args.spark_tests))
-    if args.smoke:
-        report = {"benchmark": report.pop("benchmark"), "smoke": True, **report}
     if stand_in is not None:
         shutil.rmtree(stand_in, ignore_errors=True)
     print_report(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, report, indent=1)
 
 
 if __name__ == "__main__":

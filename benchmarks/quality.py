@@ -315,7 +315,8 @@ def _key(run: dict[str, Any]) -> tuple[Any, ...]:
 
 def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per model, method, aggregation and workers: mean, std, min and max of test accuracy over the
-    seeds, and the mean bytes sent per trainer against dense updates."""
+    seeds, the commits its runs ran on (a run kept from an earlier file without one: "unrecorded"),
+    and the mean bytes sent per trainer against dense updates."""
     groups: dict[tuple[str, str, str | None, int], list[dict[str, Any]]] = {}
     for r in runs:
         groups.setdefault((r["model"], r["method"], r["aggregation"], r["workers"]), []).append(r)
@@ -343,6 +344,7 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
             "min": min(accs),
             "max": max(accs),
+            "commits": sorted({r.get("commit") or "unrecorded" for r in rs}),
         }
         if method not in ("single", LARGE_BATCH):
             row["bytes_sent_per_trainer"] = statistics.fmean(r["bytes_sent_per_trainer"] for r in rs)
@@ -474,7 +476,7 @@ def main(argv: list[str] | None = None) -> None:
     }
 
     def record(run: dict[str, Any]) -> None:
-        report["runs"].append(run)
+        report["runs"].append({**run, "commit": report["run"]["commit"]})
         write_results(path, {**report, "summary": summarise(report["runs"])}, indent=1)
 
     with tempfile.TemporaryDirectory(prefix="dlscale-quality-") as tmp:
