@@ -299,7 +299,7 @@ def java_missing() -> str | None:
 
 
 def header(benchmark: str, **machine: Any) -> dict[str, Any]:
-    """The head of a results file: the benchmark, its :func:`provenance` (``run``), the start date
+    """The head of a results file: the benchmark, its :func:`provenance`, the start date
     (UTC), and the machine (Python, torch, dlscale, cores, CPU, memory and platform, with the versions in
     ``machine``); ``"smoke": true`` in a smoke run. :func:`write_results` adds the end time."""
     from dlscale import __version__
@@ -308,7 +308,7 @@ def header(benchmark: str, **machine: Any) -> dict[str, Any]:
     return {
         "benchmark": benchmark,
         **({"smoke": True} if SMOKE else {}),
-        "run": run,
+        "provenance": run,
         "date": run["started"],
         "machine": {
             "python": platform.python_version(),
@@ -334,17 +334,17 @@ def _cpu_model() -> str:
 
 
 def write_results(path: Path, report: dict[str, Any], indent: int = 2) -> None:
-    """Write ``report`` as JSON to ``path`` and say where, its ``run`` ended now (and naming the commit
+    """Write ``report`` as JSON to ``path`` and say where, its ``provenance`` ended now (and naming the commit
     checked out then, when it differs). A report without a :func:`header` is refused under
     ``benchmarks/results/``: every recorded figure names its code."""
-    if "run" not in report:
+    if "provenance" not in report:
         if path.resolve().is_relative_to(RESULTS):
             raise ValueError(f"{path}: a results file needs the run's header (benchmarks._common.header)")
     else:
-        report["run"]["ended"] = _now()
+        report["provenance"]["ended"] = _now()
         head = _git("rev-parse", "HEAD")
-        if head and head.strip() != report["run"]["commit"]:
-            report["run"]["commit_at_end"] = head.strip()
+        if head and head.strip() != report["provenance"]["commit"]:
+            report["provenance"]["commit_at_end"] = head.strip()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=indent) + "\n")
     print(f"wrote {path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}")

@@ -40,6 +40,12 @@ from dlscale.runtime.allocator import PARAMETERS
 RESULTS = Path(__file__).resolve().parent / "results" / "allocator.json"
 WARMUP, STEPS, ROUNDS = 10, 60, 3
 RUNS = ("process", "worker, Dask's allocator", "worker, dlscale's allocator")
+RUN_HELP = {
+    "process": "the steps in a plain Python process, glibc's defaults",
+    "worker, Dask's allocator": "a task on local[1], dlscale.worker.malloc-* null: the nanny's MALLOC_TRIM_THRESHOLD_",
+    "worker, dlscale's allocator": "the same task with dlscale.worker.malloc-* at dlscale's defaults",
+}
+"""A line on each of :data:`RUNS`, for ``--help``."""
 
 
 def steps(_: Any = None) -> dict[str, float]:
@@ -85,7 +91,7 @@ def in_worker(dlscale_allocator: bool) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse(command_line(__doc__.splitlines()[0]), argv, RESULTS)
+    args = parse(command_line(__doc__.splitlines()[0], cases=RUN_HELP, title="runs"), argv, RESULTS)
     if args.smoke:
         shrink(globals(), WARMUP=2, STEPS=3, ROUNDS=1)
     measured: dict[str, list[dict[str, float]]] = {run: [] for run in RUNS}

@@ -59,6 +59,13 @@ PAUSE = 1  # seconds between repeats
 SAMPLE = 10_000  # the wrapped Dask scatter of a list or dict is timed on 1/SAMPLE of the value
 RESULTS = Path(__file__).resolve().parent / "results" / "broadcast.json"
 SYSTEMS = ("dlscale", "dask", "pyspark")
+VALUE_HELP = {
+    "numpy": "a float64 numpy array of 100 MiB",
+    "bytes": "100 MiB of random bytes",
+    "list": f"a list of 10,000,000 ints (dask: 1/{SAMPLE:,} of it in a one-element list, time scaled up)",
+    "dict": f"a dict of 2,500,000 int -> str items (dask: 1/{SAMPLE:,} of it, as the list)",
+}
+"""A line on each value :func:`make_values` makes, for ``--help``."""
 TARGETS: Targets = {
     "dlscale / pyspark": ("dlscale", "pyspark", "<=", 1.0),
     "dlscale / dask": ("dlscale", "dask", "<=", 1.5),
@@ -209,7 +216,8 @@ def markdown_table(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse(command_line(__doc__.splitlines()[0]), argv, RESULTS)
+    parser = command_line(__doc__.splitlines()[0], cases=VALUE_HELP, title=f"values (each on {', '.join(SYSTEMS)})")
+    args = parse(parser, argv, RESULTS)
     if java_missing():
         unavailable("broadcast", java_missing(), args.smoke)
     if args.smoke:

@@ -124,6 +124,27 @@ exchanged in 16 and 8 bits too, and every epoch in one fit (``_onefit``: ``fit_p
 as on a slow link, where each fit's start and end send the whole state; its test accuracy is then
 known at the end only)."""
 RUNNERS = ("single", "ceiling", "ddp", "ddp_powersgd", "torch_distributor", *AVERAGING, "sharing")
+RUNNER_HELP = {
+    "single": "plain PyTorch in one process of one thread: the baseline (always runs)",
+    "ceiling": "independent single processes side by side, one per worker, no communication",
+    "ddp": "PyTorch DDP over gloo, a process of one thread per worker",
+    "ddp_powersgd": "DDP with the PowerSGD communication hook",
+    "torch_distributor": "PySpark's TorchDistributor in local mode (DDP over gloo)",
+    "averaging_f10": "ParameterAveragingTrainingMaster averaging every 10 minibatches, a fit_paths per epoch",
+    "averaging_f50": "the same, averaging every 50 minibatches",
+    "averaging_f50_fp16": "averaging every 50, the states exchanged in 16 bits",
+    "diloco_f50": "averaging every 50 with DiLoCo's Nesterov outer step (lr 0.7, momentum 0.9)",
+    "averaging_auto": 'averaging_frequency="auto"',
+    "averaging_f50_rdd": "averaging every 50, fit(rdd) in place of fit_paths (its first epoch exporting the RDD)",
+    "streaming_f10": "streaming rounds (streaming=True) every 10 minibatches",
+    "streaming_f50": "streaming rounds every 50 minibatches",
+    "streaming_f50_fp16": "streaming every 50, the states exchanged in 16 bits",
+    "streaming_f50_int8": "streaming every 50, the states exchanged in int8 (a float32 scale per 1,024 values)",
+    "streaming_f50_onefit": "streaming every 50, every epoch in one fit_paths (test accuracy at the end only)",
+    "streaming_auto": 'streaming rounds, averaging_frequency="auto"',
+    "sharing": "SharedTrainingMaster (gradient sharing) with its defaults, a fit_paths per epoch",
+}
+"""A line on each of :data:`RUNNERS`, for ``--help``."""
 DEVICE_RUNNERS = ("single", "ceiling", *AVERAGING, "sharing")  # those that run on one shared GPU
 # Runs that move dense tensors every step or round take minutes a epoch at 100 Mbit/s: there they
 # train one epoch of a part of the data, enough for a steady samples/s but not for time to accuracy.
@@ -733,7 +754,7 @@ def write_report(
     """Ratios, targets, plots and the scaling projection of ``runs``; written to ``out``, else to
     :data:`RESULTS`, or for a part of the runners, another device or a quick run to a file of their own
     (``compare-[quick-][DEVICE-]RUNNERS.json``), without plots or projection. ``recorded``: the results
-    file whose runs these are (``--report``), whose run, date and machine the report keeps."""
+    file whose runs these are (``--report``), whose provenance, date and machine the report keeps."""
     complete = runners == RUNNERS and device == "cpu" and not quick
     prefix = ("quick-" if quick else "") + (f"{device}-" if device != "cpu" else "")
     results = out or (RESULTS if complete else RESULTS.with_name(f"compare-{prefix}{'-'.join(runners)}.json"))
@@ -741,7 +762,7 @@ def write_report(
     gpu = {"gpu": torch.cuda.get_device_name(0)} if device == "cuda" else {}
     head = header("compare", namespaces=namespaces, device=device, **gpu)
     if recorded is not None:
-        head = {k: recorded[k] for k in ("benchmark", "run", "date", "machine") if k in recorded}
+        head = {k: recorded[k] for k in ("benchmark", "provenance", "date", "machine") if k in recorded}
     report = {
         **head,
         "quick": quick,
@@ -780,7 +801,11 @@ def write_report(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = command_line(__doc__.split("\n\n")[0])
+    parser = command_line(
+        __doc__.split("\n\n")[0],
+        cases=RUNNER_HELP,
+        title=f"runners (workloads: {', '.join(WORKLOADS)}; links: {', '.join(LINKS)})",
+    )
     parser.add_argument("--quick", action="store_true", help="small data, one epoch, loopback only")
     parser.add_argument("--links", default=",".join(LINKS), help="comma-separated links to measure")
     parser.add_argument(

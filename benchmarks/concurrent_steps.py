@@ -57,6 +57,12 @@ RESULTS = Path(__file__).resolve().parent / "results" / "concurrent_steps.json"
 WARMUP, ROUNDS = 10, 3
 STEPS = {"mlp": 100, "small": 750}  # a core's timed steps
 RUNS = ("two processes", "two workers' tasks", "two trainers")
+RUN_HELP = {
+    "two processes": "plain PyTorch steps in two fresh Python processes at once (the ceiling's way)",
+    "two workers' tasks": 'the same loop as a task on each worker of SparkContext("local[2]")',
+    "two trainers": "ParameterAveragingTrainingMaster on local[2] fitting minibatch files, rounds of an epoch",
+}
+"""A line on each of :data:`RUNS`, for ``--help``."""
 SMALL_BATCH, SMALL_EPOCHS = 16, 20
 
 
@@ -130,7 +136,8 @@ def two_trainers(model: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse(command_line(__doc__.splitlines()[0]), argv, RESULTS)
+    parser = command_line(__doc__.splitlines()[0], cases=RUN_HELP, title=f"runs (models: {', '.join(STEPS)})")
+    args = parse(parser, argv, RESULTS)
     if args.smoke:
         shrink(globals(), WARMUP=2, STEPS={"mlp": 3, "small": 10}, ROUNDS=1, SMALL_EPOCHS=1)
     measured = {(model, run): [] for model in STEPS for run in RUNS}

@@ -45,6 +45,13 @@ from dlscale.runtime.cluster import cluster_workers
 RESULTS = Path(__file__).resolve().parent / "results" / "elastic.json"
 BATCH = 32
 WAYS = ("two", "one", "joins", "retires")
+WAY_HELP = {
+    "two": 'SparkContext("local[2]"), both workers from the start',
+    "one": 'SparkContext("local[1]") throughout',
+    "joins": "local[1], a second worker asked for (cluster.scale(2)) a quarter into the fit",
+    "retires": "local[2], scaled down to one worker (cluster.scale(1)) a quarter into the fit",
+}
+"""A line on each of :data:`WAYS`, for ``--help``."""
 
 
 class ScaleAt(TrainingListener):
@@ -111,7 +118,7 @@ def fit(way: str, seed: int, epochs: int, data: tuple[torch.Tensor, ...]) -> dic
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = command_line(__doc__.splitlines()[0])
+    parser = command_line(__doc__.splitlines()[0], cases=WAY_HELP, title="ways")
     parser.add_argument("--seeds", type=int, default=3, help="fits of each way (default 3)")
     parser.add_argument("--epochs", type=int, default=100, help="epochs a fit (default 100)")
     args = parse(parser, argv, RESULTS, seeds=1, epochs=8)

@@ -37,6 +37,15 @@ SPARSITIES = (1e-4, 1e-3, 1e-2, 0.1)
 REPEATS = 51
 TARGET = 3.0
 HEADLINE = 1e-3
+CASE_HELP = {
+    "clone": "the baseline: residual.clone(), one copy of the update's buffer",
+    "copy_ into a buffer": "into.copy_(residual): a copy into a buffer allocated before",
+    "0.0001": "encode(residual, t) + apply(message, replica), t sending 1e-4 of it: a sparse message",
+    "0.001": "the same at 1e-3, sparse: the target's case (at most 3x clone, one thread)",
+    "0.01": "the same at 1e-2, sparse",
+    "0.1": "the same at 0.1: a bitmap message",
+}
+"""A line on the baselines and on each of :data:`SPARSITIES` (as ``f"{s:g}"``), for ``--help``."""
 
 
 def thresholds(update: torch.Tensor) -> dict[float, float]:
@@ -91,7 +100,8 @@ def run(update: torch.Tensor, limits: dict[float, float]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse(command_line(__doc__.splitlines()[0]), argv, RESULTS)
+    title = "cases (each with one thread and with torch's default threads)"
+    args = parse(command_line(__doc__.splitlines()[0], cases=CASE_HELP, title=title), argv, RESULTS)
     if args.smoke:
         shrink(globals(), LENGTH=100_000, REPEATS=2)
     default_threads = torch.get_num_threads()

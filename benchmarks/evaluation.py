@@ -46,6 +46,15 @@ RESULTS = Path(__file__).resolve().parent / "results" / "evaluation.json"
 EXAMPLES = 64 * 400
 REPEATS = 3
 TARGET = 1.7
+RUN_HELP = {
+    "pytorch_1_thread": "plain PyTorch forward passes (no_grad, arg-max) over in-memory minibatches, one thread",
+    "pytorch_N_thread": "the same with every core (N: os.cpu_count())",
+    "do_evaluation": 'do_evaluation, Evaluation and ROCMultiClass, minibatch files, SparkContext("local[2]")',
+    "feed_forward_with_key": "feed_forward_with_key over a persisted pair RDD, its outputs counted on the workers",
+    "feed_forward_with_key_collect": "the same, its outputs collected on the driver",
+    "predict_dask_array": "dlscale.predict over a persisted Dask array, its predictions persisted",
+}
+"""A line on each run, for ``--help``."""
 
 
 def make_data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +77,7 @@ def single_process(module: torch.nn.Module, x: torch.Tensor, threads: int) -> fl
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse(command_line(__doc__.splitlines()[0]), argv, RESULTS)
+    args = parse(command_line(__doc__.splitlines()[0], cases=RUN_HELP, title="runs"), argv, RESULTS)
     if args.smoke:
         shrink(globals(), EXAMPLES=64 * 8, REPEATS=1)
     x, y = make_data()

@@ -256,7 +256,8 @@ def markdown_table(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse(command_line(__doc__.splitlines()[0]), argv, RESULTS)
+    parser = command_line(__doc__.splitlines()[0], cases=PIPELINES, title=f"pipelines (each on {', '.join(SYSTEMS)})")
+    args = parse(parser, argv, RESULTS)
     if java_missing():
         unavailable("facade", java_missing(), args.smoke)
     if args.smoke:

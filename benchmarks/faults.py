@@ -58,6 +58,15 @@ AVERAGING_FREQUENCY = 5
 WORKERS = 3
 FIT_TIMEOUT = 600  # seconds before a fit counts as hung
 CONFIGS = [(m, a) for m in ("averaging", "streaming", "sharing") for a in ("export", "direct")]
+CONFIG_HELP = {
+    "averaging:export": f"ParameterAveragingTrainingMaster every {AVERAGING_FREQUENCY} minibatches, the RDD exported",
+    "averaging:direct": "the same, the minibatches held in the workers' memory (rdd_training_approach direct)",
+    "streaming:export": "parameter averaging with streaming rounds (streaming=True), the RDD exported",
+    "streaming:direct": "the same, the minibatches held in the workers' memory",
+    "sharing:export": "SharedTrainingMaster with its defaults, the RDD exported to minibatch files",
+    "sharing:direct": "the same, the minibatches held in the workers' memory",
+}
+"""A line on each of :data:`CONFIGS` (as ``master:approach``), for ``--help``."""
 
 
 def _network() -> Network:
@@ -217,7 +226,7 @@ def _table(summaries: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = command_line(__doc__.split("\n\n")[0])
+    parser = command_line(__doc__.split("\n\n")[0], cases=CONFIG_HELP, title="configs")
     parser.add_argument("--fits", type=int, default=20, help="faulted fits per master and approach (default 20)")
     parser.add_argument(
         "--baseline", type=int, default=3, help="of those, how many seeds also fit without a fault (default 3)"
@@ -292,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"{kind} {approach}: a fit hung; the rest of these fits are not run", flush=True)
                     break
             summary = {**_summary(kind, approach, unfaulted, faulted), "date": report["date"]}
-            summary["commit"] = report["run"]["commit"]
+            summary["commit"] = report["provenance"]["commit"]
             summaries.append(summary)
             report["configs"].append({**summary, "unfaulted_runs": unfaulted, "faulted_runs": faulted})
             report["table"] = _table(summaries)

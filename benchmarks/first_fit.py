@@ -30,6 +30,11 @@ from benchmarks._common import command_line, header, parse, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results" / "first_fit.json"
 WAYS = {"warm": None, "cold": "[]"}
+WAY_HELP = {
+    "warm": "the default: workers import dlscale.worker.imports (torch, training modules) as they start",
+    "cold": "dlscale.worker.imports: []: the workers import them on first use, in the first fit",
+}
+"""A line on each of :data:`WAYS`, for ``--help``."""
 
 
 def child() -> dict[str, float]:
@@ -79,7 +84,7 @@ def run(way: str) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
-    parser = command_line(__doc__.splitlines()[0])
+    parser = command_line(__doc__.splitlines()[0], cases=WAY_HELP, title="ways")
     parser.add_argument("--repeats", type=int, default=3, help="driver processes per way (default 3)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parse(parser, argv, RESULTS, repeats=1)

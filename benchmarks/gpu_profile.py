@@ -38,6 +38,12 @@ from benchmarks._common import (
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu-profile.json"
 COMPRESSORS = ("topk", "dl4j", "dense")
+COMPRESSOR_HELP = {
+    "topk": "SharedTrainingMaster's default: per-tensor top-k selection, values sent",
+    "dl4j": "Deeplearning4j's threshold encoding (Strom 2015)",
+    "dense": "every element's value at every step, uncompressed",
+}
+"""A line on each of :data:`COMPRESSORS`, for ``--help``."""
 EXAMPLES = 64 * 200  # 200 minibatches a fit
 _PROFILER: list[Any] = []  # the worker's running profiler
 
@@ -108,7 +114,8 @@ def profile(compressor: str, paths: Any, sc: Any, tmp: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse(command_line(__doc__.splitlines()[0]), argv, RESULTS)
+    parser = command_line(__doc__.splitlines()[0], cases=COMPRESSOR_HELP, title="compressors")
+    args = parse(parser, argv, RESULTS)
     if not torch.cuda.is_available():
         unavailable("gpu_profile", "a GPU that torch sees", args.smoke)
     if args.smoke:

@@ -49,6 +49,12 @@ from dlscale.data import DataSet
 RESULTS = Path(__file__).resolve().parent / "results" / "gradient_sharing.json"
 LINKS = ("loopback", "1gbit")
 TARGET = 1.8
+RUNNER_HELP = {
+    "single_process": "a plain PyTorch loop, one thread",
+    "ddp": "DistributedDataParallel over gloo, 2 processes of one thread, 64 examples each a step",
+    "dlscale": 'SharedTrainingMaster on SparkContext("local[2]"), fit_paths on minibatch files',
+}
+"""A line on each runner, for ``--help``."""
 
 
 def single_process(x: torch.Tensor, y: torch.Tensor, tx: torch.Tensor, ty: torch.Tensor) -> dict[str, float]:
@@ -106,7 +112,7 @@ def inner(link: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = command_line(__doc__.split("\n\n")[0])
+    parser = command_line(__doc__.split("\n\n")[0], cases=RUNNER_HELP, title=f"runners (on {', '.join(LINKS)})")
     parser.add_argument("--inner", metavar="LINK", help=argparse.SUPPRESS)
     args = parse(parser, argv, RESULTS)
     if args.smoke:  # loopback, in a namespace of its own where they can be made (as every link is)

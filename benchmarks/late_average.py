@@ -29,6 +29,11 @@ RESULTS = Path(__file__).resolve().parent / "results" / "late_average.json"
 SEEDS = (0, 1, 2)
 GRID = {"digits_mlp": ((2, 4), (5, 20)), "digits_cnn": ((2, 4), (5, 20))}  # model: trainers, frequencies
 EPOCHS: int | None = None  # None: each model's own
+MODEL_HELP = {
+    name: f"{MODELS[name].title}: W = {', '.join(map(str, trainers))}; H = {', '.join(map(str, frequencies))}"
+    for name, (trainers, frequencies) in GRID.items()
+}
+"""A line on each model of :data:`GRID`, for ``--help``."""
 
 
 def _lates(frequency: int) -> list[int]:
@@ -111,7 +116,8 @@ def _setup(model: Model) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse(command_line(__doc__.splitlines()[0]), argv, RESULTS)
+    title = "models (W trainers, rounds of H minibatches, each average taken 0, 1, H/2 and H minibatches late)"
+    args = parse(command_line(__doc__.splitlines()[0], cases=MODEL_HELP, title=title), argv, RESULTS)
     if args.smoke:
         shrink(globals(), SEEDS=(0,), GRID={"digits_mlp": ((2,), (5,))}, EPOCHS=1)
     torch.set_num_threads(1)

@@ -49,6 +49,12 @@ S3_BATCHES = 12
 REPEATS = 5
 S3_REPEATS = 3
 TARGET = 0.8
+MEASUREMENT_HELP = {
+    "load": "dlscale.data.load of each .dlb file against open().read(), from local disk and page cache",
+    "export": 'export_minibatches on SparkContext("local[2]") against save in one process',
+    "zarr vs files": "every minibatch from a zarr group against from .dlb files, local disk and S3 (moto)",
+}
+"""A line on each measurement, for ``--help``."""
 
 
 def make_data(n_batches: int, seed: int = 0) -> list[DataSet]:
@@ -191,7 +197,8 @@ def s3_zarr(data: list[DataSet]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse(command_line(__doc__.splitlines()[0]), argv, RESULTS)
+    parser = command_line(__doc__.splitlines()[0], cases=MEASUREMENT_HELP, title="measurements")
+    args = parse(parser, argv, RESULTS)
     if args.smoke:
         shrink(globals(), N_BATCHES=4, S3_BATCHES=2, REPEATS=1, S3_REPEATS=1)
     data = make_data(N_BATCHES)

@@ -48,6 +48,13 @@ SETTINGS = {  # name: (momentum_masking, small_message_elements)
     "masking": (True, 0),
     "dlscale": (True, 512),
 }
+SETTING_HELP = {
+    "dl4j": "DL4J's: no momentum masking, small_message_elements=0",
+    "small_messages": "the adaptive threshold's small-message bound alone (small_message_elements=512)",
+    "masking": "momentum masking alone",
+    "dlscale": "both, dlscale's defaults: momentum masking and small_message_elements=512",
+}
+"""A line on each of :data:`SETTINGS`, for ``--help``."""
 
 
 def _network(sizes: list[int], lr: float) -> Network:
@@ -119,7 +126,8 @@ def masking_cost(repeats: int = 50) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse(command_line(__doc__.splitlines()[0]), argv, RESULTS)
+    title = f"settings (models: {', '.join(MODELS)}; each against a single process)"
+    args = parse(command_line(__doc__.splitlines()[0], cases=SETTING_HELP, title=title), argv, RESULTS)
     if args.smoke:
         shrink(
             globals(),

@@ -52,6 +52,15 @@ EPOCHS = 2
 FREQUENCIES = (5, 10, 20, 50, "auto")
 REPEATS = 2
 TARGET = 1.7
+RUN_HELP = {
+    "pytorch_1_thread": "a plain PyTorch training loop over in-memory minibatches, one thread",
+    "pytorch_N_thread": "the same with every core (N: os.cpu_count())",
+    **{
+        f"averaging_frequency_{f}": f"ParameterAveragingTrainingMaster(averaging_frequency={f!r}), local[2], fit_paths"
+        for f in FREQUENCIES
+    },
+}
+"""A line on each run, for ``--help``."""
 ACCURACY_POINTS = 1.0  # how far below the baseline's test accuracy a frequency may be to count for the target
 
 
@@ -96,7 +105,7 @@ def distributed(
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse(command_line(__doc__.splitlines()[0]), argv, RESULTS)
+    args = parse(command_line(__doc__.splitlines()[0], cases=RUN_HELP, title="runs"), argv, RESULTS)
     if args.smoke:
         shrink(globals(), EPOCHS=1, FREQUENCIES=(5,), REPEATS=1)
     x, y, test_x, test_y = make_data()

@@ -39,6 +39,11 @@ from benchmarks._common import (
 RESULTS = Path(__file__).resolve().parent / "results" / "profiler.json"
 ROUNDS = 3
 FREQUENCY = 50
+RUN_HELP = {
+    "sampling": "dlscale.worker.profile-training true: Dask's profiler samples the trainers every 10 ms",
+    "paused": "dlscale's default: the workers' profiler paused while a trainer runs",
+}
+"""A line on each setting, for ``--help``."""
 
 
 def fit(sampling: bool, data: tuple[Any, ...]) -> dict[str, float]:
@@ -71,7 +76,7 @@ def fit(sampling: bool, data: tuple[Any, ...]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse(command_line(__doc__.splitlines()[0]), argv, RESULTS)
+    args = parse(command_line(__doc__.splitlines()[0], cases=RUN_HELP, title="runs"), argv, RESULTS)
     if args.smoke:
         shrink(globals(), ROUNDS=1, FREQUENCY=2)
     data = make_data()

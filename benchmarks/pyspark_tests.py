@@ -65,6 +65,11 @@ from benchmarks._common import command_line, header, java_missing, parse, unavai
 
 RESULTS = Path(__file__).resolve().parent / "results" / "pyspark_tests.json"
 SYSTEMS = ("pyspark", "dlscale")
+SYSTEM_HELP = {
+    "pyspark": "each test module as PySpark's test runner runs it, on the installed PySpark (its JVM)",
+    "dlscale": "the same, PySpark's names that dlscale also exports bound to dlscale's objects",
+}
+"""A line on each of :data:`SYSTEMS`, for ``--help``."""
 OUTCOMES = ("pass", "fail", "error", "skip", "timeout", "crash", "expected_failure", "unexpected_success")
 DEFAULT_TIMEOUT = 120.0  # seconds a test may run before the watchdog kills its subprocess
 POLL = 0.25  # seconds between the watchdog's looks at a subprocess's events
@@ -521,7 +526,8 @@ def print_report(report: Record) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = command_line(__doc__.split("\n\n")[0])
+    title = "systems (each runs every test module of --spark-tests, in a fresh subprocess)"
+    parser = command_line(__doc__.split("\n\n")[0], cases=SYSTEM_HELP, title=title)
     parser.add_argument(
         "--spark-tests",
         type=Path,

@@ -70,6 +70,19 @@ WORKERS = (2, 4)
 PEERS = {"ddp": False, "ddp_powersgd": True}  # name: with PowerSGD
 LARGE_BATCH = "sync_sum"  # the method name of single's rows with several minibatches a step
 UNMASKED = " unmasked"  # a compressor's method name ends so when its fits ran without momentum masking
+METHOD_HELP = {
+    "single": "plain PyTorch in one process, in gradient sharing's minibatch order: the reference",
+    LARGE_BATCH: "one process summing the gradients of W consecutive minibatches a step",
+    "topk": "SharedTrainingMaster's default compressor: per-tensor top-k (--compressors)",
+    "dl4j": "SharedTrainingMaster with Deeplearning4j's threshold encoding (--compressors)",
+    "dense": "SharedTrainingMaster sending every value, uncompressed (--compressors)",
+    f"<compressor>{UNMASKED}": "a compressor's fits without momentum masking (--masking off)",
+    "ddp": "PyTorch DDP over gloo, W processes of one thread (--peers)",
+    "ddp_powersgd": "DDP with the PowerSGD hook (--peers)",
+    "averaging f<N>": "ParameterAveragingTrainingMaster every N minibatches, or auto (--averaging)",
+    "streaming f<N>": "the same with streaming rounds (--averaging sN)",
+}
+"""A line on each method (a row of the table), for ``--help``."""
 
 
 def digits_mlp(seed: int) -> torch.nn.Module:
@@ -403,9 +416,13 @@ def _averaging(value: str, parser: argparse.ArgumentParser) -> tuple[str, int | 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = command_line(__doc__.split("\n\n")[0])
+    parser = command_line(__doc__.split("\n\n")[0], cases=METHOD_HELP, title="methods (on each model of --models)")
     parser.add_argument("--quick", action="store_true", help="one seed, 2 workers, few epochs, less data")
-    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated models")
+    parser.add_argument(
+        "--models",
+        default=",".join(MODELS),
+        help="comma-separated models (default all): " + ", ".join(f"{n} ({m.title})" for n, m in MODELS.items()),
+    )
     parser.add_argument("--workers", default=None, help="comma-separated worker counts (default 2,4; quick: 2)")
     parser.add_argument("--seeds", default=None, help="comma-separated seeds (default 0,1,2; quick: 0)")
     parser.add_argument(
@@ -476,7 +493,7 @@ def main(argv: list[str] | None = None) -> None:
     }
 
     def record(run: dict[str, Any]) -> None:
-        report["runs"].append({**run, "commit": report["run"]["commit"]})
+        report["runs"].append({**run, "commit": report["provenance"]["commit"]})
         write_results(path, {**report, "summary": summarise(report["runs"])}, indent=1)
 
     with tempfile.TemporaryDirectory(prefix="dlscale-quality-") as tmp:

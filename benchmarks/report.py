@@ -69,9 +69,14 @@ def recorded(benchmark: str, accept: Callable[[dict[str, Any]], bool] = lambda r
     found = [
         (p, r)
         for p, r in results()
-        if r.get("benchmark") == benchmark and r.get("run", {}).get("clean") and not r.get("smoke") and accept(r)
+        if r.get("benchmark") == benchmark and r.get("provenance", {}).get("clean") and not r.get("smoke") and accept(r)
     ]
-    return max(found, key=lambda pr: pr[1]["run"]["started"], default=None)
+    return max(found, key=lambda pr: pr[1]["provenance"]["started"], default=None)
+
+
+def date_of(report: dict[str, Any]) -> str:
+    """When a results file's run started (``timestamp`` in the oldest files)."""
+    return report.get("date") or report["timestamp"]
 
 
 def _git(*args: str) -> str:
@@ -87,7 +92,7 @@ def history() -> dict[str, int]:
 def commit_of(path: Path, report: dict[str, Any]) -> tuple[str, bool] | None:
     """The commit a results file ran on and whether the file recorded it (False: taken from the file's
     name, as runs before the commit was recorded were named); None when neither says one of HEAD's."""
-    run = report.get("run")
+    run = report.get("provenance")
     if run is not None:
         return (run["commit"], True) if run.get("clean") and run.get("commit") in history() else None
     named = re.search(r"-([0-9a-f]{7,40})(?:-[a-z])?\.json$", path.name)
@@ -99,7 +104,7 @@ def commit_of(path: Path, report: dict[str, Any]) -> tuple[str, bool] | None:
 
 def _source(path: Path, report: dict[str, Any]) -> str:
     """The line that heads a block: the commit, the date, the command and the file."""
-    run = report["run"]
+    run = report["provenance"]
     return (
         f"On **{run['commit'][:7]}** ({run['started'][:10]}, a clean tree), `{run['command']}` "
         f"([{path.name}](../benchmarks/results/{path.name}))"
@@ -186,30 +191,46 @@ def block_small_model() -> str:
     return "\n".join(lines) + "\n"
 
 
-def block_quality() -> str:
-    """Training quality: mean accuracy over the seeds, and the points against one process.
+QUALITY_METHODS = {
+    ("averaging f5", None): "parameter averaging, its defaults (every 5)",
+    ("topk", "sum"): "gradient sharing, its defaults",
+    ("ddp", None): "DDP",
+    ("ddp_powersgd", None): "DDP + PowerSGD",
+    ("sync_sum", "sum"): "synchronous SGD, W minibatches summed a step (in one process)",
+}
+"""The quality block's rows: the masters' defaults and the peers (the results file holds every method)."""
 
-    Every model, method and worker count of the summary, with the commits its runs ran on."""
+
+def block_quality() -> str:
+    """Training quality: each master's and peer's accuracy against one process, mean of the seeds.
+
+    Per model, the points each method's mean test accuracy over the seeds lies above or below the
+    single process's, on 2 and 4 workers, and the commits the runs ran on."""
     found = recorded("quality", lambda r: not r.get("quick"))
     if found is None:
         return "No recorded run of `benchmarks.quality` yet.\n"
     path, report = found
-    rows = report["summary"]
-    singles = {r["model"]: r["mean"] for r in rows if r["method"] == "single"}
+    rows = {(r["model"], r["method"], r["aggregation"], r["workers"]): r for r in report["summary"]}
+    models = [m for m in report["setup"]["models"] if (m, "single", None, 1) in rows]
+    workers = sorted({k[3] for k in rows if k[3] > 1})
+    seeds = sorted({len(r["seeds"]) for r in rows.values()})
+    commits = sorted({c for r in rows.values() for c in r.get("commits", ["unrecorded"])})
     lines = [
-        f"{_source(path, report)}; rows kept from earlier runs name their own commits.",
+        f"{_source(path, report)}: the mean test accuracy of {'/'.join(map(str, seeds))} seeds against the single "
+        f"process's, in points; the runs ran on {', '.join(c[:7] for c in commits)}.",
         "",
-        "| model | method | workers | seeds | mean accuracy | points against one process | commits |",
-        "|---|---|---|---|---|---|---|",
+        "| model (one process) | method | " + " | ".join(f"{w} workers" for w in workers) + " |",
+        "|---|---|" + "---|" * len(workers),
     ]
-    for r in rows:
-        base = singles.get(r["model"])
-        gap = "" if base is None or r["method"] == "single" else f"{100 * (r['mean'] - base):+.1f}"
-        commits = ", ".join(c[:7] for c in r.get("commits", ["unrecorded"]))
-        method = r["method"] + (f" ({r['aggregation']})" if r["aggregation"] else "")
-        lines.append(
-            f"| {r['model']} | {method} | {r['workers']} | {len(r['seeds'])} | {r['mean']:.3f} | {gap} | {commits} |"
-        )
+    for model in models:
+        single = rows[(model, "single", None, 1)]["mean"]
+        title = f"{report['setup']['models'][model]['title']} ({single:.3f})"
+        for (method, aggregation), label in QUALITY_METHODS.items():
+            cells = [rows.get((model, method, aggregation, w)) for w in workers]
+            if any(cells):
+                points = ["" if c is None else f"{100 * (c['mean'] - single):+.1f}" for c in cells]
+                lines.append(f"| {title} | {label} | " + " | ".join(points) + " |")
+                title = ""
     return "\n".join(lines) + "\n"
 
 
@@ -248,17 +269,17 @@ def block_index() -> str:
         if not mine:
             lines.append(f"| `{name}` | none | | `python -m benchmarks.{name}` |")
             continue
-        path, report = max(mine, key=lambda pr: (pr[1].get("run", {}).get("started", ""), pr[1].get("date", "")))
-        run = report.get("run")
+        path, report = max(mine, key=lambda pr: (pr[1].get("provenance", {}).get("started", ""), date_of(pr[1])))
+        run = report.get("provenance")
         if run is not None:
             on = f"{run['commit'][:7]}{'' if run['clean'] else ' (uncommitted changes)'}, {run['started'][:10]}"
             command = run["command"]
         else:
             named = commit_of(path, report)
             on = (
-                f"{named[0][:7]} (by the file's name), {report['date'][:10]}"
+                f"{named[0][:7]} (by the file's name), {date_of(report)[:10]}"
                 if named
-                else f"not recorded, {report['date'][:10]}"
+                else f"not recorded, {date_of(report)[:10]}"
             )
             command = f"python -m benchmarks.{name}"
         lines.append(f"| `{name}` | [{path.name}](../benchmarks/results/{path.name}) | {on} | `{command}` |")
@@ -310,8 +331,9 @@ def block_pick() -> str:
     for situation, setting, where in PICKS:
         if where[0] == "small_model":
             r = small[1]["runs"].get(where[1]) if small else None
+            on = small[1]["provenance"]["commit"][:7] if small else ""
             figure = (
-                f"{r['vs_single']:.2f}x, accuracy {r['accuracy']:.3f} (small_model on {small[1]['run']['commit'][:7]})"
+                f"{r['vs_single']:.2f}x, accuracy {r['accuracy']:.3f} (small_model on {on})"
                 if r
                 else "not measured in the latest run"
             )
@@ -319,7 +341,7 @@ def block_pick() -> str:
             r = runs.get((*where, 2))
             figure = (
                 f"{r['vs_single']:.2f}x on {LINKS[where[1]]}, accuracy {r['test_accuracy']:.3f} "
-                f"(compare on {compare[1]['run']['commit'][:7]})"
+                f"(compare on {compare[1]['provenance']['commit'][:7]})"
                 if r
                 else "not measured in the latest run"
             )

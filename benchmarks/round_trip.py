@@ -36,6 +36,11 @@ TRIPS = {"digits MLP (154 KB)": 400, "compare's MLP (46.6 MB)": 20}
 SIZES = {"digits MLP (154 KB)": 2 * 19_210, "compare's MLP (46.6 MB)": 2 * 5_824_010}
 TRANSPORTS = ("dask", "tcp")
 BESIDE = ("nothing", "a stepping model")
+TRANSPORT_HELP = {
+    "dask": 'dlscale.averaging.transport "dask": the part through Dask\'s comms',
+    "tcp": 'dlscale.averaging.transport "tcp": over the workers\' own TCP connections',
+}
+"""A line on each of :data:`TRANSPORTS`, for ``--help``."""
 
 
 def _stepping(stop: threading.Event) -> None:
@@ -113,7 +118,8 @@ def measure(transport: str) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse(command_line(__doc__.splitlines()[0]), argv, RESULTS)
+    title = f"transports (parts: {', '.join(TRIPS)}; beside: {', '.join(BESIDE)})"
+    args = parse(command_line(__doc__.splitlines()[0], cases=TRANSPORT_HELP, title=title), argv, RESULTS)
     if args.smoke:
         shrink(globals(), WARMUP=2, TRIPS={"digits MLP (154 KB)": 5}, SIZES={"digits MLP (154 KB)": 1000})
     rows = [row for transport in TRANSPORTS for row in measure(transport)]

@@ -42,6 +42,13 @@ SOURCE = ROOT / "benchmarks" / "results" / "compare.json"
 WORKERS = (4, 8, 16, 32, 64, 128, 256)
 LINKS_GBIT = (1, 10, 100)
 MODES = ("plain", "mesh", "ring", "ring_overlapped")
+MODE_HELP = {
+    "plain": "gradient sharing, every node sending its update to every peer",
+    "mesh": "gradient sharing over a tree of fanout F (--fanout), each node relaying to its neighbours",
+    "ring": "a dense ring all-reduce as PyTorch DDP does it: compute, then communication",
+    "ring_overlapped": "the ring with communication overlapping compute (DDP's best case)",
+}
+"""A line on each of :data:`MODES`, for ``--help``."""
 
 ASSUMPTIONS = [
     (
@@ -238,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     table (and write the projection to ``--out``, if given)."""
     from benchmarks._common import command_line, header, parse, write_results
 
-    parser = command_line(main.__doc__)
+    parser = command_line(main.__doc__, cases=MODE_HELP, title="modes")
     parser.add_argument("--latency", type=float, default=50e-6, help="seconds per message (default 50e-6)")
     parser.add_argument("--fanout", type=int, default=8, help="mesh fanout (default 8)")
     args = parse(parser, argv, None)

@@ -69,6 +69,24 @@ ONCE_AN_EPOCH = 38  # on 2 workers: each worker's share of an epoch's 75 minibat
 AVERAGING_FREQUENCIES = (5, ONCE_AN_EPOCH, "auto")  # the default, once an epoch on 2 workers, measured
 OPTIMIZER = functools.partial(torch.optim.SGD, lr=LR, momentum=0.9)
 PHASES = ("fit", "encode", "send", "apply", "wait")
+ROW_HELP = {
+    "single": "plain PyTorch, one thread, in a fresh process, the whole training timed",
+    "ddp (2 processes)": "PyTorch DDP over gloo, 2 processes of one thread, its timed epochs",
+    "sharing (1 worker)": 'SharedTrainingMaster\'s defaults on SparkContext("local[1]"), one fit_paths',
+    "sharing (1 worker, prefetch 0)": "the same, each minibatch loaded by the trainer's own thread",
+    "averaging (1 worker, frequency 5)": "ParameterAveragingTrainingMaster on local[1], its default frequency",
+    "sharing (2 workers)": "SharedTrainingMaster's defaults on local[2]",
+    "sharing (2 workers, lease 1)": "the same, dlscale.sharing.lease 1 (minibatches a trainer takes a call)",
+    "sharing (2 workers, lease 4)": "the same, dlscale.sharing.lease 4",
+    "averaging (2 workers, frequency 5)": "ParameterAveragingTrainingMaster on local[2], every 5 (its default)",
+    "averaging (2 workers, frequency 5, streaming)": "the same with streaming rounds (streaming=True)",
+    "averaging (2 workers, frequency 38)": "averaging once an epoch (each worker's share of 75 minibatches)",
+    "averaging (2 workers, frequency 38, streaming)": "once an epoch, streaming rounds",
+    "averaging (2 workers, frequency auto)": 'averaging_frequency="auto"',
+    "averaging (2 workers, frequency auto, streaming)": '"auto", streaming rounds',
+    "a fit per epoch: averaging (2 workers, frequency 38, streaming)": "one fit_paths an epoch, as DL4J's examples do",
+}
+"""A line on each row (:func:`_runs`), for ``--help``."""
 
 
 def single_process(data: tuple[torch.Tensor, ...]) -> dict[str, Any]:
@@ -232,7 +250,7 @@ def _with_lease(lease: int, *args: Any) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse(command_line(__doc__.splitlines()[0]), argv, RESULTS)
+    args = parse(command_line(__doc__.splitlines()[0], cases=ROW_HELP, title="rows"), argv, RESULTS)
     if args.smoke:
         shrink(globals(), EPOCHS=1, REPEATS=1, LEASES=(4,), AVERAGING_FREQUENCIES=(5,))
     data = digits()

@@ -48,6 +48,13 @@ COMPRESSORS = ("topk", "dl4j", "dense")
 WARMUP = 25
 STEPS = 60
 PHASES = ("fit", "encode", "send", "apply")
+RUN_HELP = {
+    "plain PyTorch": "compare's single process: a plain PyTorch step",
+    "topk": "a summing trainer's fit, encode, send and apply with SharedTrainingMaster's default, top-k",
+    "dl4j": "the same with Deeplearning4j's threshold encoding",
+    "dense": "the same with every value sent, uncompressed",
+}
+"""A line on the plain step and each of :data:`COMPRESSORS`, for ``--help``."""
 
 
 def _plain_step(module: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -150,7 +157,8 @@ def trainer(name: str, batches: list[DataSet]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse(command_line(__doc__.splitlines()[0]), argv, RESULTS)
+    title = "runs (each beside nothing and beside a process that fits)"
+    args = parse(command_line(__doc__.splitlines()[0], cases=RUN_HELP, title=title), argv, RESULTS)
     if args.smoke:
         shrink(globals(), WARMUP=2, STEPS=3)
     torch.set_num_threads(1)

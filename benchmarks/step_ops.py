@@ -78,6 +78,15 @@ from dlscale.training.sharing._keeping import keeping
 RESULTS = Path(__file__).resolve().parent / "results" / "step_ops.json"
 COMPRESSORS = ("topk", "dl4j", "dense")
 DEVICE_KERNELS = "topk kernels=device"
+ROW_HELP = {
+    "plain": "a plain PyTorch step (zero_grad, forward, loss, backward, optimizer.step): the baseline",
+    "network.step": "dlscale.nn.Network.step, which leaves the loss unread",
+    "topk": "a summing trainer's step with top-k (apply, fit, encode, send), live peer, masking",
+    "dl4j": "the same with Deeplearning4j's threshold encoding",
+    "dense": "the same with every value sent, uncompressed",
+    DEVICE_KERNELS: 'the same with TopKCompressor(kernels="device"): the ops a GPU would launch',
+}
+"""A line on each row (:func:`_rows`), for ``--help``."""
 WARMUP = 25  # "topk" warms its density up over 20 steps
 STEPS = 5
 PHASES = ("apply", "fit", "encode", "send")
@@ -484,7 +493,8 @@ def _code() -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse(command_line(__doc__.splitlines()[0]), argv, RESULTS)
+    title = f"rows (models: {', '.join(MODELS)})"
+    args = parse(command_line(__doc__.splitlines()[0], cases=ROW_HELP, title=title), argv, RESULTS)
     if args.smoke:
         shrink(globals(), WARMUP=2, STEPS=2)
     torch.set_num_threads(1)

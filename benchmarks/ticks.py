@@ -45,6 +45,11 @@ from benchmarks.small_model import OPTIMIZER as SMALL_OPTIMIZER
 RESULTS = Path(__file__).resolve().parent / "results" / "ticks.json"
 ROUNDS = 3
 TICKS = {"dask": "20ms", "dlscale": "500ms"}
+TICK_HELP = {
+    "dask": f"distributed.admin.tick.interval {TICKS['dask']} in every process of the cluster: Dask's default",
+    "dlscale": f"{TICKS['dlscale']} in every process: dlscale.local.tick-interval's default",
+}
+"""A line on each of :data:`TICKS`, for ``--help``."""
 MLP_MINIBATCHES, MLP_FREQUENCY = 400, 50
 SMALL_BATCH, SMALL_EPOCHS, SMALL_FREQUENCY = 16, 20, 38  # once an epoch: each worker's share of 75
 
@@ -100,7 +105,8 @@ def fit(tick: str, workload: str, data: tuple[Any, ...]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse(command_line(__doc__.splitlines()[0]), argv, RESULTS)
+    title = "ticks (workloads: mlp, small)"
+    args = parse(command_line(__doc__.splitlines()[0], cases=TICK_HELP, title=title), argv, RESULTS)
     if args.smoke:
         shrink(globals(), ROUNDS=1, MLP_MINIBATCHES=16, MLP_FREQUENCY=2, SMALL_EPOCHS=1)
     x, y, _, _ = make_data()

@@ -35,6 +35,11 @@ PAYLOADS: dict[str, tuple[Callable[[int], list], int]] = {
     "100k (str, int) pairs": (pairs, 100_000),
     "4 tensors of 16 MiB": (tensors, 4 * 2**20),
 }
+PAYLOAD_HELP = {
+    "100k (str, int) pairs": "a list of 100,000 (str, int) tuples",
+    "4 tensors of 16 MiB": "a list of 4 float32 tensors of 4 Mi elements",
+}
+"""A line on each of :data:`PAYLOADS`, for ``--help``."""
 
 
 def make(kind: str, payload: str) -> list:
@@ -61,7 +66,8 @@ def time_transfers(client: distributed.Client, kind: str, payload: str) -> dict[
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse(command_line(__doc__.splitlines()[0]), argv, RESULTS)
+    title = "payloads (each as a list and as a Partition, worker to worker and worker to client)"
+    args = parse(command_line(__doc__.splitlines()[0], cases=PAYLOAD_HELP, title=title), argv, RESULTS)
     if args.smoke:
         shrink(
             globals(),

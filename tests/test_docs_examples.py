@@ -10,7 +10,7 @@ keys), as s3fs finds a real bucket's endpoint and keys.
 
 A block that cannot run here has a marker on the line just above it, with the reason:
 ``<!-- docs-test: skip (needs a SLURM queue) -->``. At most a quarter of the examples' blocks may
-have one; the blocks of docs/benchmarks.md, each a benchmark run of minutes to hours (some as root
+have one; the blocks of docs/benchmarks.md and its history, each a benchmark run of minutes to hours (some as root
 or on a GPU), are all marked and counted apart.
 """
 
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.slow  # every page with a fit or the main job in it: ab
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))]
-BENCHMARK_PAGES = ("docs/benchmarks.md",)
+BENCHMARK_PAGES = ("docs/benchmarks.md", "docs/benchmarks-history.md")
 LANGUAGES = ("python", "bash")
 BUCKETS = ("bucket", "my-bucket")
 MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*skip\s*\((?P<reason>.*)\)\s*-->\s*$")
