@@ -121,7 +121,12 @@ def _compare_file() -> tuple[Path, dict[str, Any]] | None:
 
 
 def _runs(report: dict[str, Any]) -> dict[tuple[str, str, str, int], dict[str, Any]]:
-    return {(r["workload"], r["link"], r["runner"], r["workers"]): r for r in report["runs"] if "error" not in r}
+    """A comparison's runs by workload, link, runner and workers; of the single process's, the baseline."""
+    return {
+        (r["workload"], r["link"], r["runner"], r["workers"]): r
+        for r in report["runs"]
+        if "error" not in r and r.get("baseline", True)
+    }
 
 
 def block_compare() -> str:
@@ -141,9 +146,15 @@ def block_compare() -> str:
             continue
         links = [link for link in LINKS if any(k[0] == workload and k[1] == link and k[3] == 2 for k in runs)]
         runners = [n for n in dict.fromkeys(k[2] for k in runs if k[0] == workload and k[3] == 2)]
+        others = [
+            r["samples_per_s"]
+            for r in report["runs"]
+            if (r["workload"], r["runner"]) == (workload, "single") and "error" not in r and r is not single
+        ]
+        again = f"; again in the same run, {', '.join(f'{v:,.0f}' for v in others)}" if others else ""
         lines += [
             f"**{spec['title']}**, {spec['epochs']} epochs, 2 workers; each cell is samples/s against the single "
-            f"process's {single['samples_per_s']:,.0f} (its test accuracy {single['test_accuracy']:.3f}), "
+            f"process's {single['samples_per_s']:,.0f} (its test accuracy {single['test_accuracy']:.3f}{again}), "
             "the run's test accuracy beside it:",
             "",
             "| 2 workers | " + " | ".join(LINKS[link] for link in links) + " |",
@@ -188,6 +199,15 @@ def block_small_model() -> str:
     ]
     for name, r in report["runs"].items():
         lines.append(f"| {name} | {r['examples_per_s']:,.0f} | {r['vs_single']:.2f}x | {r['accuracy']:.3f} |")
+    sharing, averaging = report["target"], report["averaging_target"]
+    lines += [
+        "",
+        f"Targets (`benchmarks/small_model.py`): the best 2-worker averaging at least {averaging['bound']}x one "
+        f"process: {averaging['vs_single']:.2f}x ({averaging['best']}), {'met' if averaging['met'] else 'missed'}; "
+        f"gradient sharing on 2 workers at least {sharing['bound']}x: {sharing['sharing_2_workers_vs_single']:.2f}x, "
+        f"{'met' if sharing['met'] else 'missed'}; the default frequency on 2 workers against 1: "
+        f"{averaging['default_2_vs_1_worker']:.2f}x.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -214,23 +234,25 @@ def block_quality() -> str:
     models = [m for m in report["setup"]["models"] if (m, "single", None, 1) in rows]
     workers = sorted({k[3] for k in rows if k[3] > 1})
     seeds = sorted({len(r["seeds"]) for r in rows.values()})
-    commits = sorted({c for r in rows.values() for c in r.get("commits", ["unrecorded"])})
     lines = [
         f"{_source(path, report)}: the mean test accuracy of {'/'.join(map(str, seeds))} seeds against the single "
-        f"process's, in points; the runs ran on {', '.join(c[:7] for c in commits)}.",
+        "process's, in points; rows kept from earlier runs name the commits they ran on.",
         "",
-        "| model (one process) | method | " + " | ".join(f"{w} workers" for w in workers) + " |",
-        "|---|---|" + "---|" * len(workers),
+        "| model (one process) | method | " + " | ".join(f"{w} workers" for w in workers) + " | ran on |",
+        "|---|---|" + "---|" * len(workers) + "---|",
     ]
     for model in models:
-        single = rows[(model, "single", None, 1)]["mean"]
-        title = f"{report['setup']['models'][model]['title']} ({single:.3f})"
+        single = rows[(model, "single", None, 1)]
+        title = f"{report['setup']['models'][model]['title']} ({single['mean']:.3f})"
         for (method, aggregation), label in QUALITY_METHODS.items():
             cells = [rows.get((model, method, aggregation, w)) for w in workers]
-            if any(cells):
-                points = ["" if c is None else f"{100 * (c['mean'] - single):+.1f}" for c in cells]
-                lines.append(f"| {title} | {label} | " + " | ".join(points) + " |")
-                title = ""
+            if not any(cells):
+                continue
+            points = ["" if c is None else f"{100 * (c['mean'] - single['mean']):+.1f}" for c in cells]
+            commits = sorted({c for row in (single, *filter(None, cells)) for c in row.get("commits", ["unrecorded"])})
+            ran_on = ", ".join(c if c == "unrecorded" else c[:7] for c in commits)
+            lines.append(f"| {title} | {label} | " + " | ".join(points) + f" | {ran_on} |")
+            title = ""
     return "\n".join(lines) + "\n"
 
 
