@@ -333,14 +333,18 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def write_results(path: Path, report: dict[str, Any], indent: int = 2) -> None:
-    """Write ``report`` as JSON to ``path`` and say where, its ``provenance`` ended now (and naming the commit
-    checked out then, when it differs). A report without a :func:`header` is refused under
-    ``benchmarks/results/``: every recorded figure names its code."""
+def write_results(path: Path, report: dict[str, Any], indent: int = 2, ran: bool = True) -> None:
+    """Write ``report`` as JSON to ``path`` and say where, its ``provenance`` ended now (and naming the
+    commit checked out then, when it differs); ``ran=False`` for a report redone from a recorded run's
+    results (``--report``), whose provenance stays as recorded. A report without a :func:`header` is
+    refused under ``benchmarks/results/``: every recorded figure names its code."""
     if "provenance" not in report:
         if path.resolve().is_relative_to(RESULTS):
-            raise ValueError(f"{path}: a results file needs the run's header (benchmarks._common.header)")
-    else:
+            raise ValueError(
+                f"{path}: a results file needs the run's provenance (benchmarks._common.header); "
+                "a file from before runs recorded it cannot be written again: rerun the benchmark"
+            )
+    elif ran:
         report["provenance"]["ended"] = _now()
         head = _git("rev-parse", "HEAD")
         if head and head.strip() != report["provenance"]["commit"]:

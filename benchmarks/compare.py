@@ -809,7 +809,7 @@ def write_report(
     print(table(runs))
     for name, t in targets.items():
         print(f"target {name}: {t['measured']:.2f} against {t['target']} ({'met' if t['met'] else 'not met'})")
-    write_results(results, report, indent=1)
+    write_results(results, report, indent=1, ran=recorded is None)
 
 
 def main(argv: list[str] | None = None) -> None:

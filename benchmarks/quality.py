@@ -390,10 +390,10 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def write_report(path: Path, report: dict[str, Any]) -> None:
+def write_report(path: Path, report: dict[str, Any], ran: bool = True) -> None:
     report["summary"] = summarise(report["runs"])
     print(table(report["summary"]), flush=True)
-    write_results(path, report, indent=1)
+    write_results(path, report, indent=1, ran=ran)
 
 
 # -- the driver --------------------------------------------------------------------------------------------
@@ -450,7 +450,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--report", action="store_true", help="the table again from the last results")
     args = parse(parser, argv, RESULTS, quick=True, models="digits_mlp", compressors=DEFAULT, peers="ddp")
     if args.report:
-        write_report(args.out, json.loads(RESULTS.read_text()))
+        write_report(args.out, json.loads(RESULTS.read_text()), ran=False)
         return
     models = _names(args.models, tuple(MODELS), "models", parser)
     compressors = _names(args.compressors, tuple(COMPRESSORS), "compressors", parser) if args.compressors else ()

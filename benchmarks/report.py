@@ -95,11 +95,16 @@ def commit_of(path: Path, report: dict[str, Any]) -> tuple[str, bool] | None:
     run = report.get("provenance")
     if run is not None:
         return (run["commit"], True) if run.get("clean") and run.get("commit") in history() else None
-    named = re.search(r"-([0-9a-f]{7,40})(?:-[a-z])?\.json$", path.name)
-    if named is None:
-        return None
-    full = [c for c in history() if c.startswith(named.group(1))]
+    named = named_commit(path)
+    full = [c for c in history() if named and c.startswith(named)]
     return (full[0], False) if len(full) == 1 else None
+
+
+def named_commit(path: Path) -> str | None:
+    """The abbreviated commit a results file's name ends with (``compare-mlp-5676906.json``,
+    ``...-5676906-b.json``), as runs were named before they recorded their commit; or None."""
+    named = re.search(r"-([0-9a-f]{7,40})(?:-[a-z])?\.json$", path.name)
+    return named.group(1) if named else None
 
 
 def _source(path: Path, report: dict[str, Any]) -> str:
@@ -297,9 +302,9 @@ def block_index() -> str:
             on = f"{run['commit'][:7]}{'' if run['clean'] else ' (uncommitted changes)'}, {run['started'][:10]}"
             command = run["command"]
         else:
-            named = commit_of(path, report)
+            named = named_commit(path)
             on = (
-                f"{named[0][:7]} (by the file's name), {date_of(report)[:10]}"
+                f"{named[:7]} (by the file's name), {date_of(report)[:10]}"
                 if named
                 else f"not recorded, {date_of(report)[:10]}"
             )
@@ -325,9 +330,10 @@ PICKS = (
         ("mlp", "1gbit", "streaming_f50"),
     ),
     (
-        "a small model, fast steps (milliseconds)",
-        '`averaging_frequency="auto", streaming=True`, one fit of every epoch',
-        ("small_model", "averaging (2 workers, frequency auto, streaming)"),
+        "a small model, steps under a millisecond",
+        "one process; or averaging once an epoch (the frequency a worker's share of an epoch), "
+        "`streaming=True`, one fit of every epoch",
+        ("small_model", "averaging (2 workers, frequency 38, streaming)"),
     ),
     (
         "asynchronous training, DL4J's `SharedTrainingMaster`",
