@@ -279,7 +279,7 @@ def block_faults() -> str:
     for c in report["configs"]:
         lines.append(
             f"| {c['master']} | {c['approach']} | {c['completed']} of {c['fits']} | {c['points_below_mean']:.1f} "
-            f"({c['points_below_worst']:.1f}) | {c['data_lost_fits']} | {(c.get('commit') or 'unrecorded')[:10]} |"
+            f"({c['points_below_worst']:.1f}) | {c['data_lost_fits']} | {(c.get('commit') or 'unrecorded')[:7]} |"
         )
     return "\n".join(lines) + "\n"
 
