@@ -233,7 +233,8 @@ OUTPUTS = ("benchmarks/results/", "docs/images/")
 """What runs write: changes there do not make the tree dirty (a run may follow another's uncommitted results)."""
 
 
-def _git(*args: str) -> str | None:
+def git(*args: str) -> str | None:
+    """What ``git ARGS`` prints in this repository, or None where it fails (no git, not a checkout)."""
     try:
         done = subprocess.run(
             ["git", *args], cwd=RESULTS.parent.parent, capture_output=True, text=True, timeout=30, check=True
@@ -247,8 +248,8 @@ def provenance() -> dict[str, Any]:
     """What code a run ran and how it was called: the commit (None outside a git checkout), whether
     the tree was clean (uncommitted changes outside :data:`OUTPUTS`, untracked files included, make it
     dirty: ``changes`` lists them), the command line as typed, and the start time (UTC)."""
-    commit = _git("rev-parse", "HEAD")
-    status = _git("status", "--porcelain", "--untracked-files=all")
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=all")
     changes = None if status is None else [line[3:] for line in status.splitlines() if not line[3:].startswith(OUTPUTS)]
     module = Path(sys.argv[0]).stem
     program = f"python -m benchmarks.{module}" if Path(sys.argv[0]).parent == RESULTS.parent else sys.argv[0]
@@ -346,7 +347,7 @@ def write_results(path: Path, report: dict[str, Any], indent: int = 2, ran: bool
             )
     elif ran:
         report["provenance"]["ended"] = _now()
-        head = _git("rev-parse", "HEAD")
+        head = git("rev-parse", "HEAD")
         if head and head.strip() != report["provenance"]["commit"]:
             report["provenance"]["commit_at_end"] = head.strip()
     path.parent.mkdir(parents=True, exist_ok=True)

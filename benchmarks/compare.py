@@ -601,14 +601,11 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Ratios against the single process, time to accuracy, and the targets: gradient sharing's and
     parameter averaging's against the single process and the peers. The baseline of a workload is its
     fastest single-process run (``"baseline": true``; :func:`plan` runs it twice)."""
-    single: dict[str, dict[str, Any]] = {}
-    for r in runs:
-        if r["runner"] == "single" and "error" not in r:
-            best = single.get(r["workload"])
-            single[r["workload"]] = r if best is None or r["samples_per_s"] > best["samples_per_s"] else best
-    for r in runs:
-        if r["runner"] == "single" and "error" not in r:
-            r["baseline"] = r is single[r["workload"]]
+    singles = [r for r in runs if r["runner"] == "single" and "error" not in r]
+    singles.sort(key=lambda r: r["samples_per_s"])
+    single = {r["workload"]: r for r in singles}  # the fastest last
+    for r in singles:
+        r["baseline"] = r is single[r["workload"]]
     for r in runs:
         base = single.get(r["workload"])
         if "error" in r or base is None:
@@ -772,9 +769,11 @@ def write_report(
     results = out or (RESULTS if complete else RESULTS.with_name(f"compare-{prefix}{'-'.join(runners)}.json"))
     targets = summarise(runs)
     gpu = {"gpu": torch.cuda.get_device_name(0)} if device == "cuda" else {}
-    head = header("compare", namespaces=namespaces, device=device, **gpu)
-    if recorded is not None:
-        head = {k: recorded[k] for k in ("benchmark", "provenance", "date", "machine") if k in recorded}
+    head = (
+        header("compare", namespaces=namespaces, device=device, **gpu)
+        if recorded is None
+        else {k: recorded[k] for k in ("benchmark", "provenance", "date", "machine") if k in recorded}
+    )
     report = {
         **head,
         "quick": quick,

@@ -21,12 +21,11 @@ import argparse
 import functools
 import json
 import re
-import subprocess
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import RESULTS, listing
+from benchmarks._common import RESULTS, git, listing
 
 ROOT = RESULTS.parent.parent
 DOCS = ROOT / "docs"
@@ -79,14 +78,10 @@ def date_of(report: dict[str, Any]) -> str:
     return report.get("date") or report["timestamp"]
 
 
-def _git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
-
-
 @functools.cache
 def history() -> dict[str, int]:
     """Each commit of HEAD's history (full hash) and its place, oldest first."""
-    return {c: i for i, c in enumerate(_git("rev-list", "--reverse", "HEAD").split())}
+    return {c: i for i, c in enumerate((git("rev-list", "--reverse", "HEAD") or "").split())}
 
 
 def commit_of(path: Path, report: dict[str, Any]) -> tuple[str, bool] | None:
@@ -116,13 +111,14 @@ def _source(path: Path, report: dict[str, Any]) -> str:
     )
 
 
-def _ratio(value: float | None) -> str:
-    return "" if value is None else f"{value:.2f}x"
-
-
 # -- the blocks ---------------------------------------------------------------------------------------------
+def _full_cpu_run(report: dict[str, Any]) -> bool:
+    """A comparison of every epoch on the CPU (not ``--quick``, not ``--device cuda``)."""
+    return not report.get("quick") and report["machine"].get("device", "cpu") == "cpu"
+
+
 def _compare_file() -> tuple[Path, dict[str, Any]] | None:
-    return recorded("compare", lambda r: not r.get("quick") and r["machine"].get("device", "cpu") == "cpu")
+    return recorded("compare", _full_cpu_run)
 
 
 def _runs(report: dict[str, Any]) -> dict[tuple[str, str, str, int], dict[str, Any]]:
@@ -150,7 +146,7 @@ def block_compare() -> str:
         if single is None:
             continue
         links = [link for link in LINKS if any(k[0] == workload and k[1] == link and k[3] == 2 for k in runs)]
-        runners = [n for n in dict.fromkeys(k[2] for k in runs if k[0] == workload and k[3] == 2)]
+        runners = list(dict.fromkeys(k[2] for k in runs if k[0] == workload and k[3] == 2))
         others = [
             r["samples_per_s"]
             for r in report["runs"]
@@ -296,7 +292,7 @@ def block_index() -> str:
         if not mine:
             lines.append(f"| `{name}` | none | | `python -m benchmarks.{name}` |")
             continue
-        path, report = max(mine, key=lambda pr: (pr[1].get("provenance", {}).get("started", ""), date_of(pr[1])))
+        path, report = max(mine, key=lambda pr: date_of(pr[1]))
         run = report.get("provenance")
         if run is not None:
             on = f"{run['commit'][:7]}{'' if run['clean'] else ' (uncommitted changes)'}, {run['started'][:10]}"
@@ -391,13 +387,11 @@ BLOCKS: dict[str, Callable[[], str]] = {
 
 
 # -- the plots ----------------------------------------------------------------------------------------------
-HEADLINES = {
-    "compare-mlp": [
-        (link, runner)
-        for link in ("loopback", "1gbit")
-        for runner in ("ceiling", "averaging_f50", "streaming_f50", "streaming_f50_onefit", "sharing", "ddp")
-    ],
-}
+HEADLINES = [
+    (link, runner)
+    for link in ("loopback", "1gbit")
+    for runner in ("ceiling", "averaging_f50", "streaming_f50", "streaming_f50_onefit", "sharing", "ddp")
+]
 """The headline ratios plotted over commits: compare's MLP, 2 workers, per link and runner."""
 
 
@@ -405,15 +399,13 @@ def series() -> dict[tuple[str, str], list[tuple[int, float, bool]]]:
     """Each headline ratio's points: (place of its commit in HEAD's history, value, recorded)."""
     out: dict[tuple[str, str], list[tuple[int, float, bool]]] = {}
     for path, report in results():
-        if report.get("benchmark") != "compare" or report.get("quick") or report.get("smoke"):
-            continue
-        if report["machine"].get("device", "cpu") != "cpu":
+        if report.get("benchmark") != "compare" or report.get("smoke") or not _full_cpu_run(report):
             continue
         commit = commit_of(path, report)
         if commit is None:
             continue
         runs = _runs(report)
-        for link, runner in HEADLINES["compare-mlp"]:
+        for link, runner in HEADLINES:
             r = runs.get(("mlp", link, runner, 2))
             if r is not None and "vs_single" in r:
                 out.setdefault((link, runner), []).append((history()[commit[0]], r["vs_single"], commit[1]))
@@ -433,7 +425,7 @@ def plot() -> Path:
     commits = {i: c for c, i in history().items()}
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
     for ax, link in zip(axes, ("loopback", "1gbit"), strict=True):
-        for i, runner in enumerate(r for lk, r in HEADLINES["compare-mlp"] if lk == link):
+        for i, runner in enumerate(r for lk, r in HEADLINES if lk == link):
             pts = sorted(points.get((link, runner), []))
             if not pts:
                 continue

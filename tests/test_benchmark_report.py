@@ -6,21 +6,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from benchmarks import report
+from benchmarks._common import git
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 RECORDED_SINCE = "2026-12-02"
 """From this date every results file records its provenance (``provenance``: commit, clean tree, command)."""
-
-
-def _git(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
 
 
 def test_every_generated_block_is_what_the_results_give() -> None:
@@ -57,7 +53,7 @@ def test_no_results_file_is_a_copy_of_another() -> None:
 
 
 def test_recorded_runs_name_a_commit_of_this_history_and_a_clean_tree() -> None:
-    if _git("rev-parse", "--is-shallow-repository").stdout.strip() != "false":
+    if (git("rev-parse", "--is-shallow-repository") or "").strip() != "false":
         pytest.skip("a shallow clone holds too little history to find the results' commits")
     for path in sorted(RESULTS.glob("*.json")):
         result = json.loads(path.read_text())
@@ -68,7 +64,7 @@ def test_recorded_runs_name_a_commit_of_this_history_and_a_clean_tree() -> None:
             )
             continue
         assert run["clean"] is True, f"{path.name}: run from a tree with changes ({run.get('changes')})"
-        assert _git("merge-base", "--is-ancestor", run["commit"], "HEAD").returncode == 0, (
+        assert git("merge-base", "--is-ancestor", run["commit"], "HEAD") is not None, (
             f"{path.name}: its commit {run['commit']} is not in this history"
         )
         assert run["command"].startswith("python -m benchmarks."), path.name
@@ -76,7 +72,7 @@ def test_recorded_runs_name_a_commit_of_this_history_and_a_clean_tree() -> None:
 
 
 def test_a_file_name_names_a_commit_only_when_it_is_one_of_this_history() -> None:
-    head = _git("rev-parse", "HEAD").stdout.strip()
+    head = (git("rev-parse", "HEAD") or "").strip()
     legacy = {"benchmark": "compare", "date": "2026-11-30T00:00:00+00:00"}
     assert report.commit_of(Path(f"compare-mlp-{head[:7]}.json"), legacy) == (head, False)
     assert report.commit_of(Path(f"compare-mlp-{head[:7]}-b.json"), legacy) == (head, False)
@@ -93,7 +89,7 @@ def test_a_run_names_its_commit_and_is_refused_results_from_a_dirty_tree(
     from benchmarks import _common
 
     run = _common.provenance()
-    assert run["commit"] == _git("rev-parse", "HEAD").stdout.strip()
+    assert run["commit"] == (git("rev-parse", "HEAD") or "").strip()
     assert run["clean"] == (run.get("changes") is None)
     dirty = {**run, "clean": False, "changes": ["dlscale/nn/network.py"]}
     monkeypatch.setattr(_common, "provenance", lambda: dirty)
