@@ -2,7 +2,7 @@
 workers' own TCP connections, with and without a model stepping beside.
 
 Run from the repository root with ``python -m benchmarks.round_trip`` (about a minute). Two workers
-(``SparkContext("local[2]")``, one per ``dlscale.averaging.transport``: ``"dask"``, then ``"tcp"``)
+(``SparkContext("local[2]")``, one per ``dlscale.training.transport``: ``"dask"``, then ``"tcp"``)
 each run a task that sends a part with the averaging plugin's own ``send`` and waits for the other's
 in the session's mailbox, as a trainer does at a round's end: ``TRIPS`` round trips after ``WARMUP``,
 the median in milliseconds. The part is the digits MLP's state in float32 (``small_model``'s 19,210
@@ -37,8 +37,8 @@ SIZES = {"digits MLP (154 KB)": 2 * 19_210, "compare's MLP (46.6 MB)": 2 * 5_824
 TRANSPORTS = ("dask", "tcp")
 BESIDE = ("nothing", "a stepping model")
 TRANSPORT_HELP = {
-    "dask": 'dlscale.averaging.transport "dask": the part through Dask\'s comms',
-    "tcp": 'dlscale.averaging.transport "tcp": over the workers\' own TCP connections',
+    "dask": 'dlscale.training.transport "dask": the part through Dask\'s comms',
+    "tcp": 'dlscale.training.transport "tcp": over the workers\' own TCP connections',
 }
 """A line on each of :data:`TRANSPORTS`, for ``--help``."""
 
@@ -85,7 +85,7 @@ def _trips(session: str, peer: str, first: bool, size: int, trips: int, warmup: 
 
 def measure(transport: str) -> list[dict[str, Any]]:
     rows = []
-    with dask.config.set({"dlscale.averaging.transport": transport}), SparkContext("local[2]", "round-trip") as sc:
+    with dask.config.set({"dlscale.training.transport": transport}), SparkContext("local[2]", "round-trip") as sc:
         client = sc.client
         install(client, AVERAGING)
         a, b = sorted(client.scheduler_info()["workers"])

@@ -18,7 +18,7 @@ hour apart) weighs on every row alike:
 - **sharing**: dlscale's ``SharedTrainingMaster`` with its defaults on ``SparkContext("local[1]")``
   and ``("local[2]")``, one ``fit_paths`` of the 20 epochs on minibatch files exported before, timed
   whole: shipping the network, opening the sessions and gathering the trainers' states included;
-  with its trainers' phase timings per minibatch; on 2 workers also with ``dlscale.sharing.lease``
+  with its trainers' phase timings per minibatch; on 2 workers also with ``dlscale.training.sharing.lease``
   at each of ``LEASES`` (minibatches a trainer takes from the scheduler in one call), and on 1
   worker also with ``prefetch=0`` (each minibatch loaded by the trainer's own thread when it is
   needed, not by a thread beside it);
@@ -76,8 +76,8 @@ ROW_HELP = {
     "sharing (1 worker, prefetch 0)": "the same, each minibatch loaded by the trainer's own thread",
     "averaging (1 worker, frequency 5)": "ParameterAveragingTrainingMaster on local[1], its default frequency",
     "sharing (2 workers)": "SharedTrainingMaster's defaults on local[2]",
-    "sharing (2 workers, lease 1)": "the same, dlscale.sharing.lease 1 (minibatches a trainer takes a call)",
-    "sharing (2 workers, lease 4)": "the same, dlscale.sharing.lease 4",
+    "sharing (2 workers, lease 1)": "the same, dlscale.training.sharing.lease 1 (minibatches a trainer takes a call)",
+    "sharing (2 workers, lease 4)": "the same, dlscale.training.sharing.lease 4",
     "averaging (2 workers, frequency 5)": "ParameterAveragingTrainingMaster on local[2], every 5 (its default)",
     "averaging (2 workers, frequency 5, streaming)": "the same with streaming rounds (streaming=True)",
     "averaging (2 workers, frequency 38)": "averaging once an epoch (each worker's share of 75 minibatches)",
@@ -245,7 +245,7 @@ def _runs(data: tuple[torch.Tensor, ...], contexts: dict[int, tuple[SparkContext
 
 
 def _with_lease(lease: int, *args: Any) -> dict[str, Any]:
-    with dask.config.set({"dlscale.sharing.lease": lease}):
+    with dask.config.set({"dlscale.training.sharing.lease": lease}):
         return sharing(*args)
 
 
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
             "epochs": EPOCHS,
             "lr": LR,
             "repeats": REPEATS,
-            "lease": config.get("sharing.lease"),
+            "lease": config.get("training.sharing.lease"),
         },
         "runs": rows,
         "target": {"sharing_2_workers_vs_single": ratio, "bound": 1.0, "met": ratio >= 1.0},

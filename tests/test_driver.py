@@ -19,7 +19,7 @@ from dlscale.data import DataSet, export_minibatches, list_paths, load
 from dlscale.monitor.stats import TrainingStats
 from dlscale.nn import Network, ScoreIterationListener
 from dlscale.training._driver import FitContext, FitRun
-from dlscale.training.sharing._exceptions import SharingConfigError
+from dlscale.training._errors import TrainingConfigError
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
 
@@ -115,11 +115,11 @@ def test_shared_settings_are_keywords() -> None:
 
 
 def test_sharing_settings_are_read_on_the_driver(sc, tmp_path) -> None:
-    """A bad ``dlscale.sharing`` value set around ``fit`` on the driver fails it, naming the setting."""
+    """A bad ``dlscale.training`` value set around ``fit`` on the driver fails it, naming the setting."""
     paths = list_paths(sc, files(tmp_path))
     network = mlp_network()
     before = network.params().clone()
-    with dask.config.set({"dlscale.sharing.send-retries": -1}):
-        with pytest.raises(SharingConfigError, match="dlscale.sharing.send-retries"):
+    with dask.config.set({"dlscale.training.sharing.send-retries": -1}):
+        with pytest.raises(TrainingConfigError, match="dlscale.training.sharing.send-retries"):
             SparkNet(sc, network, SharedTrainingMaster(8)).fit_paths(paths)
     assert torch.equal(network.params(), before) and network.iteration == 0

@@ -106,7 +106,7 @@ def test_digits_accuracy_matches_single_process_with_100x_compression(
     assert sum(t.bytes_sent for t in stats.trainers) / steps <= 0.01 * dense
     assert all(t.messages_received > 0 and t.seconds("fit") > 0 for t in stats.trainers)
     assert net.epoch == EPOCHS
-    # the updates went over the workers' own connections (dlscale.sharing.transport: tcp, the default)
+    # the updates went over the workers' own connections (dlscale.training.transport: tcp, the default)
     peers = ctx.client.run(lambda dask_worker: dask_worker.plugins["dlscale-sharing"].sockets.peers)
     trainers = {t.worker for t in stats.trainers}
     assert all(trainers - {w} <= set(peers[w]) for w in trainers)
@@ -277,7 +277,7 @@ def test_a_fit_loop_goes_on_with_the_last_fits_trainers_unless_the_network_chang
     fit()
     assert all(marks == [False] for marks in sc.client.run(_mark_parked).values())  # replicas anew
     assert sent.held == [True, False, True]  # the network sent to the first fit and the third alone
-    with dask.config.set({"dlscale.sharing.keep-trainers": False}):
+    with dask.config.set({"dlscale.training.keep-trainers": False}):
         fit()
         fit()
     assert sent.held[3:] == [False, True] and not any(_parked(sc).values())  # the last kept, then none

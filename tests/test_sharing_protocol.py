@@ -27,22 +27,23 @@ from tornado.ioloop import IOLoop
 
 from dlscale.data import DataSet
 from dlscale.errors import DlscaleError
-from dlscale.training.sharing._config import SharingConfig
-from dlscale.training.sharing._core import Node
-from dlscale.training.sharing._exceptions import (
+from dlscale.training._config import DEPRECATED, SessionConfig, setting
+from dlscale.training._errors import (
     STOPPED,
-    LimiterError,
     MalformedMessageError,
     SessionAbortedError,
     SessionClosedError,
     SessionStoppedError,
-    SharingConfigError,
     TrainerLostError,
+    TrainingConfigError,
 )
-from dlscale.training.sharing._limiter import ResourceLimiter
-from dlscale.training.sharing._messages import Ack, Handout, Update, View, framed, ok, refusal, unwrap
+from dlscale.training._messages import ok, refusal, unwrap
+from dlscale.training._sources import _PATIENCE, HeldMinibatch
+from dlscale.training.sharing._core import Node
+from dlscale.training.sharing._limiter import LimiterError, ResourceLimiter
+from dlscale.training.sharing._messages import Ack, Handout, Update, View, framed
 from dlscale.training.sharing._scheduler_plugin import Session, SharingSchedulerPlugin
-from dlscale.training.sharing._trainer import _PATIENCE, HeldMinibatch, _Control
+from dlscale.training.sharing._trainer import _Control
 from dlscale.training.sharing._worker_plugin import NAME, SharingWorkerPlugin
 
 
@@ -271,12 +272,12 @@ def test_session_errors_are_dlscale_runtime_errors_with_distinct_reasons() -> No
     for cls in classes:
         assert STOPPED[cls.reason] is cls
         assert issubclass(cls, SessionStoppedError) and issubclass(cls, DlscaleError) and issubclass(cls, RuntimeError)
-    assert issubclass(MalformedMessageError, ValueError) and issubclass(SharingConfigError, ValueError)
+    assert issubclass(MalformedMessageError, ValueError) and issubclass(TrainingConfigError, ValueError)
 
 
 def test_settings_are_read_in_one_record() -> None:
-    config = SharingConfig.from_dask()
-    assert config == SharingConfig(
+    config = SessionConfig.from_dask()
+    assert config == SessionConfig(
         send_buffer=64 * 2**20,
         coalesce=4 * 2**20,
         mesh_fanout=8,
@@ -286,8 +287,10 @@ def test_settings_are_read_in_one_record() -> None:
         send_retries=3,
         send_retry_delay=0.1,
     )
-    with dask.config.set({"dlscale.sharing.send-buffer": "1KiB", "dlscale.sharing.send-retry-delay": "2s"}):
-        changed = SharingConfig.from_dask()
+    with dask.config.set(
+        {"dlscale.training.sharing.send-buffer": "1KiB", "dlscale.training.sharing.send-retry-delay": "2s"}
+    ):
+        changed = SessionConfig.from_dask()
     assert changed.send_buffer == 1024 and changed.send_retry_delay == 2.0
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.send_retries = 5  # type: ignore[misc]
@@ -296,21 +299,47 @@ def test_settings_are_read_in_one_record() -> None:
 @pytest.mark.parametrize(
     "key, value, match",
     [
-        ("send-retries", -1, r"dlscale\.sharing\.send-retries must be an integer >= 0, got -1"),
-        ("mesh-fanout", 0, r"dlscale\.sharing\.mesh-fanout must be an integer >= 1"),
-        ("lease", 0, r"dlscale\.sharing\.lease must be an integer >= 1, got 0"),
-        ("send-buffer", "lots", r"dlscale\.sharing\.send-buffer: "),
-        ("send-buffer", 0, r"dlscale\.sharing\.send-buffer must be an integer >= 1"),
-        ("poll-interval", "soon", r"dlscale\.sharing\.poll-interval: "),
-        ("send-retry-delay", "later", r"dlscale\.sharing\.send-retry-delay: "),
-        ("keep-trainers", "yes", r"dlscale\.sharing\.keep-trainers must be true or false, got 'yes'"),
+        ("sharing.send-retries", -1, r"dlscale\.training\.sharing\.send-retries must be an integer >= 0, got -1"),
+        ("sharing.mesh-fanout", 0, r"dlscale\.training\.sharing\.mesh-fanout must be an integer >= 1"),
+        ("sharing.lease", 0, r"dlscale\.training\.sharing\.lease must be an integer >= 1, got 0"),
+        ("sharing.send-buffer", "lots", r"dlscale\.training\.sharing\.send-buffer: "),
+        ("sharing.send-buffer", 0, r"dlscale\.training\.sharing\.send-buffer must be an integer >= 1"),
+        ("poll-interval", "soon", r"dlscale\.training\.poll-interval: "),
+        ("sharing.send-retry-delay", "later", r"dlscale\.training\.sharing\.send-retry-delay: "),
+        ("keep-trainers", "yes", r"dlscale\.training\.keep-trainers must be true or false, got 'yes'"),
     ],
 )
 def test_a_setting_out_of_range_is_refused_naming_it(key: str, value: Any, match: str) -> None:
-    with dask.config.set({f"dlscale.sharing.{key}": value}), pytest.raises(SharingConfigError, match=match):
-        SharingConfig.from_dask()
-    with pytest.raises(SharingConfigError, match=r"dlscale\.sharing\.send-retry-delay must be a duration >= 0"):
-        dataclasses.replace(SharingConfig.from_dask(), send_retry_delay=-0.5)
+    with dask.config.set({f"dlscale.training.{key}": value}), pytest.raises(TrainingConfigError, match=match):
+        SessionConfig.from_dask()
+    with pytest.raises(
+        TrainingConfigError, match=r"dlscale\.training\.sharing\.send-retry-delay must be a duration >= 0"
+    ):
+        dataclasses.replace(SessionConfig.from_dask(), send_retry_delay=-0.5)
+
+
+@pytest.mark.parametrize(
+    "old, field, value, read",
+    [
+        ("sharing.lease", "lease", 7, 7),
+        ("sharing.end-timeout", "end_timeout", "3s", 3.0),
+        ("sharing.keep-trainers", "keep_trainers", False, False),
+    ],
+)
+def test_an_old_key_is_still_read_with_a_warning_naming_the_new_one(
+    old: str, field: str, value: Any, read: Any
+) -> None:
+    new = DEPRECATED[old]
+    with (
+        dask.config.set({f"dlscale.{old}": value}),
+        pytest.warns(FutureWarning, match=f"dlscale.{old} is now dlscale.{new}"),
+    ):
+        assert getattr(SessionConfig.from_dask(), field) == read
+    with (
+        dask.config.set({"dlscale.averaging.transport": "dask"}),
+        pytest.warns(FutureWarning, match="training.transport"),
+    ):
+        assert setting("training.transport") == "dask"
 
 
 # -- the scheduler's session logic, alone ----------------------------------------------------------
@@ -517,13 +546,13 @@ async def test_the_control_plane_over_the_comm(c: Any, s: Any, a: Any, b: Any) -
 
 # -- the data plane: sends, retries, the bound ------------------------------------------------------
 
-DASK_COMMS = {"dlscale.sharing.transport": "dask"}  # the handlers below stand in for a peer's
-FAST_RETRIES = {"dlscale.sharing.send-retries": 2, "dlscale.sharing.send-retry-delay": "10ms"}
+DASK_COMMS = {"dlscale.training.transport": "dask"}  # the handlers below stand in for a peer's
+FAST_RETRIES = {"dlscale.training.sharing.send-retries": 2, "dlscale.training.sharing.send-retry-delay": "10ms"}
 
 
 async def open_nodes(c: Any, *workers: Any) -> list[Node]:
     await c.register_plugin(SharingWorkerPlugin())
-    nodes = [w.plugins[NAME].open("s", 1, "plain", SharingConfig.from_dask()) for w in workers]
+    nodes = [w.plugins[NAME].open("s", 1, "plain", SessionConfig.from_dask()) for w in workers]
     for node in nodes:
         node.set_nodes(0, sorted(w.address for w in workers))
     await asyncio.sleep(0.01)  # the loop adopts the membership
@@ -641,7 +670,7 @@ async def test_a_malformed_update_is_refused(c: Any, s: Any, a: Any, b: Any) -> 
 
 
 @pytest.mark.gen_cluster
-@gen_cluster(client=True, config={"dlscale.sharing.send-buffer": 2500} | DASK_COMMS)
+@gen_cluster(client=True, config={"dlscale.training.sharing.send-buffer": 2500} | DASK_COMMS)
 async def test_a_trainer_waits_for_the_network_when_the_send_buffer_is_full(c: Any, s: Any, a: Any, b: Any) -> None:
     node_a, node_b = await open_nodes(c, a, b)
     update = b.handlers["dlscale_update"]
@@ -747,7 +776,7 @@ async def test_a_mesh_relays_what_it_reads_off_its_own_connections(c: Any, s: An
     """A chain (fan-out 1): the middle node passes each end's updates on to the other end."""
     workers = sorted([a, b, w], key=lambda x: x.address)
     await c.register_plugin(SharingWorkerPlugin())
-    config = dataclasses.replace(SharingConfig.from_dask(), mesh_fanout=1)
+    config = dataclasses.replace(SessionConfig.from_dask(), mesh_fanout=1)
     nodes = [x.plugins[NAME].open("s", 1, "mesh", config) for x in workers]
     for node in nodes:
         node.set_nodes(0, [x.address for x in workers])
@@ -783,7 +812,7 @@ async def _mesh_round(nodes: dict[str, Node], version: int, seq: int) -> None:
 
 @pytest.mark.parametrize("mode, fanout", [("mesh", 4), pytest.param("plain", 4, marks=pytest.mark.slow)])
 def test_every_update_reaches_every_peer_once_on_64_nodes(mode: str, fanout: int) -> None:
-    config = dataclasses.replace(SharingConfig.from_dask(), mesh_fanout=fanout)
+    config = dataclasses.replace(SessionConfig.from_dask(), mesh_fanout=fanout)
 
     async def main() -> None:
         pool = await ConnectionPool(limit=1024)
@@ -830,7 +859,7 @@ def _held(dataset: str, name: str) -> tuple[list[list[float]], list[int], list[s
     said: list[str] = []
     handler = logging.Handler(logging.INFO)
     handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
-    log = logging.getLogger("dlscale.training.sharing")
+    log = logging.getLogger("dlscale.training")
     level = log.level
     log.addHandler(handler)
     log.setLevel(logging.INFO)

@@ -18,9 +18,9 @@ import pytest
 from distributed.utils_test import gen_cluster
 
 from dlscale.training import _sockets
+from dlscale.training._messages import packed
 from dlscale.training._sockets import MAX_HEAD, NoListener, Sockets
 from dlscale.training.averaging._worker_plugin import NAME, AveragingWorkerPlugin
-from dlscale.training.sharing._messages import packed
 
 TIMEOUT = 10.0
 
@@ -160,7 +160,7 @@ def test_a_peer_whose_listener_cannot_be_reached_gets_its_parts_through_dask_s_c
     assert all(h.wait(TIMEOUT) and isinstance(h.error, NoListener) for h in handed)
     (warning,) = [r for r in caplog.records if r.levelname == "WARNING"]
     assert "listener of worker tcp://c" in warning.getMessage()
-    assert "dlscale.averaging.transport: dask" in warning.getMessage()
+    assert "dlscale.training.transport: dask" in warning.getMessage()
     assert "cannot connect to the averaging listener" in warning.getMessage()
 
 

@@ -374,7 +374,7 @@ def test_streaming_rounds_take_each_average_during_the_next_round(sc, tmp_path, 
 
 @pytest.mark.slow  # a second local[2] context; the default run covers both ways (test_tls: Dask's comms)
 def test_parts_go_over_the_workers_own_connections_or_through_dask_s_comms_alike(sc, tmp_path, one_thread) -> None:
-    """``dlscale.averaging.transport``: ``"tcp"`` (the default: each worker connects to the other's
+    """``dlscale.training.transport``: ``"tcp"`` (the default: each worker connects to the other's
     listener) or ``"dask"`` (``worker.rpc``: no listener): the same fit to the last bit."""
 
     def fit(context: SparkContext, folder: str) -> torch.Tensor:
@@ -396,7 +396,7 @@ def test_parts_go_over_the_workers_own_connections_or_through_dask_s_comms_alike
     a, b = sorted(cluster_workers(sc.client))
     peers = connected(sc)
     assert b in peers[a] and a in peers[b]  # (and the workers of earlier tests' fits, until idle)
-    with dask.config.set({"dlscale.averaging.transport": "dask"}), SparkContext("local[2]", "dask-comms") as other:
+    with dask.config.set({"dlscale.training.transport": "dask"}), SparkContext("local[2]", "dask-comms") as other:
         through_dask = fit(other, "dask")
         assert list(connected(other).values()) == [None, None]
     torch.testing.assert_close(over_tcp, through_dask, rtol=0, atol=0)
@@ -832,7 +832,7 @@ def test_a_fit_loop_goes_on_with_the_last_fits_replicas_unless_the_network_chang
         if sent is not None:
             spark_net.set_listeners(sent)
         parked = []
-        with dask.config.set({"dlscale.sharing.keep-trainers": keep}):
+        with dask.config.set({"dlscale.training.keep-trainers": keep}):
             for fit in range(4):
                 if fit == 2:
                     spark_net.network.optimizer.param_groups[0]["lr"] /= 2

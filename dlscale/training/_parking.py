@@ -5,7 +5,7 @@ leaves them *parked* on their workers (their replicas, and what else they train 
 takes them back instead of sending the network again, if nothing changed in between: the same
 network object, its state unchanged (:func:`fingerprint`), the master's same settings and the same
 trainers on the same workers (:class:`Warm`). Otherwise the parked trainers are forgotten and the
-network is sent as for a first fit. ``dlscale.sharing.keep-trainers`` turns parking off.
+network is sent as for a first fit. ``dlscale.training.keep-trainers`` turns parking off.
 """
 
 from __future__ import annotations

@@ -42,8 +42,8 @@ from distributed.comm.addressing import get_address_host, parse_address
 from distributed.system import MEMORY_LIMIT
 from distributed.utils import sync
 
-from dlscale import config
-from dlscale.training.sharing._messages import packed, unpacked
+from dlscale.training._config import setting
+from dlscale.training._messages import packed, unpacked
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -73,24 +73,24 @@ class NoListener(Exception):
     cannot be reached: not written, for its sender to send through Dask's comms."""
 
 
-def transport(master: str) -> str:
-    """``dlscale.<master>.transport``, checked: ``"tcp"`` (these sockets) or ``"dask"`` (Dask's comms)."""
-    value = config.get(f"{master}.transport")
+def transport() -> str:
+    """``dlscale.training.transport``, checked: ``"tcp"`` (these sockets) or ``"dask"`` (Dask's comms)."""
+    value = setting("training.transport")
     if value not in TRANSPORTS:
-        raise ValueError(f"dlscale.{master}.transport must be one of {', '.join(TRANSPORTS)}, got {value!r}")
+        raise ValueError(f"dlscale.training.transport must be one of {', '.join(TRANSPORTS)}, got {value!r}")
     return value
 
 
 def open_sockets(worker: Worker, master: str, wanted: Callable[[str], bool], deliver: Deliver) -> Sockets | None:
     """``worker``'s :class:`Sockets` for ``master``'s messages, and the ``dlscale_<master>_port``
     handler through which its peers ask where they listen; ``None`` (the handler answers ``None``)
-    where ``dlscale.<master>.transport`` is ``"dask"`` or the worker does not listen on ``tcp://``.
-    A write waits ``dlscale.sharing.end-timeout`` at most for a peer, a connection Dask's connect
+    where ``dlscale.training.transport`` is ``"dask"`` or the worker does not listen on ``tcp://``.
+    A write waits ``dlscale.training.end-timeout`` at most for a peer, a connection Dask's connect
     timeout; a message may be half the worker's memory limit (of the machine's memory without one)."""
     handler = f"dlscale_{master}_port"
     sockets = None
-    if transport(master) == "tcp" and parse_address(worker.address)[0] == "tcp":
-        timeout = parse_timedelta(config.get("sharing.end-timeout"))
+    if transport() == "tcp" and parse_address(worker.address)[0] == "tcp":
+        timeout = parse_timedelta(setting("training.end-timeout"))
 
         def port_of(peer: str) -> tuple[str, int] | None:  # from a writing thread
             got = sync(worker.loop, getattr(worker.rpc(peer), handler), callback_timeout=timeout)
@@ -336,14 +336,13 @@ class _Writer:
         except OSError as e:  # the peer answered through Dask's comms, but its listener cannot be reached
             logger.warning(
                 "worker %s cannot connect to the %s listener of worker %s at %s (%s: %s); their messages go "
-                "through Dask's comms (dlscale.%s.transport: dask skips the attempt)",
+                "through Dask's comms (dlscale.training.transport: dask skips the attempt)",
                 self.sockets.me,
                 self.sockets.master,
                 self.peer,
                 address,
                 type(e).__name__,
                 e,
-                self.sockets.master,
             )
             self.listening = False
             return False

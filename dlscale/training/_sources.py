@@ -8,19 +8,22 @@ Three sources: files listed by a paths RDD (``fit_paths``), an RDD exported to m
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from distributed import wait
+from distributed import Future, wait
 
 from dlscale import storage
 from dlscale.data.export import PREFIXES, ExportPlan, FileSink, plan_export, write_plan
 from dlscale.data.format import to_bytes
 from dlscale.data.loaders import resolve_loader
 from dlscale.training._worker import decode
+
+logger = logging.getLogger("dlscale.training")
 
 if TYPE_CHECKING:
     from dlscale.facade.persist import StorageLevel
@@ -166,3 +169,44 @@ class ExportCache:
             if fs.exists(path):
                 fs.rm(path, recursive=True)
         self._exports.clear()
+
+
+_PATIENCE = 2.0  # seconds a fetch of a held minibatch may take before it is asked again (doubling)
+
+
+@dataclass(frozen=True)
+class HeldMinibatch:
+    """The loader of minibatches held in workers' memory ("direct" training), by name. The driver
+    publishes their futures as the Dask dataset ``dataset``; a trainer takes them from there once
+    (:meth:`bind`), which makes its client want them as the driver's does: a minibatch lost with its
+    worker is recomputed from its RDD's lineage, and the trainer waiting for it is told when it is
+    back. ``timeout`` (seconds) bounds that wait.
+
+    A fetch can be connecting to a worker that died after the scheduler named it as the holder, and
+    Dask retries a refused connection until its connect timeout (``distributed.comm.timeouts.connect``,
+    30 s). So a fetch that takes longer than :data:`_PATIENCE` seconds is cancelled and asked again,
+    which asks the scheduler again and finds the copy recomputed elsewhere, with the patience doubled
+    each time so that a long transfer still ends."""
+
+    dataset: str
+    timeout: float
+    futures: dict[str, Future] | None = None
+
+    def bind(self, client: Any) -> HeldMinibatch:
+        return HeldMinibatch(self.dataset, self.timeout, client.get_dataset(self.dataset))
+
+    def __call__(self, name: str) -> Any:
+        future, patience = self.futures[name], _PATIENCE
+        deadline = time.monotonic() + self.timeout
+        while True:
+            wait = min(patience, deadline - time.monotonic())
+            try:
+                return decode(future.result(timeout=max(wait, 0.0)))
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"minibatch {name}, held in worker memory, was not available within {self.timeout:g} s "
+                        "(dlscale.training.end-timeout): it was lost with its worker and not recomputed"
+                    ) from None
+                logger.info("minibatch %s, held in worker memory, not here after %.3g s: asking again", name, wait)
+                patience *= 2

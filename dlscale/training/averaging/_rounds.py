@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from dlscale.training.sharing._exceptions import SessionAbortedError, SessionClosedError, TrainerLostError
+from dlscale.training._errors import SessionAbortedError, SessionClosedError, TrainerLostError
 
 __all__ = ["Round", "Rounds", "plan_rounds", "SessionAbortedError", "SessionClosedError", "TrainerLostError"]
 

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from dlscale.training._errors import SessionClosedError, SessionStoppedError
+from dlscale.training._messages import OK, refusal, unpacked
 from dlscale.training.averaging._rounds import Rounds
-from dlscale.training.sharing._exceptions import SessionClosedError, SessionStoppedError
-from dlscale.training.sharing._messages import OK, refusal, unpacked
 
 if TYPE_CHECKING:
     from distributed.scheduler import Scheduler, WorkerState

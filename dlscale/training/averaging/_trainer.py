@@ -51,12 +51,12 @@ from dlscale.data.loaders import KeptLoader, prefetch
 from dlscale.runtime.profiling import profiler_paused
 from dlscale.runtime.retirement import LEAVING
 from dlscale.runtime.tasks import match_threads
+from dlscale.training._errors import SessionAbortedError, SessionClosedError, SessionStoppedError
+from dlscale.training._messages import packed, unwrap
+from dlscale.training._sources import HeldMinibatch
 from dlscale.training._worker import check_finite, release_replica, state_of, training_replica
 from dlscale.training.averaging._exchange import DTYPES, Contribution, Exchange, FlatState
 from dlscale.training.averaging._worker_plugin import plugin
-from dlscale.training.sharing._exceptions import SessionAbortedError, SessionClosedError, SessionStoppedError
-from dlscale.training.sharing._messages import packed, unwrap
-from dlscale.training.sharing._trainer import HeldMinibatch
 
 logger = logging.getLogger("dlscale.training.averaging")
 
@@ -392,7 +392,7 @@ class _Trainer:
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"trainer {self.name} could not take round {k}'s average from any of {holders} "
-                    f"within {self.spec.timeout:g} s (dlscale.sharing.end-timeout)"
+                    f"within {self.spec.timeout:g} s (dlscale.training.end-timeout)"
                 )
             time.sleep(self.spec.poll)
             status = self.control("sync", round=k)

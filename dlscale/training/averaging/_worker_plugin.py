@@ -5,7 +5,7 @@ replica a trainer parks for the next fit (``dlscale.training._parking``; one ses
 
 Parts go over the workers' own TCP connections (``dlscale.training._sockets``: written and read by threads that wait in
 the kernel, not by the event loops the trainers share the interpreter's lock with) where the workers
-listen on ``tcp://`` and ``dlscale.averaging.transport`` is ``"tcp"``, the default; otherwise, and to a
+listen on ``tcp://`` and ``dlscale.training.transport`` is ``"tcp"``, the default; otherwise, and to a
 peer without such a listener, on the worker's event loop through ``worker.rpc`` (Dask's pooled
 connections, TLS included), the arrays as Dask-serialised frames. Either way one way: the peer sends no
 reply, which would cost a message a part and tell nothing a round's end does not. A send is done

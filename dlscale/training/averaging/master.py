@@ -39,16 +39,16 @@ from dlscale.runtime.extensions import install
 from dlscale.runtime.retirement import retired
 from dlscale.runtime.tasks import check_count
 from dlscale.training import _sources, _worker
+from dlscale.training._config import SessionConfig
 from dlscale.training._driver import FitRun, workers
 from dlscale.training._parking import Warm
+from dlscale.training._sources import HeldMinibatch
 from dlscale.training.averaging import _trainer
 from dlscale.training.averaging._exchange import DTYPES
 from dlscale.training.averaging._extension import AVERAGING
 from dlscale.training.averaging._rounds import plan_rounds
 from dlscale.training.averaging._worker_plugin import plugin
 from dlscale.training.master import TrainingMaster
-from dlscale.training.sharing._config import SharingConfig
-from dlscale.training.sharing._trainer import HeldMinibatch
 
 logger = logging.getLogger("dlscale.training.averaging")
 
@@ -158,7 +158,7 @@ class _Averaging:
     ) -> None:
         self.master, self.run, self.batches, self.local = master, run, batches, local
         self.client = run.client
-        self.config = SharingConfig.from_dask()
+        self.config = SessionConfig.from_dask()
         self.fit = f"dlscale-averaging-{uuid.uuid4().hex[:12]}"
         self.owner = dict(enumerate(batches.holders)) if local and batches.holders else None
         self.held: dict[str, Future] = {}

@@ -22,8 +22,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from dlscale.training._config import SessionConfig
 from dlscale.training._sockets import NoListener
-from dlscale.training.sharing._config import SharingConfig
 from dlscale.training.sharing._limiter import ResourceLimiter
 from dlscale.training.sharing._messages import Update, framed
 
@@ -58,7 +58,7 @@ class PeerLinks:
         address: str,
         rpc: ConnectionPool,
         limiter: ResourceLimiter,
-        config: SharingConfig,
+        config: SessionConfig,
         sockets: Sockets | None = None,
     ) -> None:
         self.session, self.address, self.rpc, self.sockets = session, address, rpc, sockets

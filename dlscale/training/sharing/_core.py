@@ -17,9 +17,9 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from dlscale.training._config import SessionConfig
 from dlscale.training.sharing import _mesh
 from dlscale.training.sharing._comms import PeerLinks
-from dlscale.training.sharing._config import SharingConfig
 from dlscale.training.sharing._limiter import ResourceLimiter
 from dlscale.training.sharing._messages import Update
 
@@ -46,7 +46,7 @@ class Node:
         loop: Any,
         trainers: int,
         mode: str,
-        config: SharingConfig,
+        config: SessionConfig,
         sockets: Sockets | None = None,
     ) -> None:
         self.session, self.address, self.loop, self.mode, self.config = session, address, loop, mode, config

@@ -1,7 +1,7 @@
 """A bound on bytes in flight, after ``distributed.shuffle``'s ``ResourceLimiter``, for threads that
 may wait and an event loop that must not.
 
-Gradient sharing holds a worker's encoded updates against ``dlscale.sharing.send-buffer`` from the
+Gradient sharing holds a worker's encoded updates against ``dlscale.training.sharing.send-buffer`` from the
 moment a trainer hands one over until every peer it goes to has it (or is dropped). Trainers, in
 their own threads, wait for room before they hand over an update; the event loop holds the bytes it
 queues for relaying without waiting and releases what it has sent.
@@ -13,7 +13,12 @@ import collections
 import threading
 import time
 
-from dlscale.training.sharing._exceptions import LimiterError
+from dlscale.errors import DlscaleError
+
+
+class LimiterError(DlscaleError, ValueError):
+    """A limiter given a limit or a size that is not a count of bytes, or asked to release more bytes
+    than it holds (its accounting is broken)."""
 
 
 class ResourceLimiter:

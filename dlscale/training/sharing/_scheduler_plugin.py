@@ -27,13 +27,14 @@ from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dlscale.monitor import panel
-from dlscale.training.sharing._exceptions import (
+from dlscale.training._errors import (
     SessionAbortedError,
     SessionClosedError,
     SessionStoppedError,
     TrainerLostError,
 )
-from dlscale.training.sharing._messages import Ack, Handout, Record, View, ok, refusal
+from dlscale.training._messages import Record, ok, refusal
+from dlscale.training.sharing._messages import Ack, Handout, View
 
 if TYPE_CHECKING:
     from distributed.scheduler import Scheduler, WorkerState

@@ -11,7 +11,7 @@ replica, to which its own messages and its peers' are added, and its residual is
 them, which the compressor reads where it lies: a ``Difference``); alone, with no live peer, it
 sends nothing and trains as one process does. With another ("dl4j") the update is taken back out
 and the message applied instead, so that every replica holds the shared parameters. Minibatches
-come from the scheduler a lease (``dlscale.sharing.lease``) at a time. Peers' updates are
+come from the scheduler a lease (``dlscale.training.sharing.lease``) at a time. Peers' updates are
 applied between steps, as they arrive: there is no barrier per step. At the end each trainer waits
 until it has applied every update its live peers sent, returns the shared parameters (its own
 less its residual) with the residual, and parks its replica, shared parameters and compressor state
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from distributed import Future, get_client, get_worker, secede
+from distributed import get_client, get_worker, secede
 from distributed.utils import sync
 
 from dlscale.data.loaders import KeptLoader, prefetch
@@ -50,10 +50,12 @@ from dlscale.encoding.dense import DenseCompressor
 from dlscale.errors import NonFiniteUpdateError
 from dlscale.runtime.profiling import profiler_paused
 from dlscale.runtime.retirement import LEAVING, retire_timeout
-from dlscale.training._worker import decode, release_replica, state_of, training_replica
-from dlscale.training.sharing._exceptions import SessionAbortedError, SessionClosedError, SessionStoppedError
+from dlscale.training._errors import SessionAbortedError, SessionClosedError, SessionStoppedError
+from dlscale.training._messages import unwrap
+from dlscale.training._sources import HeldMinibatch
+from dlscale.training._worker import release_replica, state_of, training_replica
 from dlscale.training.sharing._keeping import Keeping, keeping
-from dlscale.training.sharing._messages import Ack, Handout, Update, View, unwrap
+from dlscale.training.sharing._messages import Ack, Handout, Update, View
 from dlscale.training.sharing._worker_plugin import plugin
 
 logger = logging.getLogger("dlscale.training.sharing")
@@ -83,47 +85,6 @@ class TrainerSpec:
     keep_loaded: float  # the fraction of its worker's memory a trainer may keep loaded minibatches in
     iteration: int = 0  # the network's iteration count when the fit began
     warm: str | None = None  # the session whose trainers, parked on the workers, go on in this one
-
-
-_PATIENCE = 2.0  # seconds a fetch of a held minibatch may take before it is asked again (doubling)
-
-
-@dataclass(frozen=True)
-class HeldMinibatch:
-    """The loader of minibatches held in workers' memory ("direct" training), by name. The driver
-    publishes their futures as the Dask dataset ``dataset``; a trainer takes them from there once
-    (:meth:`bind`), which makes its client want them as the driver's does: a minibatch lost with its
-    worker is recomputed from its RDD's lineage, and the trainer waiting for it is told when it is
-    back. ``timeout`` (seconds) bounds that wait.
-
-    A fetch can be connecting to a worker that died after the scheduler named it as the holder, and
-    Dask retries a refused connection until its connect timeout (``distributed.comm.timeouts.connect``,
-    30 s). So a fetch that takes longer than :data:`_PATIENCE` seconds is cancelled and asked again,
-    which asks the scheduler again and finds the copy recomputed elsewhere, with the patience doubled
-    each time so that a long transfer still ends."""
-
-    dataset: str
-    timeout: float
-    futures: dict[str, Future] | None = None
-
-    def bind(self, client: Any) -> HeldMinibatch:
-        return HeldMinibatch(self.dataset, self.timeout, client.get_dataset(self.dataset))
-
-    def __call__(self, name: str) -> Any:
-        future, patience = self.futures[name], _PATIENCE
-        deadline = time.monotonic() + self.timeout
-        while True:
-            wait = min(patience, deadline - time.monotonic())
-            try:
-                return decode(future.result(timeout=max(wait, 0.0)))
-            except TimeoutError:
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(
-                        f"minibatch {name}, held in worker memory, was not available within {self.timeout:g} s "
-                        "(dlscale.sharing.end-timeout): it was lost with its worker and not recomputed"
-                    ) from None
-                logger.info("minibatch %s, held in worker memory, not here after %.3g s: asking again", name, wait)
-                patience *= 2
 
 
 class _Control:
@@ -319,7 +280,7 @@ class _Trainer:
 
     def _items(self) -> Iterator[Any]:
         """The refs of the minibatches this trainer is handed, pulled from the scheduler a lease
-        (``dlscale.sharing.lease`` of them) at a time, the acknowledgements of those sent since going
+        (``dlscale.training.sharing.lease`` of them) at a time, the acknowledgements of those sent since going
         with each call (the prefetching thread runs this, so the figures are read off the training
         thread); ends when the session has no work left, and raises :class:`SessionStoppedError`
         when the session stops under it."""

@@ -1,6 +1,6 @@
 """The data plane of gradient sharing on every worker: the worker's own connections for encoded
 updates (``dlscale.training._sockets``, where the worker listens on ``tcp://`` and
-``dlscale.sharing.transport`` is ``"tcp"``, the default) and the ``dlscale_update`` handler that
+``dlscale.training.transport`` is ``"tcp"``, the default) and the ``dlscale_update`` handler that
 receives them through Dask's comms otherwise (TLS included), the session's
 :class:`~dlscale.training.sharing._core.Node` they are handed to (see ``_core`` for the node,
 ``_comms`` for sending); and the trainers kept between fits.
@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from dlscale.runtime.retirement import retire_timeout
+from dlscale.training._config import SessionConfig
+from dlscale.training._errors import MalformedMessageError
 from dlscale.training._sockets import Sockets, open_sockets
-from dlscale.training.sharing._config import SharingConfig
 from dlscale.training.sharing._core import Node
-from dlscale.training.sharing._exceptions import MalformedMessageError
 from dlscale.training.sharing._messages import Update, unframed
 
 if TYPE_CHECKING:
@@ -84,9 +84,9 @@ class SharingWorkerPlugin(WorkerPlugin):
             return
         node.receive(sender, updates)
 
-    def open(self, session: str, trainers: int, mode: str, config: SharingConfig) -> Node:
+    def open(self, session: str, trainers: int, mode: str, config: SessionConfig) -> Node:
         """Start this worker's part in ``session`` for ``trainers`` local trainers, with the
-        session's ``dlscale.sharing`` settings (read on the driver)."""
+        session's ``dlscale.training`` settings (read on the driver)."""
         node = self.nodes[session] = Node(
             session, self.worker.address, self.worker.rpc, self.worker.loop, trainers, mode, config, self.sockets
         )

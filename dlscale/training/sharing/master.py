@@ -33,12 +33,13 @@ from dlscale.runtime.cluster import cluster_workers
 from dlscale.runtime.extensions import install
 from dlscale.runtime.tasks import check_count
 from dlscale.training import _sources, _worker
+from dlscale.training._config import SessionConfig
 from dlscale.training._driver import FitRun, workers
 from dlscale.training._parking import Warm
+from dlscale.training._sources import HeldMinibatch
 from dlscale.training.checkpoints import FitPosition
 from dlscale.training.master import TrainingMaster
 from dlscale.training.sharing import _mesh, _trainer
-from dlscale.training.sharing._config import SharingConfig
 from dlscale.training.sharing._extension import SHARING
 from dlscale.training.sharing._worker_plugin import plugin
 
@@ -62,11 +63,11 @@ class SharedTrainingMaster(TrainingMaster):
     ``residual_post_processor`` (an instance or a registered name: "adaptive", "fixed",
     "target_sparsity"; "clipping", "none") configure the "dl4j" compressor and only it.
     ``mesh_build_mode`` "plain" sends every update to every peer, "mesh" relays it along a tree
-    (``dlscale.sharing.mesh-fanout``) so that no node talks to
+    (``dlscale.training.sharing.mesh-fanout``) so that no node talks to
     more than a few others. ``encoding_debug_mode`` logs each trainer's threshold, sparsity, message
     form and residual at every step (on the workers, and on the driver under
     ``dlscale.training.sharing``). ``prefetch`` minibatches are read ahead by each trainer. The
-    ``dlscale.sharing`` settings are read on the driver when a fit starts. The settings every master
+    ``dlscale.training`` settings are read on the driver when a fit starts. The settings every master
     has are described on :class:`~dlscale.training.master.TrainingMaster`.
     """
 
@@ -126,7 +127,7 @@ def _probe_parked(session: str, local: int, ref: Any, loader: Any) -> None:
     network.score(next(prefetch([ref], loader, 0)))
 
 
-def _open_node(session: str, trainers: int, mode: str, config: SharingConfig, dask_worker: Any = None) -> None:
+def _open_node(session: str, trainers: int, mode: str, config: SessionConfig, dask_worker: Any = None) -> None:
     plugin(dask_worker).open(session, trainers, mode, config)
 
 
@@ -140,7 +141,7 @@ class _Session:
     def __init__(self, master: SharedTrainingMaster, run: FitRun, batches: _sources.Minibatches, held: bool) -> None:
         self.master, self.run, self.batches = master, run, batches
         self.client, self.workers = run.client, run.workers
-        self.config = SharingConfig.from_dask()
+        self.config = SessionConfig.from_dask()
         self.fit = self.session = f"dlscale-sharing-{uuid.uuid4().hex[:12]}"  # a segment's session: fit-N
         self.trainers = self._place()
         self.complete = False  # whether every trainer of the last segment returned its state (and parked)
@@ -148,12 +149,12 @@ class _Session:
         self.held: dict[str, Future] = {}
         if held:  # minibatches in worker memory: published for the trainers, fetched by name
             self.held = dict(zip(batches.names, batches.refs))
-            loader = _trainer.HeldMinibatch(f"{self.session}-minibatches", self.config.end_timeout)
+            loader = HeldMinibatch(f"{self.session}-minibatches", self.config.end_timeout)
             self.batches = dataclasses.replace(batches, refs=list(batches.names), loader=loader)
 
     def _place(self) -> dict[str, tuple[str, int]]:
         """The trainers, ``workers_per_node`` on each worker, on as many workers as
-        ``dlscale.sharing.max-trainers`` allows (at least one)."""
+        ``dlscale.training.sharing.max-trainers`` allows (at least one)."""
         per, cap = self.master.workers_per_node, self.config.max_trainers
         placed = self.workers if cap is None else self.workers[: max(1, cap // per)]
         return {f"{w}#{i}": (w, i) for w in placed for i in range(per)}

@@ -1,4 +1,4 @@
-"""The errors of gradient sharing's protocol.
+"""The errors of the protocol every master's session speaks.
 
 A trainer learns that its session cannot go on from the scheduler's reply: the session is gone, the
 trainer is no longer a member, or another trainer failed. The scheduler refuses with plain data (a
@@ -14,7 +14,7 @@ from dlscale.errors import DlscaleError
 
 
 class SessionStoppedError(DlscaleError, RuntimeError):
-    """A gradient-sharing session that has ended for the trainer that asked; ``reason`` is how it
+    """A training session that has ended for the trainer that asked; ``reason`` is how it
     travels in the scheduler's replies."""
 
     reason: ClassVar[str]
@@ -48,10 +48,5 @@ class MalformedMessageError(DlscaleError, ValueError):
     """A protocol message (a reply, an acknowledgement, an update) without the fields its record needs."""
 
 
-class LimiterError(DlscaleError, ValueError):
-    """A limiter given a limit or a size that is not a count of bytes, or asked to release more bytes
-    than it holds (its accounting is broken)."""
-
-
-class SharingConfigError(DlscaleError, ValueError):
-    """A ``dlscale.sharing`` setting out of range."""
+class TrainingConfigError(DlscaleError, ValueError):
+    """A ``dlscale.training`` setting out of range."""
