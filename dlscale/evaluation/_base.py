@@ -67,6 +67,23 @@ def rows(
     ``per_output_mask``). Masked rows are left out; a NaN or infinite prediction or label is
     refused, as is any shape that does not fit.
     """
+    p, y, dense = _shaped(labels, predictions, who)
+    y = _checked_values(p, y, dense, who)
+    keep, out_mask = (None, None) if mask is None else _masks(mask, p, per_output_mask, who)
+    c = p.shape[-1]
+    p = p.reshape(-1, c).astype(np.float64, copy=False)
+    y = y.reshape(-1, c).astype(np.float64, copy=False) if dense else y.reshape(-1)
+    if keep is not None:
+        p, y = p[keep], y[keep]
+    return Rows(y, p, out_mask)
+
+
+def _shaped(labels: Any, predictions: Any, who: str) -> tuple[np.ndarray, np.ndarray, bool]:
+    """Predictions and labels as arrays of shapes that fit, and whether the labels are dense.
+
+    One output given as ``[N]`` becomes a column, boolean labels become 0 and 1. Dense labels have the
+    shape of the predictions (one column per output); the others are class indices, one per row.
+    """
     p = as_numpy(predictions, "predictions")
     y = as_numpy(labels, "labels")
     if y.dtype == np.bool_:
@@ -80,55 +97,58 @@ def rows(
             f"{who}: predictions of shape {p.shape}; expected [examples, outputs] or [examples, time, outputs]"
         )
     if y.shape == p.shape:
-        dense = True
-    elif y.shape == p.shape[:-1]:
-        dense = False
-    else:
-        raise EvaluationError(
-            f"{who}: labels of shape {y.shape} do not fit predictions of shape {p.shape}; "
-            f"labels must be {p.shape} (one column per output) or {p.shape[:-1]} (class indices)"
-        )
+        return p, y, True
+    if y.shape == p.shape[:-1]:
+        return p, y, False
+    raise EvaluationError(
+        f"{who}: labels of shape {y.shape} do not fit predictions of shape {p.shape}; "
+        f"labels must be {p.shape} (one column per output) or {p.shape[:-1]} (class indices)"
+    )
+
+
+def _checked_values(p: np.ndarray, y: np.ndarray, dense: bool, who: str) -> np.ndarray:
+    """The labels, once predictions and labels are known to be finite numbers (class indices whole ones).
+
+    Class indices come back as int64, so that they can index the classes' counts.
+    """
     if not np.issubdtype(p.dtype, np.number) or not np.all(np.isfinite(p)):
         bad = int(np.size(p) - np.count_nonzero(np.isfinite(p))) if np.issubdtype(p.dtype, np.number) else "some"
         raise EvaluationError(f"{who}: predictions contain {bad} NaN or infinite values of {p.size}")
     if not np.issubdtype(y.dtype, np.number) or not np.all(np.isfinite(y.astype(np.float64, copy=False))):
         raise EvaluationError(f"{who}: labels contain NaN, infinite or non-numeric values")
-    if not dense:
-        if not np.all(np.equal(np.mod(y, 1), 0)):
+    if dense:
+        return y
+    if not np.all(np.equal(np.mod(y, 1), 0)):
+        raise EvaluationError(
+            f"{who}: labels of shape {y.shape} are read as class indices, but some are not whole numbers"
+        )
+    return y.astype(np.int64)
+
+
+def _masks(mask: Any, p: np.ndarray, per_output_mask: bool, who: str) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """``mask`` read against predictions ``p``: the rows to keep, or the ``[rows, outputs]`` mask per output.
+
+    A mask per example or per time step selects rows (one per sequence holds for each of its steps);
+    a mask of the predictions' shape masks each output, where ``per_output_mask`` allows it.
+    """
+    m = as_numpy(mask, "mask")
+    row_shapes = [p.shape[:-1]] + ([(p.shape[0], 1)] if p.ndim == 2 else [])
+    if m.shape == p.shape and m.shape not in row_shapes:
+        if not per_output_mask:
             raise EvaluationError(
-                f"{who}: labels of shape {y.shape} are read as class indices, but some are not whole numbers"
+                f"{who}: a per-output mask of shape {m.shape} is not supported here; give "
+                "a mask per example or per time step (EvaluationBinary, ROCBinary and "
+                "RegressionEvaluation take per-output masks)"
             )
-        y = y.astype(np.int64)
-    out_mask = None
-    if mask is not None:
-        m = as_numpy(mask, "mask")
-        row_shapes = [p.shape[:-1]] + ([(p.shape[0], 1)] if p.ndim == 2 else [])
-        if m.shape == p.shape and m.shape not in row_shapes:
-            if not per_output_mask:
-                raise EvaluationError(
-                    f"{who}: a per-output mask of shape {m.shape} is not supported here; give "
-                    "a mask per example or per time step (EvaluationBinary, ROCBinary and "
-                    "RegressionEvaluation take per-output masks)"
-                )
-            out_mask = m.reshape(-1, p.shape[-1]) != 0
-            keep = None
-        elif m.shape in row_shapes:
-            keep = m.reshape(-1) != 0
-        elif p.ndim == 3 and m.shape == p.shape[:1]:  # one flag per sequence, for each of its steps
-            keep = np.repeat(m != 0, p.shape[1])
-        else:
-            raise EvaluationError(
-                f"{who}: mask of shape {m.shape} fits neither the examples {p.shape[:1]}, the rows "
-                f"{p.shape[:-1]} nor the outputs {p.shape} of predictions"
-            )
-    else:
-        keep = None
-    c = p.shape[-1]
-    p = p.reshape(-1, c).astype(np.float64, copy=False)
-    y = y.reshape(-1, c).astype(np.float64, copy=False) if dense else y.reshape(-1)
-    if keep is not None:
-        p, y = p[keep], y[keep]
-    return Rows(y, p, out_mask)
+        return None, m.reshape(-1, p.shape[-1]) != 0
+    if m.shape in row_shapes:
+        return m.reshape(-1) != 0, None
+    if p.ndim == 3 and m.shape == p.shape[:1]:  # one flag per sequence, for each of its steps
+        return np.repeat(m != 0, p.shape[1]), None
+    raise EvaluationError(
+        f"{who}: mask of shape {m.shape} fits neither the examples {p.shape[:1]}, the rows "
+        f"{p.shape[:-1]} nor the outputs {p.shape} of predictions"
+    )
 
 
 def class_indices(r: Rows, num_classes: int, who: str = "evaluation") -> np.ndarray:

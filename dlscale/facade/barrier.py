@@ -250,9 +250,28 @@ def _host_port(address: str) -> str:
 def _run_stage(
     client: Client, name: str, layer: BarrierLayer, inputs_bag: Bag, track: Callable | None, cpus: int
 ) -> list[Future]:
-    n = layer.npartitions
-    _check_slots(cluster_workers(client), n, cpus)  # at once, before the inputs are computed (as Spark)
+    """Run barrier stage ``name`` over the partitions of ``inputs_bag``: the futures of its tasks' results.
+
+    A stage that failed because a worker was lost runs again, whole, up to ``dlscale.barrier.stage-attempts``
+    times in all; any other failure raises at once.
+    """
+    _check_slots(cluster_workers(client), layer.npartitions, cpus)  # at once, before the inputs are computed (as Spark)
     install(client, BARRIER)
+    inputs = _computed_inputs(client, inputs_bag, track)
+    attempts = int(config.get("barrier.stage-attempts"))
+    timeout = parse_timedelta(config.get("barrier.sync-timeout"))
+    attempt = 0
+    while True:
+        attempt += 1
+        futures = _run_attempt(
+            client, name, layer, inputs, track, cpus=cpus, attempt=attempt, attempts=attempts, timeout=timeout
+        )
+        if futures is not None:
+            return futures
+
+
+def _computed_inputs(client: Client, inputs_bag: Bag, track: Callable | None) -> list[Future]:
+    """The stage's input partitions, computed before any of its tasks starts, so that they all start together."""
     inputs = client.compute(inputs_bag.to_delayed())
     if track is not None:
         track(inputs)
@@ -260,58 +279,91 @@ def _run_stage(
     for f in inputs:
         if f.status == "error":
             f.result()  # the error of the stage's input, as the action would raise it without a barrier
-    attempts = int(config.get("barrier.stage-attempts"))
-    timeout = parse_timedelta(config.get("barrier.sync-timeout"))
-    attempt = 0
-    while True:
-        attempt += 1
-        placement = _place(client, inputs, rerun=attempt > 1, cpus=cpus)
-        stage = BarrierStage(f"{name}-{attempt}-{uuid.uuid4().hex[:8]}", tuple(map(_host_port, placement)))
-        client.run_on_scheduler(_begin, stage.id, placement, timeout)
-        futures: list[Future] = []
-        finished = False
-        try:
-            for i, address in enumerate(placement):
-                futures.append(
-                    client.submit(
-                        _graph.compute_barrier_partition,
-                        stage,
-                        (name, i),
-                        layer.func,
-                        i,
-                        inputs[i],
-                        key=(f"{name}-attempt{attempt}", i),
-                        workers=[address],
-                        allow_other_workers=True,  # a lost worker's task may run elsewhere, to fail at its barrier
-                        pure=False,
-                    )
-                )
-            if track is not None:
-                track(futures)
-            failed = _first_failure(futures)
-            if failed is None:
-                finished = True
-                return futures
-            lost = client.run_on_scheduler(_end, stage.id, f"barrier task {failed} failed")
-            if lost is not None and attempt < attempts:
-                logger.warning(
-                    "barrier stage %s: %s; running the whole stage again (attempt %d of %d)",
-                    name,
-                    lost,
-                    attempt + 1,
-                    attempts,
-                )
-                continue
-            error = futures[failed].exception()
-            cause = lost or f"barrier task {failed} (partition {failed}) on {placement[failed]} failed"
-            raise BarrierError(
-                f"barrier stage {name} failed after {attempt} attempt{'s' * (attempt > 1)}: {cause}: "
-                f"{type(error).__name__}: {error}"
-            ) from error
-        finally:
-            client.run_on_scheduler(_end, stage.id, "the stage finished" if finished else "the action was stopped")
-            if not finished:
-                _stop(client, futures)
+    return inputs
+
+
+def _run_attempt(
+    client: Client,
+    name: str,
+    layer: BarrierLayer,
+    inputs: list[Future],
+    track: Callable | None,
+    *,
+    cpus: int,
+    attempt: int,
+    attempts: int,
+    timeout: float,
+) -> list[Future] | None:
+    """One run of the whole stage: its tasks' futures when all succeeded; ``None`` when a worker was lost and
+    attempts are left (the stage is to run again); else raises :class:`BarrierError`.
+
+    Whatever happens, the coordinator forgets the stage afterwards; unless it finished, its tasks are
+    cancelled and the running ones interrupted (as when the action is stopped midway).
+    """
+    placement = _place(client, inputs, rerun=attempt > 1, cpus=cpus)
+    stage = BarrierStage(f"{name}-{attempt}-{uuid.uuid4().hex[:8]}", tuple(map(_host_port, placement)))
+    client.run_on_scheduler(_begin, stage.id, placement, timeout)
+    futures: list[Future] = []
+    finished = False
+    try:
+        for i, address in enumerate(placement):
+            futures.append(_submit_task(client, stage, name, layer, inputs[i], i, address, attempt))
+        if track is not None:
+            track(futures)
+        failed = _first_failure(futures)
+        if failed is None:
+            finished = True
+            return futures
+        lost = client.run_on_scheduler(_end, stage.id, f"barrier task {failed} failed")
+        if lost is not None and attempt < attempts:
+            logger.warning(
+                "barrier stage %s: %s; running the whole stage again (attempt %d of %d)",
+                name,
+                lost,
+                attempt + 1,
+                attempts,
+            )
+            return None
+        error = futures[failed].exception()
+        cause = lost or f"barrier task {failed} (partition {failed}) on {placement[failed]} failed"
+        raise _stage_failure(name, attempt, cause, error) from error
+    finally:
+        client.run_on_scheduler(_end, stage.id, "the stage finished" if finished else "the action was stopped")
+        if not finished:
+            _stop(client, futures)
+
+
+def _submit_task(
+    client: Client,
+    stage: BarrierStage,
+    name: str,
+    layer: BarrierLayer,
+    part: Future,
+    i: int,
+    address: str,
+    attempt: int,
+) -> Future:
+    """Submit the stage's task ``i`` to the worker ``address`` chosen for it, under a key of this attempt."""
+    return client.submit(
+        _graph.compute_barrier_partition,
+        stage,
+        (name, i),
+        layer.func,
+        i,
+        part,
+        key=(f"{name}-attempt{attempt}", i),
+        workers=[address],
+        allow_other_workers=True,  # a lost worker's task may run elsewhere, to fail at its barrier
+        pure=False,
+    )
+
+
+def _stage_failure(name: str, attempt: int, cause: str, error: BaseException | None) -> BarrierError:
+    """The error an action raises when stage ``name`` failed on its last attempt, for ``cause``: the task's error."""
+    return BarrierError(
+        f"barrier stage {name} failed after {attempt} attempt{'s' * (attempt > 1)}: {cause}: "
+        f"{type(error).__name__}: {error}"
+    )
 
 
 def _first_failure(futures: list[Future]) -> int | None:

@@ -14,7 +14,7 @@ import math
 import os
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 from bokeh.embed import file_html
@@ -24,6 +24,10 @@ from bokeh.plotting import figure
 from bokeh.resources import INLINE
 
 from dlscale.monitor.stats import PHASES, TrainerStats, TrainingStats
+
+if TYPE_CHECKING:
+    from matplotlib.artist import Artist
+    from matplotlib.axes import Axes
 
 PHASE_COLOURS = {"fit": "#4e79a7", "encode": "#f28e2b", "send": "#e15759", "apply": "#59a14f", "wait": "#bab0ac"}
 """One colour per phase of :data:`dlscale.monitor.stats.PHASES`, shared by the HTML and the PNG."""
@@ -473,63 +477,82 @@ def to_png(stats: TrainingStats, path_or_file: str | os.PathLike[str] | BinaryIO
     trainers = _trainers(stats)
     t0, t1 = _extent(stats, trainers)
     span = t1 - t0
-    nrows = len(trainers) + len(_worker_rows(stats))
-    charts = list(_step_lines(trainers, t0, span).items()) if trainers else []
-    if stats.rounds:
-        xs, ys = _round_scores(stats, t0)
-        charts.append(("score", [("score", _SERIES_COLOURS[0], xs, ys)]))
-    heights = [max(1.2, 0.3 * nrows + 0.8)] + [2.0] * len(charts)
+    rows = _row_bars(stats, trainers, t0, span)
+    charts = _png_charts(stats, trainers, t0, span)
+    heights = [max(1.2, 0.3 * len(rows) + 0.8)] + [2.0] * len(charts)
     fig = Figure(figsize=(10, sum(heights) + 0.6), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     fig.suptitle(f"Training statistics: {stats.approach}")
     axes = fig.subplots(len(heights), 1, sharex=True, squeeze=False, height_ratios=heights)[:, 0]
-    timeline = axes[0]
-    rows = _row_bars(stats, trainers, t0, span)
-    for i, (_, _, bars) in enumerate(rows):
-        y = nrows - 1 - i
-        for code, phase in enumerate(PHASES):
-            mine = np.asarray([bar[1:] for bar in bars if bar[0] == code], float).reshape(-1, 4)
-            if len(mine):
-                timeline.bar(
-                    mine[:, 0],
-                    (mine[:, 3] - mine[:, 2]) * 0.8,
-                    mine[:, 1] - mine[:, 0],
-                    y - 0.4 + mine[:, 2] * 0.8,
-                    align="edge",
-                    color=PHASE_COLOURS[phase],
-                    linewidth=0,
-                )
-    timeline.set_yticks(range(nrows), [_short(label) for label, *_ in reversed(rows)])
-    timeline.set_ylim(-0.6, max(nrows, 1) - 0.4)
-    timeline.set_title("timeline", fontsize=10, loc="left")
     shown = PHASES if stats.trainers else ("fit", "wait")
-    timeline.legend(
-        handles=[Patch(color=PHASE_COLOURS[p], label=p) for p in shown],
-        loc="upper left",
-        bbox_to_anchor=(1.0, 1.0),
-        fontsize=8,
-        frameon=False,
-    )
-    if not nrows:
-        timeline.text(0.5, 0.5, "no statistics recorded", ha="center", va="center", transform=timeline.transAxes)
+    _draw_timeline(axes[0], rows, [Patch(color=PHASE_COLOURS[p], label=p) for p in shown])
     for ax, (name, lines) in zip(axes[1:], charts, strict=True):
-        for label, colour, xs, ys in lines:
-            if len(ys):
-                ax.plot(
-                    xs,
-                    ys,
-                    color=colour,
-                    linewidth=1,
-                    label=_short(label),
-                    marker="o" if len(ys) == 1 else None,
-                    markersize=3,
-                )
-        if name != "score" and any(len(ys) for *_, ys in lines):
-            ax.set_yscale("log")
-        ax.set_title(name, fontsize=10, loc="left")
-        ax.grid(True, color="#e6e6e6", linewidth=0.6)
-        if len(lines) <= 12 and any(len(ys) for *_, ys in lines):
-            ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+        _draw_chart(ax, name, lines)
     axes[-1].set_xlabel("seconds from the start")
     axes[-1].set_xlim(0, span)
     fig.savefig(path_or_file, format="png")
+
+
+def _png_charts(
+    stats: TrainingStats, trainers: list[_Trainer], t0: float, span: float
+) -> list[tuple[str, list[tuple[str, str, np.ndarray, np.ndarray]]]]:
+    """The PNG's charts below the timeline, each a name and its lines: sparsity, threshold and bytes per
+    step (gradient sharing), the score of each round (parameter averaging)."""
+    charts = list(_step_lines(trainers, t0, span).items()) if trainers else []
+    if stats.rounds:
+        xs, ys = _round_scores(stats, t0)
+        charts.append(("score", [("score", _SERIES_COLOURS[0], xs, ys)]))
+    return charts
+
+
+def _draw_timeline(ax: Axes, rows: list[tuple[str, str, list[_Bar]]], legend: list[Artist]) -> None:
+    """The PNG's timeline on ``ax``: the rows of :func:`_row_bars` from the top, labelled, with ``legend``
+    (the phases shown) beside them, or a note where nothing was recorded."""
+    nrows = len(rows)
+    for i, (_, _, bars) in enumerate(rows):
+        _draw_timeline_row(ax, nrows - 1 - i, bars)
+    ax.set_yticks(range(nrows), [_short(label) for label, *_ in reversed(rows)])
+    ax.set_ylim(-0.6, max(nrows, 1) - 0.4)
+    ax.set_title("timeline", fontsize=10, loc="left")
+    ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    if not nrows:
+        ax.text(0.5, 0.5, "no statistics recorded", ha="center", va="center", transform=ax.transAxes)
+
+
+def _draw_timeline_row(ax: Axes, y: int, bars: list[_Bar]) -> None:
+    """One timeline row, centred on ``y``: its rectangles as horizontal bars, one call per phase (matplotlib
+    draws a call's bars together, which keeps thousands of rectangles quick)."""
+    for code, phase in enumerate(PHASES):
+        mine = np.asarray([bar[1:] for bar in bars if bar[0] == code], float).reshape(-1, 4)
+        if len(mine):
+            ax.bar(
+                mine[:, 0],
+                (mine[:, 3] - mine[:, 2]) * 0.8,
+                mine[:, 1] - mine[:, 0],
+                y - 0.4 + mine[:, 2] * 0.8,
+                align="edge",
+                color=PHASE_COLOURS[phase],
+                linewidth=0,
+            )
+
+
+def _draw_chart(ax: Axes, name: str, lines: list[tuple[str, str, np.ndarray, np.ndarray]]) -> None:
+    """One chart of :func:`_png_charts` on ``ax``: a line per trainer (a dot where it has one point), on a log
+    scale except for the score, with a legend where there are a dozen lines or fewer."""
+    for label, colour, xs, ys in lines:
+        if len(ys):
+            ax.plot(
+                xs,
+                ys,
+                color=colour,
+                linewidth=1,
+                label=_short(label),
+                marker="o" if len(ys) == 1 else None,
+                markersize=3,
+            )
+    if name != "score" and any(len(ys) for *_, ys in lines):
+        ax.set_yscale("log")
+    ax.set_title(name, fontsize=10, loc="left")
+    ax.grid(True, color="#e6e6e6", linewidth=0.6)
+    if len(lines) <= 12 and any(len(ys) for *_, ys in lines):
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
