@@ -19,12 +19,12 @@ from dlscale.training import _worker
 from dlscale.training.averaging._exchange import (
     Contribution,
     Exchange,
-    FlatState,
     Mailbox,
     bounds,
     dequantize,
     quantize,
 )
+from dlscale.training.averaging._flat import FlatState
 from dlscale.training.averaging._rounds import Rounds, TrainerLostError, plan_rounds
 from dlscale.training.averaging._trainer import _Outer
 

@@ -39,10 +39,11 @@ from dlscale.training._errors import (
 )
 from dlscale.training._messages import ok, refusal, unwrap
 from dlscale.training._sources import _PATIENCE, HeldMinibatch
-from dlscale.training.sharing._core import Node
+from dlscale.training.sharing._leases import Session
 from dlscale.training.sharing._limiter import LimiterError, ResourceLimiter
 from dlscale.training.sharing._messages import Ack, Handout, Update, View, framed
-from dlscale.training.sharing._scheduler_plugin import Session, SharingSchedulerPlugin
+from dlscale.training.sharing._node import Node
+from dlscale.training.sharing._scheduler_plugin import SharingSchedulerPlugin
 from dlscale.training.sharing._trainer import _Control
 from dlscale.training.sharing._worker_plugin import NAME, SharingWorkerPlugin
 

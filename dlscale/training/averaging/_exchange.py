@@ -1,34 +1,29 @@
-"""A round's averaging among its trainers, peer to peer: the state as one flat vector, and an allreduce
-of it in two phases (a direct reduce-scatter, then an all-gather).
+"""A round's averaging among its trainers, peer to peer: an allreduce of each trainer's state as one flat
+vector (``_flat``) in two phases (a direct reduce-scatter, then an all-gather).
 
-The vector holds the change of the parameters since the round began (the same starting point on every
-trainer) and the values of the floating buffers (batch-norm statistics) and, with ``save_updater``,
-of the optimizer's floating state (momentum). With ``m`` members, member ``c`` owns the ``c``-th of
-``m`` chunks: every member sends each other owner its chunk with its weight (the examples it fitted),
-each owner averages its chunk, weighted, and sends the average to every other member. Each member sends
-and receives about twice the vector's bytes times ``(m - 1) / m`` whatever ``m``, in two hops. Two
-members send each other their whole vectors instead and both average all of it: the same bytes, in
-one hop (a round trip less a round, which counts where rounds are short). What a
-step keeps aside (step counts, integer buffers) is taken from the first member that fitted examples,
-as one process's averaging of states takes it from the first state. The chunks travel in
-``dtype`` (float32, float16/bfloat16 to halve the bytes, or int8 to quarter them: blocks of 1,024
-values scaled by their largest magnitude, as INTELLECT-1's int8 all-reduce); an owner rounds its own
-average the same way, so every replica holds the same values (two members round their own vectors as
-they send them, and sum alike).
+With ``m`` members, member ``c`` owns the ``c``-th of ``m`` chunks: every member sends each other owner
+its chunk with its weight (the examples it fitted), each owner averages its chunk, weighted, and sends
+the average to every other member. Each member sends and receives about twice the vector's bytes times
+``(m - 1) / m`` whatever ``m``, in two hops. Two members send each other their whole vectors instead and
+both average all of it: the same bytes, in one hop (a round trip less a round, which counts where
+rounds are short). What a step keeps aside (step counts, integer buffers) is taken from the first
+member that fitted examples, as one process's averaging of states takes it from the first state. The
+chunks travel in ``dtype`` (float32, float16/bfloat16 to halve the bytes, or int8 to quarter them:
+blocks of 1,024 values scaled by their largest magnitude, as INTELLECT-1's int8 all-reduce); an owner
+rounds its own average the same way, so every replica holds the same values (two members round their
+own vectors as they send them, and sum alike).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-
-from dlscale.nn.network import Network
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8}
 BLOCK = 1024  # int8: values quantized together, with one float32 scale (their largest magnitude / 127)
@@ -56,182 +51,6 @@ def dequantize(packed: torch.Tensor) -> torch.Tensor:
     q = torch.zeros(blocks * BLOCK, dtype=torch.int8, device=packed.device)
     q[:n] = packed[4 * blocks :].view(torch.int8)
     return (q.view(blocks, BLOCK).float() * scale[:, None]).reshape(-1)[:n]
-
-
-# -- the state as a vector ---------------------------------------------------------------------------
-def _plain(value: Any) -> Any:
-    """A value set aside (a step count, an integer buffer) in plain form for the comms."""
-    if isinstance(value, torch.Tensor):
-        return {"tensor": value.detach().cpu().tolist(), "dtype": str(value.dtype).removeprefix("torch.")}
-    return value
-
-
-def _unplain(value: Any, device: torch.device) -> Any:
-    if isinstance(value, dict) and set(value) == {"tensor", "dtype"}:
-        return torch.tensor(value["tensor"], dtype=getattr(torch, value["dtype"]), device=device)
-    return value
-
-
-class FlatState:
-    """``network``'s state as one vector laid out as the module docstring says, read at a round's start
-    (:meth:`begin`) and at its end (:meth:`vector`), and set from an average (:meth:`apply`)."""
-
-    def __init__(self, network: Network, with_optimizer: bool) -> None:
-        self.network, self.with_optimizer = network, with_optimizer
-        self.params = network.params()
-        self.anchor = self.params.detach().clone()  # the parameters when the round began
-        self._buffer = torch.empty(0, dtype=torch.float32, device=self.params.device)
-        # where rounds' averages are assembled, in turn: the last round's stays whole for peers that
-        # missed part of it while the next is assembled
-        self._averages = [torch.empty(0, dtype=torch.float32, device=self.params.device) for _ in range(2)]
-        self._turn = 0
-        self._layout: list[list[Any]] = []  # the layout of the last vector
-        self._sent = torch.empty(0, dtype=torch.float32, device=self.params.device)  # streaming: see mark
-
-    def begin(self) -> None:
-        """The round begins from the parameters as they are now."""
-        self.anchor.copy_(self.params)
-        self._turn ^= 1
-
-    def renew(self) -> None:
-        """Take a new buffer for the next vector: sends still in flight read the last one."""
-        self._buffer = torch.empty(0, dtype=torch.float32, device=self.params.device)
-
-    # -- streaming rounds: the average taken during the next round ---------------------------------
-    def mark(self) -> None:
-        """The state was just sent (:meth:`vector`): what is fitted from here on is this trainer's own
-        progress, which :meth:`settle` carries over the round's average."""
-        if self._sent.shape != self.params.shape:
-            self._sent = torch.empty_like(self.params)
-        self._sent.copy_(self.params)
-
-    def settle(
-        self,
-        average: torch.Tensor,
-        layout: list[list[Any]],
-        kept: dict[str, Any],
-        outer: Callable[[torch.Tensor], None] | None = None,
-    ) -> None:
-        """Take the average of the round sent at :meth:`mark` keeping the progress made since:
-        :meth:`apply` with ``carry``, the anchor becoming the averaged parameters."""
-        self.apply(average, layout, kept, outer, carry=True)
-        self._turn ^= 1
-
-    def keep_own(self) -> None:
-        """A lone trainer's round: its state as sent is the round's average (nothing to apply)."""
-        self.anchor.copy_(self._sent)
-        self._turn ^= 1
-
-    def _sent_parts(self) -> dict[str, torch.Tensor]:
-        """The tensors after the parameters as the last vector holds them, by name."""
-        return dict(self._laid_out(self._buffer, self._layout))
-
-    def _laid_out(self, vector: torch.Tensor, layout: list[list[Any]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Each tensor after the parameters in ``vector`` laid out by ``layout``: its name and a view."""
-        offset = self.params.numel()
-        for name, shape in layout:
-            size = int(np.prod(shape)) if shape else 1
-            yield name, vector[offset : offset + size].view(shape)
-            offset += size
-
-    def _parts(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
-        """The floating tensors after the parameters, by name, and the values set aside."""
-        tensors, kept = [], {}
-        for name, b in self.network.module.named_buffers():
-            if b.is_floating_point() and b.dim() > 0:
-                tensors.append((f"buffer/{name}", b))
-            else:
-                kept[f"buffer/{name}"] = _plain(b)
-        if self.with_optimizer:
-            optimizer = self.network.optimizer
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            for i, p in enumerate(params):
-                for key, v in sorted(optimizer.state.get(p, {}).items()):
-                    if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0:
-                        tensors.append((f"optimizer/{i}/{key}", v))
-                    else:
-                        kept[f"optimizer/{i}/{key}"] = _plain(v)
-        return tensors, kept
-
-    def vector(self) -> tuple[torch.Tensor, list[list[Any]], dict[str, Any]]:
-        """The vector now (a buffer reused from round to round), its layout (name and shape of each
-        tensor after the parameters) and the values set aside."""
-        tensors, kept = self._parts()
-        n = self.params.numel()
-        total = n + sum(t.numel() for _, t in tensors)
-        if self._buffer.numel() != total:
-            self._buffer = torch.empty(total, dtype=torch.float32, device=self.params.device)
-        v = self._buffer
-        torch.sub(self.params.detach(), self.anchor, out=v[:n])
-        offset = n
-        for _, t in tensors:
-            v[offset : offset + t.numel()].copy_(t.detach().reshape(-1))
-            offset += t.numel()
-        self._layout = [[name, list(t.shape)] for name, t in tensors]
-        return v, self._layout, kept
-
-    def average_buffer(self, length: int) -> torch.Tensor:
-        """A buffer of ``length`` for this round's average (the same for every attempt; reused every
-        other round)."""
-        if self._averages[self._turn].numel() != length:
-            self._averages[self._turn] = torch.empty(length, dtype=torch.float32, device=self.params.device)
-        return self._averages[self._turn]
-
-    def apply(
-        self,
-        average: torch.Tensor,
-        layout: list[list[Any]],
-        kept: dict[str, Any],
-        outer: Callable[[torch.Tensor], None] | None = None,
-        carry: bool = False,
-    ) -> None:
-        """Set the state from ``average`` (laid out by ``layout``, with ``kept`` set aside): the
-        parameters move by the averaged change (or as ``outer``, given the parameters' averaged change,
-        moves them), the rest takes the averaged values. With ``carry`` (streaming) every tensor then
-        adds its own change since :meth:`mark` (one that was not sent keeps its own value) and the
-        anchor becomes the averaged parameters: with no step since, the state is the average exactly."""
-        n = self.params.numel()
-        with torch.no_grad():
-            if not carry:
-                if outer is None:
-                    torch.add(self.anchor, average[:n], out=self.params)
-                else:
-                    outer(average[:n])
-            elif outer is None:  # in place: the progress since it was sent, on the averaged parameters
-                self.params.sub_(self._sent)
-                self.anchor.add_(average[:n])
-                self.params.add_(self.anchor)
-            else:
-                progress = self.params - self._sent
-                outer(average[:n])  # the anchor and the parameters take the outer step
-                self.params.add_(progress)
-            sent = self._sent_parts() if carry else {}
-            named = dict(self.network.module.named_buffers())
-            optimizer = self.network.optimizer
-            params = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else []
-            for name, value in self._laid_out(average, layout):
-                kind, _, rest = name.partition("/")
-                if kind == "buffer":
-                    target = named[rest]
-                else:
-                    index, _, key = rest.partition("/")
-                    state = optimizer.state[params[int(index)]]
-                    target = state.get(key)
-                    if not (isinstance(target, torch.Tensor) and target.shape == value.shape):
-                        state[key] = value.clone()
-                        continue
-                if not carry:
-                    target.copy_(value)
-                elif name in sent:  # its own change since it was sent, on the average
-                    target.sub_(sent[name]).add_(value)
-            for name, value in kept.items():
-                kind, _, rest = name.partition("/")
-                value = _unplain(value, self.params.device)
-                if kind == "buffer":
-                    named[rest].copy_(value)
-                else:
-                    index, _, key = rest.partition("/")
-                    optimizer.state[params[int(index)]][key] = value
 
 
 def bounds(length: int, parts: int) -> list[int]:

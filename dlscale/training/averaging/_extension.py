@@ -3,10 +3,8 @@ worker plugin, installed together by :func:`dlscale.runtime.extensions.install`.
 
 from __future__ import annotations
 
-from dlscale.runtime.extensions import Extension
+from dlscale.training._plugins import extension
 from dlscale.training.averaging._scheduler_plugin import AveragingSchedulerPlugin
 from dlscale.training.averaging._worker_plugin import AveragingWorkerPlugin
 
-AVERAGING = Extension(
-    "dlscale-averaging", scheduler_plugin=AveragingSchedulerPlugin, worker_plugin=AveragingWorkerPlugin
-)
+AVERAGING = extension(AveragingSchedulerPlugin, AveragingWorkerPlugin)

@@ -4,23 +4,18 @@ scheduler: trainers average them among themselves (``_exchange``).
 
 Trainers call the ``dlscale_averaging_*`` handlers and get plain replies with a ``status`` (``"OK"``, or
 the reason their session stopped for them, as gradient sharing's do); the driver's handlers reply with
-plain dicts.
+plain dicts. What every master's plugin does alike (the handlers registered, the replies, the cluster's
+events) is ``dlscale.training._plugins``'.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from distributed.diagnostics.plugin import SchedulerPlugin
-
-from dlscale.training._errors import SessionClosedError, SessionStoppedError
-from dlscale.training._messages import OK, refusal, unpacked
+from dlscale.training._messages import unpacked
+from dlscale.training._plugins import SessionSchedulerPlugin
 from dlscale.training.averaging._rounds import Rounds
-
-if TYPE_CHECKING:
-    from distributed.scheduler import Scheduler, WorkerState
 
 logger = logging.getLogger("dlscale.training.averaging")
 
@@ -46,6 +41,20 @@ class AveragingSession(Rounds):
         self.lost = sorted(set(worker_of) - alive)
         self.newcomers: list[str] = []
 
+    def training(self) -> bool:
+        """Whether its trainers are still at work: a round to train in it has not settled."""
+        return not self.settled()
+
+    def remove_worker(self, worker: str) -> list[str]:
+        """Drop the trainers of ``worker``: their shares go to the others (see ``_rounds``); returns
+        those dropped."""
+        gone = []
+        for t in sorted(t for t, w in self.worker_of.items() if w == worker):
+            if self.lose(t):
+                gone.append(t)
+                self.lost.append(t)
+        return gone
+
     def progress(self) -> dict[str, Any]:
         reports, self.reports = self.reports, []
         return {
@@ -58,32 +67,14 @@ class AveragingSession(Rounds):
         }
 
 
-class AveragingSchedulerPlugin(SchedulerPlugin):
+class AveragingSchedulerPlugin(SessionSchedulerPlugin[AveragingSession]):
     """Installs the ``dlscale_averaging_*`` handlers on the scheduler and keeps every session."""
 
     name = NAME
-    idempotent = True
-
-    def __init__(self) -> None:
-        self.sessions: dict[str, AveragingSession] = {}
-
-    async def start(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
-        scheduler.handlers.update(
-            {
-                "dlscale_averaging_open": self.open_session,
-                "dlscale_averaging_close": self.close_session,
-                "dlscale_averaging_progress": self.progress,
-                "dlscale_averaging_stop": self.stop,
-                "dlscale_averaging_replan": self.replan,
-                "dlscale_averaging_fail": self.fail,
-                "dlscale_averaging_join": self.join,
-                "dlscale_averaging_begin": self.begin,
-                "dlscale_averaging_sync": self.sync,
-                "dlscale_averaging_commit": self.commit,
-                "dlscale_averaging_leave": self.leave,
-            }
-        )
+    prefix = "averaging"
+    approach = "parameter averaging"
+    ops = ("stop", "replan", "join", "begin", "sync", "commit", "leave")
+    logger = logger
 
     # -- the driver's calls --------------------------------------------------------------
     def open_session(
@@ -107,9 +98,6 @@ class AveragingSchedulerPlugin(SchedulerPlugin):
         s = self.sessions.pop(session, None)
         return [] if s is None else s.left()
 
-    def progress(self, session: str) -> dict[str, Any]:
-        return self.sessions[session].progress()
-
     def stop(self, session: str) -> None:
         """End the session at the next round's end (a checkpoint is due, or a worker joined)."""
         s = self.sessions[session]
@@ -120,11 +108,6 @@ class AveragingSchedulerPlugin(SchedulerPlugin):
         """Rounds of ``per_trainer`` minibatches a trainer from the first round not handed out on."""
         owner = None if owner is None else {int(i): w for i, w in owner.items()}
         self.sessions[session].replan(per_trainer, per_epoch, owner)
-
-    def fail(self, session: str, trainer: str, error: str) -> None:
-        s = self.sessions.get(session)
-        if s is not None:
-            s.fail(trainer, error)
 
     # -- the trainers' calls -----------------------------------------------------------------
     def join(self, session: str, trainer: str) -> dict[str, Any]:
@@ -147,44 +130,3 @@ class AveragingSchedulerPlugin(SchedulerPlugin):
 
     def leave(self, session: str, trainer: str, round: int) -> dict[str, Any]:
         return self._reply(session, lambda s: {"outcome": s.leave(trainer, round)})
-
-    def _reply(self, session: str, call: Callable[[AveragingSession], dict[str, Any]]) -> dict[str, Any]:
-        try:
-            s = self.sessions.get(session)
-            if s is None:
-                raise SessionClosedError(f"session {session} is not open")
-            return {"status": OK, **call(s)}
-        except SessionStoppedError as e:
-            return refusal(e)
-
-    # -- the cluster's events ------------------------------------------------------------
-    def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str, **kwargs: Any) -> None:
-        """Drop the trainers of ``worker``: their shares go to the others (see ``_rounds``)."""
-        for s in self.sessions.values():
-            for t in sorted(t for t, w in s.worker_of.items() if w == worker):
-                if s.lose(t):
-                    s.lost.append(t)
-                    logger.warning(
-                        "parameter averaging session %s lost worker %s (trainer %s); %d trainers go on",
-                        s.name,
-                        worker,
-                        t,
-                        len(s.alive),
-                    )
-
-    def add_worker(self, scheduler: Scheduler, worker: str) -> None:
-        """Tell the drivers of running sessions about a worker that joined: it trains from the next round."""
-        for s in self.sessions.values():
-            if not s.settled() and worker not in s.worker_of.values() and worker not in s.newcomers:
-                s.newcomers.append(worker)
-
-    def remove_client(self, scheduler: Scheduler, client: str, **kwargs: Any) -> None:
-        """A driver gone ends its sessions: their trainers stop at their next call."""
-        for name in [name for name, s in self.sessions.items() if s.client == client]:
-            del self.sessions[name]
-            logger.warning("parameter averaging session %s ended: its driver (client %s) disconnected", name, client)
-
-    def valid_workers_downscaling(self, scheduler: Scheduler, workers: list[WorkerState]) -> list[WorkerState]:
-        """Keep adaptive scaling from retiring a worker whose trainer is still training."""
-        busy = {s.worker_of[t] for s in self.sessions.values() if not s.settled() for t in s.alive}
-        return [w for w in workers if w.address not in busy]

@@ -55,7 +55,8 @@ from dlscale.training._errors import SessionAbortedError, SessionClosedError, Se
 from dlscale.training._messages import packed, unwrap
 from dlscale.training._sources import HeldMinibatch
 from dlscale.training._worker import check_finite, release_replica, state_of, training_replica
-from dlscale.training.averaging._exchange import DTYPES, Contribution, Exchange, FlatState
+from dlscale.training.averaging._exchange import DTYPES, Contribution, Exchange
+from dlscale.training.averaging._flat import FlatState
 from dlscale.training.averaging._worker_plugin import plugin
 
 logger = logging.getLogger("dlscale.training.averaging")

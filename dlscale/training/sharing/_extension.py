@@ -3,8 +3,8 @@ worker plugin, installed together by :func:`dlscale.runtime.extensions.install`.
 
 from __future__ import annotations
 
-from dlscale.runtime.extensions import Extension
+from dlscale.training._plugins import extension
 from dlscale.training.sharing._scheduler_plugin import SharingSchedulerPlugin
 from dlscale.training.sharing._worker_plugin import SharingWorkerPlugin
 
-SHARING = Extension("dlscale-sharing", scheduler_plugin=SharingSchedulerPlugin, worker_plugin=SharingWorkerPlugin)
+SHARING = extension(SharingSchedulerPlugin, SharingWorkerPlugin)

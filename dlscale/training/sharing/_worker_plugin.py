@@ -2,7 +2,7 @@
 updates (``dlscale.training._sockets``, where the worker listens on ``tcp://`` and
 ``dlscale.training.transport`` is ``"tcp"``, the default) and the ``dlscale_update`` handler that
 receives them through Dask's comms otherwise (TLS included), the session's
-:class:`~dlscale.training.sharing._core.Node` they are handed to (see ``_core`` for the node,
+:class:`~dlscale.training.sharing._node.Node` they are handed to (see ``_node`` for the node,
 ``_comms`` for sending); and the trainers kept between fits.
 
 A trainer that ends its fit *parks* what it trains with (its replica of the network, the shared
@@ -13,20 +13,14 @@ parking another's forgets the older ones."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import threading
-import time
 from typing import TYPE_CHECKING, Any
 
-from distributed.diagnostics.plugin import WorkerPlugin
-
-from dlscale.runtime.retirement import retire_timeout
 from dlscale.training._config import SessionConfig
 from dlscale.training._errors import MalformedMessageError
-from dlscale.training._sockets import Sockets, open_sockets
-from dlscale.training.sharing._core import Node
+from dlscale.training._plugins import SessionWorkerPlugin
 from dlscale.training.sharing._messages import Update, unframed
+from dlscale.training.sharing._node import Node
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -36,34 +30,29 @@ logger = logging.getLogger("dlscale.training.sharing")
 NAME = "dlscale-sharing"
 
 
-class SharingWorkerPlugin(WorkerPlugin):
+class SharingWorkerPlugin(SessionWorkerPlugin):
     """Adds the ``dlscale_update`` handler to a worker and keeps its sessions' nodes."""
 
     name = NAME
-    idempotent = True
+    prefix = "sharing"
+    approach = "gradient-sharing"
+    handlers = {"dlscale_update": "update"}
 
     def __init__(self) -> None:
+        super().__init__()
         self.nodes: dict[str, Node] = {}
         self.parked: dict[str, dict[int, Any]] = {}  # session: {local trainer: what it parked}
-        self.sockets: Sockets | None = None
 
-    def setup(self, worker: Worker) -> None:
-        self.worker = worker
-        self._parking = threading.Lock()  # made here: the plugin is pickled to reach the worker
-        worker.handlers["dlscale_update"] = self.update
-        self.sockets = open_sockets(worker, "sharing", lambda session: session in self.nodes, self._delivered)
+    def is_open(self, session: str) -> bool:
+        return session in self.nodes
 
-    async def teardown(self, worker: Worker) -> None:
-        """A worker closing lets its trainers leave their sessions first (they see it closing: see
-        ``_trainer``), at most ``dlscale.worker.retire-timeout``; then its nodes end."""
-        deadline = time.monotonic() + retire_timeout()
-        while any(node.busy for node in self.nodes.values()) and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+    def at_work(self) -> bool:
+        return any(node.busy for node in self.nodes.values())
+
+    def end(self) -> None:
         for node in self.nodes.values():
             node.close()
         self.nodes.clear()
-        if self.sockets is not None:
-            self.sockets.close()
 
     def update(self, session: str, sender: str, messages: list[Any]) -> None:
         """Updates from ``sender``, in plain form; a malformed one is refused (the sender drops this
@@ -101,8 +90,7 @@ class SharingWorkerPlugin(WorkerPlugin):
         """Keep what local trainer ``local`` of ``session`` trains with, for the next fit; the trainers of
         any other session are forgotten."""
         with self._parking:
-            for other in [s for s in self.parked if s != session]:
-                del self.parked[other]
+            self._park_alone(session)
             self.parked.setdefault(session, {})[local] = kept
 
     def unpark(self, session: str, local: int) -> Any | None:
@@ -110,19 +98,9 @@ class SharingWorkerPlugin(WorkerPlugin):
         with self._parking:
             return self.parked.get(session, {}).pop(local, None)
 
-    def parked_trainers(self, session: str) -> list[int]:
-        """The local trainers of ``session`` parked here."""
-        with self._parking:
-            return sorted(self.parked.get(session, {}))
-
-    def forget(self, session: str) -> None:
-        """Drop what the trainers of ``session`` parked here."""
-        with self._parking:
-            self.parked.pop(session, None)
+    def _trainers(self, parked: dict[int, Any]) -> list[int]:
+        return sorted(parked)
 
 
 def plugin(worker: Worker) -> SharingWorkerPlugin:
-    found = worker.plugins.get(NAME)
-    if found is None:
-        raise RuntimeError(f"worker {worker.address} has no dlscale gradient-sharing plugin")
-    return found
+    return SharingWorkerPlugin.on(worker)
