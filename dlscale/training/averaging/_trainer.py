@@ -44,16 +44,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from distributed import get_client, get_worker, secede
+from distributed import get_worker
 from distributed.utils import sync
 
-from dlscale.data.loaders import KeptLoader, prefetch
-from dlscale.runtime.profiling import profiler_paused
+from dlscale.data.loaders import prefetch
 from dlscale.runtime.retirement import LEAVING
 from dlscale.runtime.tasks import match_threads
-from dlscale.training._errors import SessionAbortedError, SessionClosedError, SessionStoppedError
 from dlscale.training._messages import packed, unwrap
-from dlscale.training._sources import HeldMinibatch
+from dlscale.training._session import run_trainer
 from dlscale.training._worker import check_finite, release_replica, state_of, training_replica
 from dlscale.training.averaging._exchange import DTYPES, Contribution, Exchange
 from dlscale.training.averaging._flat import FlatState
@@ -109,28 +107,22 @@ def run(
     for one stopped by another's failure, ``{"retired": True}`` for one that left as its worker retired."""
     worker = get_worker()
     control = _Control(worker, session, trainer)
-    try:
-        control("join")
-    except SessionStoppedError as e:
-        return _stopped(trainer, e)
-    if isinstance(loader, HeldMinibatch):
-        loader = loader.bind(get_client())
-    secede()  # a trainer runs for the whole fit: it does not hold one of the worker's task slots
-    try:
-        with profiler_paused(worker), KeptLoader(loader, spec.keep_loaded) as kept:
-            return _Trainer(worker, control, key, blob, refs, names, kept, spec).train()
-    except SessionStoppedError as e:
-        return _stopped(trainer, e)
-    except BaseException as e:
-        with contextlib.suppress(Exception):  # the original error matters, not this one
-            control("fail", error=f"{type(e).__name__}: {e}")
-        e.add_note(f"in parameter-averaging trainer {trainer} on worker {worker.address}")
-        raise
 
+    def train(joined: dict[str, Any], loader: Callable[[Any], Any]) -> dict[str, Any]:
+        return _Trainer(worker, control, key, blob, refs, names, loader, spec).train()
 
-def _stopped(trainer: str, error: SessionStoppedError) -> dict[str, Any]:
-    aborted = isinstance(error, SessionAbortedError)
-    return {"trainer": trainer, "lost": not aborted and not isinstance(error, SessionClosedError), "aborted": aborted}
+    return run_trainer(
+        worker,
+        plugin(worker),
+        session,
+        trainer,
+        lambda: control("join"),
+        lambda error: control("fail", error=error),
+        loader,
+        spec.keep_loaded,
+        train,
+        "parameter-averaging",
+    )
 
 
 class _Trainer:

@@ -17,32 +17,27 @@ with a new session on the workers there are.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import logging
 import math
 import time
-import uuid
 import warnings
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
-from distributed import Future, get_worker, wait
+from distributed import Future, get_worker
 
 from dlscale.data.loaders import keep_loaded, prefetch
 from dlscale.errors import TrainerLostWarning
 from dlscale.monitor.stats import RoundStats, WorkerRound
 from dlscale.runtime.cluster import cluster_workers
-from dlscale.runtime.extensions import install
 from dlscale.runtime.retirement import retired
 from dlscale.runtime.tasks import check_count
 from dlscale.training import _sources, _worker
-from dlscale.training._config import SessionConfig
-from dlscale.training._driver import FitRun, workers
+from dlscale.training._driver import FitRun
 from dlscale.training._parking import Warm
-from dlscale.training._sources import HeldMinibatch
+from dlscale.training._session import SessionRun
 from dlscale.training.averaging import _trainer
 from dlscale.training.averaging._exchange import DTYPES
 from dlscale.training.averaging._extension import AVERAGING
@@ -123,22 +118,6 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
         _Averaging(self, run, batches, local).train(probe)
 
 
-def _open_node(session: str, dask_worker: Any = None) -> None:
-    plugin(dask_worker).open(session)
-
-
-def _close_node(session: str, dask_worker: Any = None) -> None:
-    plugin(dask_worker).close(session)
-
-
-def _is_parked(session: str, dask_worker: Any = None) -> bool:
-    return session in plugin(dask_worker).parked
-
-
-def _forget_parked(session: str, dask_worker: Any = None) -> None:
-    plugin(dask_worker).forget(session)
-
-
 def _probe_parked(session: str, ref: Any, loader: Any) -> None:
     """Load one minibatch and compute the loss on it with the replica parked here (what
     ``_worker.probe`` does with a network sent)."""
@@ -150,26 +129,19 @@ def _network_state(result: dict[str, Any]) -> dict[str, Any]:
     return {k: result[k] for k in ("params", "buffers", "optimizer")}
 
 
-class _Averaging:
+class _Averaging(SessionRun):
     """One ``fit``'s rounds, in one or more segments (sessions)."""
+
+    prefix = "averaging"
+    extension = AVERAGING
 
     def __init__(
         self, master: ParameterAveragingTrainingMaster, run: FitRun, batches: _sources.Minibatches, local: bool
     ) -> None:
-        self.master, self.run, self.batches, self.local = master, run, batches, local
-        self.client = run.client
-        self.config = SessionConfig.from_dask()
-        self.fit = f"dlscale-averaging-{uuid.uuid4().hex[:12]}"
+        super().__init__(master, run, batches, held=batches.holders is not None)
         self.owner = dict(enumerate(batches.holders)) if local and batches.holders else None
-        self.held: dict[str, Future] = {}
-        if batches.holders is not None:  # minibatches in worker memory: published for the trainers, fetched by name
-            self.held = dict(zip(batches.names, batches.refs))
-            loader = HeldMinibatch(f"{self.fit}-minibatches", self.config.end_timeout)
-            self.batches = dataclasses.replace(batches, refs=list(batches.names), loader=loader)
         self.seen, self.lost = set(run.workers), set()
-        self.n = len(batches.refs)
         self.rounds_done: collections.Counter[int] = collections.Counter()  # rounds reported, by epoch of the fit
-        self.left: collections.Counter[int] = collections.Counter()  # items not yet reported, by epoch of the fit
         self._fitted = 0  # minibatches reported in the current segment
         auto = master.averaging_frequency == "auto"
         self.frequency: int = AUTO_START if auto else master.averaging_frequency
@@ -185,95 +157,93 @@ class _Averaging:
             keep_loaded(),
             master.streaming,
         )
-        self.parked: list[tuple[str, list[str], bool]] = []  # each segment's session, trainers, and whether all parked
 
-    def _order(self, start: int = 0) -> list[int]:
-        """Work items epoch after epoch from the fit's epoch ``start`` (item ``e * n + i``: minibatch ``i``
-        in epoch ``e``), each epoch in an order that depends on the seed and the epoch alone."""
-        n, seed, first = self.n, self.run.seed, self.run.first_epoch
-        return [
-            e * n + int(i)
-            for e in range(start, self.run.epochs)
-            for i in np.random.default_rng([seed, first + e]).permutation(n)
-        ]
-
-    def _remaining(self) -> list[int]:
-        resume = self.run.resume
-        if resume is None:
-            return self._order()
-        if resume.remaining is not None:
-            return [i for i in resume.remaining if i // self.n < self.run.epochs] + self._order(resume.epochs)
-        return self._order(resume.epoch)
-
-    def train(self, probe: bool) -> None:
-        run, client = self.run, self.client
-        install(client, AVERAGING)
-        nodes = workers(client)
-        left, b = self.master._warm, self.batches  # what the last fit left, taken back or forgotten below
-        warm = self._take_parked(nodes)
-        if probe and warm is None:
-            run.probe()
+    def begin(self, probe: bool, left: Warm | None) -> None:
+        b = self.batches
+        if probe and self.warm is None:
+            self.run.probe()
         elif probe and not left.trained_on(b.refs[0], b.loader):
-            run.pauses.result(client.submit(_probe_parked, warm, b.refs[0], b.loader, workers=[nodes[0]], pure=False))
-        run.show_progress()
-        remaining = self._remaining()
-        self.left.update(item // self.n for item in remaining)
-        kept = False
-        try:
-            if self.held:
-                client.publish_dataset(**{self.batches.loader.dataset: self.held})
-            segment = 0
-            while remaining:
-                if segment:  # the fit goes on from a round's end: the network and the workers there now
-                    run.reship()
-                    nodes, warm = workers(client), None
-                self._note_lost(nodes)
-                remaining, due = self._segment(remaining, nodes, f"{self.fit}-{segment}", warm)
-                epoch = min(remaining) // self.n if remaining else run.epochs
-                run.write_checkpoint(due, run.position(epoch, remaining=tuple(remaining)), lambda network: None)
-                segment += 1
-            session, trainers, complete = self.parked[-1] if self.parked else (None, [], False)
-            if complete and self.config.keep_trainers:  # every trainer parked: the next fit can go on with them
-                first = (self.batches.refs[0], self.batches.loader) if run.resume is None else None
-                self.master._warm = Warm.left(session, run.network, repr(self.master), tuple(trainers), first)
-                kept = True
-        except Exception as e:
-            lost = sorted(set(self.seen) - set(cluster_workers(client)))
-            if lost:
-                e.add_note(f"worker(s) {', '.join(lost)} left the cluster during the fit")
-            raise
-        finally:
-            self._forget(keep=self.parked[-1][0] if kept else None)
-            if self.held:
-                client.unpublish_dataset(self.batches.loader.dataset)
+            probed = self.client.submit(
+                _probe_parked, self.warm, b.refs[0], b.loader, workers=self.nodes()[:1], pure=False
+            )
+            self.run.pauses.result(probed)
 
-    def _take_parked(self, nodes: list[str]) -> str | None:
-        """The session whose trainers' replicas, parked on ``nodes`` by the last fit, go on in this one:
-        the network and the master are as that fit left them, and its trainers were on these workers.
-        Otherwise ``None``, and the parked replicas are forgotten."""
-        warm, self.master._warm = self.master._warm, None
-        if warm is None:
-            return None
-        usable = self.run.resume is None and self.run.parked_network and warm.trainers == tuple(nodes)
-        if usable:
-            usable = all(self.client.run(_is_parked, warm.session, workers=nodes).values())
-        if not usable:
-            alive = set(cluster_workers(self.client))
-            trainers = [w for w in warm.trainers if w in alive]
-            self.client.run(_forget_parked, warm.session, workers=trainers, on_error="ignore")
-            return None
-        return warm.session
+    def opened(self, order: list[int]) -> dict[str, Any]:
+        nodes = self.nodes()
+        self._note_lost(nodes)
+        plan = plan_rounds(order, nodes, self.frequency, self.n, self.owner)
+        self.due: list[Any] = []
+        self.stopped = False
+        self._fitted = 0
+        self.last = time.time()  # the end of the round before the next one reported, by the members' clocks
+        return {"plan": plan, "stop_at": self._stop_before(plan)}
 
-    def _forget(self, keep: str | None) -> None:
-        """Drop the replicas that this fit's segments parked, but those of session ``keep``."""
-        dropped = [(session, trainers) for session, trainers, _ in self.parked if session != keep]
-        if not dropped:
-            return
-        with contextlib.suppress(Exception):  # after a failure, the failure matters, not this
-            alive = set(cluster_workers(self.client))
-            for session, trainers in dropped:
-                on = [w for w in trainers if w in alive]
-                self.client.run(_forget_parked, session, workers=on, on_error="ignore")
+    def submit(self, trainer: str, worker: str, local: int, k: int) -> Future:
+        """The trainer on ``worker``: on the network sent, or (:attr:`warm`) on the replica parked there."""
+        b, warm = self.batches, self.warm
+        blob, key = (self.run.blob, self.run.replicas[0]) if warm is None else (None, None)
+        spec = dataclasses.replace(self.spec, warm=warm)
+        return self.client.submit(
+            _trainer.run,
+            self.session,
+            trainer,
+            key,
+            blob,
+            b.refs,
+            b.names,
+            b.loader,
+            spec,
+            workers=[worker],
+            allow_other_workers=True,
+            pure=False,
+            key=f"{self.session}-trainer-{k}",
+        )
+
+    def follow_every(self) -> float:
+        # "auto" looks at every poll until it chooses: its choice reaches the rounds not yet handed out
+        return self.config.poll_interval * (1 if self.measuring else 5)
+
+    def progressed(self, progress: dict[str, Any], pending: bool) -> list[Any]:
+        """Report the settled rounds, and stop the session at a round's end when a checkpoint by time is
+        due or a worker joined; the listeners due are kept until the segment ends."""
+        run = self.run
+        for report in progress["reports"]:
+            if self.measuring and not self.stopped:
+                self._choose_frequency(report["members"])
+            end = max((m["end"] for m in report["members"]), default=self.last)
+            done_before = self.epochs_done()
+            self._report(report["members"], max(0.0, end - self.last), end)
+            self.last = max(self.last, end)
+            done_after = self.epochs_done()
+            # an epoch's end seen in this batch of reports stays due
+            ended = done_after if done_after > done_before else None
+            self.due += [c for c in run.checkpoints_due(ended) if c not in self.due]
+        run.send_rounds()
+        if progress["lost"]:
+            self._note_lost(list(cluster_workers(self.client)))
+        if not self.stopped and pending and (self.due or progress["newcomers"]):
+            self.call("stop")
+            self.stopped = True
+        return self.due
+
+    def conclude(self, futures: dict[str, Future], closed: Any, seconds: float) -> list[int]:
+        """The trainers' common state onto the driver's network, from the first trainer that ended with it
+        (one that left, was stopped or was lost returns a few fields: the driver fetches one state only);
+        the segment is complete when every trainer finished (and so parked its replica)."""
+        finished = [f for f in futures.values() if f.status == "finished"]
+        result = next((r for f in finished if "params" in (r := f.result())), None)
+        if result is None:
+            raise RuntimeError("every parameter-averaging trainer was lost; the network is unchanged")
+        self.complete = len(finished) == len(futures)
+        _worker.apply_state(self.run.network, _network_state(result), copy=False)
+        logger.log(
+            logging.INFO if not closed else logging.DEBUG,
+            "parameter averaging: %d minibatches in %.2f s on %d trainers",
+            self._fitted,
+            seconds,
+            len(futures),
+        )
+        return closed
 
     def _note_lost(self, alive: list[str]) -> None:
         """Warn once about each worker of the fit that was lost (not retired): the others train its share."""
@@ -286,7 +256,7 @@ class _Averaging:
                 f"parameter averaging lost worker(s) {', '.join(gone)}; their minibatches are trained by the "
                 f"{len(alive)} worker(s) left",
                 TrainerLostWarning,
-                stacklevel=4,
+                stacklevel=6,
             )
 
     def _stop_before(self, plan: list[dict[str, list[int]]]) -> int | None:
@@ -295,7 +265,7 @@ class _Averaging:
         if not self.run.checkpointers:
             return None
         iteration, left = self.run.network.iteration, collections.Counter(self.left)
-        done = self._epochs_done()
+        done = self.epochs_done()
         for k, shares in enumerate(plan):
             iteration += max(len(s) for s in shares.values())
             for s in shares.values():
@@ -308,133 +278,7 @@ class _Averaging:
                 return k + 1
         return None
 
-    def _segment(
-        self, remaining: list[int], nodes: list[str], session: str, warm: str | None
-    ) -> tuple[list[int], list[Any]]:
-        """Train ``remaining`` on the trainers of ``nodes`` (going on with the replicas parked by session
-        ``warm``, if any) until done or a segment's end; sets the driver's network to their state.
-        Returns the items left and the checkpoint listeners due."""
-        run, client = self.run, self.client
-        plan = plan_rounds(remaining, nodes, self.frequency, self.n, self.owner)
-        stop_at = self._stop_before(plan)
-        t0 = time.perf_counter()
-        client.sync(
-            client.scheduler.dlscale_averaging_open,
-            session=session,
-            plan=plan,
-            worker_of={w: w for w in nodes},
-            stop_at=stop_at,
-            fit=run.fit_id,
-            client=client.id,
-        )
-        try:
-            client.run(_open_node, session, workers=nodes)
-            self.parked.append((session, nodes, False))
-            futures = self._start(session, nodes, warm)
-            due = self._follow(session, futures)
-            state, complete = self._state(futures)
-            self.parked[-1] = (session, nodes, complete)
-        finally:
-            left = client.sync(client.scheduler.dlscale_averaging_close, session=session)
-            alive = set(cluster_workers(client))
-            client.run(_close_node, session, workers=[w for w in nodes if w in alive], on_error="ignore")
-        _worker.apply_state(run.network, state, copy=False)
-        logger.log(
-            logging.INFO if not left else logging.DEBUG,
-            "parameter averaging: %d minibatches in %.2f s on %d trainers",
-            self._fitted,
-            time.perf_counter() - t0,
-            len(nodes),
-        )
-        return left, due
-
-    def _start(self, session: str, nodes: list[str], warm: str | None) -> dict[str, Future]:
-        """One trainer task on each of ``nodes``, by worker: on the network sent, or (``warm``) on the
-        replicas parked there."""
-        b = self.batches
-        blob, key = (self.run.blob, self.run.replicas[0]) if warm is None else (None, None)
-        spec = dataclasses.replace(self.spec, warm=warm)
-        return {
-            w: self.client.submit(
-                _trainer.run,
-                session,
-                w,
-                key,
-                blob,
-                b.refs,
-                b.names,
-                b.loader,
-                spec,
-                workers=[w],
-                allow_other_workers=True,
-                pure=False,
-                key=f"{session}-trainer-{j}",
-            )
-            for j, w in enumerate(nodes)
-        }
-
-    def _state(self, futures: dict[str, Future]) -> tuple[dict[str, Any], bool]:
-        """The trainers' common state, from the first trainer that ended with it (one that left, was
-        stopped or was lost returns a few fields: the driver fetches one state only), and whether every
-        trainer finished (those that ended with the state parked their replicas; the next fit checks on
-        each worker that its replica is there before going on with them)."""
-        finished = [f for f in futures.values() if f.status == "finished"]
-        for f in finished:
-            result = f.result()
-            if "params" in result:
-                return _network_state(result), len(finished) == len(futures)
-        raise RuntimeError("every parameter-averaging trainer was lost; the network is unchanged")
-
-    def _follow(self, session: str, futures: dict[str, Future]) -> list[Any]:
-        """Report the settled rounds as they come, stop the session at a round's end when a checkpoint
-        by time is due or a worker joined, and fail when a trainer fails. Returns the checkpoint listeners due."""
-        client, run = self.client, self.run
-        pending = set(futures.values())
-        stopped = False
-        self._fitted = 0
-        due: list[Any] = []
-        last = time.time()  # the end of the round before the next one reported, by the members' clocks
-        while True:
-            # "auto" looks at every poll until it chooses: its choice reaches the rounds not yet handed out
-            every = self.config.poll_interval * (1 if self.measuring else 5)
-            with contextlib.suppress(TimeoutError):
-                wait(pending, timeout=every, return_when="FIRST_COMPLETED")
-            pending = {f for f in pending if not f.done()}
-            run.pauses.check()
-            progress = client.sync(client.scheduler.dlscale_averaging_progress, session=session)
-            for report in progress["reports"]:
-                if self.measuring and not stopped:
-                    self._choose_frequency(session, report["members"])
-                end = max((m["end"] for m in report["members"]), default=last)
-                done_before = self._epochs_done()
-                self._report(report["members"], max(0.0, end - last), end)
-                last = max(last, end)
-                done_after = self._epochs_done()
-                # kept until the segment ends: an epoch's end seen in this batch of reports stays due
-                due += [
-                    c for c in run.checkpoints_due(done_after if done_after > done_before else None) if c not in due
-                ]
-            run.send_rounds()
-            if progress["lost"]:
-                self._note_lost(list(cluster_workers(client)))
-            if not stopped and pending and (due or progress["newcomers"]):
-                client.sync(client.scheduler.dlscale_averaging_stop, session=session)
-                stopped = True
-            failed = [f for f in futures.values() if f.status == "error" and not _lost_worker(f)]
-            if failed or progress["failed"]:
-                if not failed:
-                    with contextlib.suppress(TimeoutError):
-                        wait(list(pending), timeout=self.config.end_timeout)
-                    failed = [f for f in futures.values() if f.status == "error" and not _lost_worker(f)]
-                self._abort(session, futures)
-                if failed:
-                    error = failed[0].exception()
-                    raise error.with_traceback(failed[0].traceback())
-                raise RuntimeError(f"parameter averaging stopped: {progress['failed']}")
-            if not pending:
-                return due
-
-    def _choose_frequency(self, session: str, members: list[dict[str, Any]]) -> None:
+    def _choose_frequency(self, members: list[dict[str, Any]]) -> None:
         """``averaging_frequency="auto"``: once a round's members report their last averaging's time, the
         smallest frequency whose averaging costs at most :data:`AUTO_SHARE` of a round's fitting, rounded
         up to split a trainer's minibatches of an epoch into as many rounds as it fits, about even (each
@@ -463,28 +307,7 @@ class _Averaging:
             min(times),
         )
         owner = None if self.owner is None else {str(i): w for i, w in self.owner.items()}
-        self.client.sync(
-            self.client.scheduler.dlscale_averaging_replan,
-            session=session,
-            per_trainer=frequency,
-            per_epoch=self.n,
-            owner=owner,
-        )
-
-    def _epochs_done(self) -> int:
-        return next((e for e in range(self.run.epochs) if self.left[e] > 0), self.run.epochs)
-
-    def _abort(self, session: str, futures: dict[str, Future]) -> None:
-        with contextlib.suppress(Exception):
-            self.client.sync(
-                self.client.scheduler.dlscale_averaging_fail,
-                session=session,
-                trainer="driver",
-                error="stopped by the driver",
-            )
-        with contextlib.suppress(TimeoutError):
-            wait(list(futures.values()), timeout=self.config.end_timeout)
-        self.client.cancel([f for f in futures.values() if not f.done()])
+        self.call("replan", per_trainer=frequency, per_epoch=self.n, owner=owner)
 
     def _report(self, members: list[dict[str, Any]], seconds: float, end: float) -> None:
         """A settled round, which ended at ``end`` (``time.time()`` of its last member): the run's step
@@ -538,10 +361,3 @@ class _Averaging:
                 )
             )
         self.rounds_done[epoch] += 1
-
-
-def _lost_worker(future: Future) -> bool:
-    """Whether ``future`` failed because its worker died rather than through its own error."""
-    from distributed.scheduler import KilledWorker
-
-    return isinstance(future.exception(), KilledWorker)

@@ -41,18 +41,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from distributed import get_client, get_worker, secede
+from distributed import get_worker
 from distributed.utils import sync
 
-from dlscale.data.loaders import KeptLoader, prefetch
+from dlscale.data.loaders import prefetch
 from dlscale.encoding import Compressor, CompressorState, Layout
 from dlscale.encoding.dense import DenseCompressor
 from dlscale.errors import NonFiniteUpdateError
-from dlscale.runtime.profiling import profiler_paused
 from dlscale.runtime.retirement import LEAVING, retire_timeout
-from dlscale.training._errors import SessionAbortedError, SessionClosedError, SessionStoppedError
 from dlscale.training._messages import unwrap
-from dlscale.training._sources import HeldMinibatch
+from dlscale.training._session import run_trainer
 from dlscale.training._worker import release_replica, state_of, training_replica
 from dlscale.training.sharing._keeping import Keeping, keeping
 from dlscale.training.sharing._messages import Ack, Handout, Update, View
@@ -135,33 +133,22 @@ def run(
     its worker retired (its statistics reach the driver through the scheduler)."""
     worker = get_worker()
     control = _Control(worker, session, trainer)
-    try:
-        joined = control.join()
-    except SessionStoppedError as e:
-        return _stopped(trainer, e)
-    if isinstance(loader, HeldMinibatch):
-        loader = loader.bind(get_client())
-    secede()  # a trainer runs for the whole fit: it should not hold one of the worker's task slots
-    try:
-        with profiler_paused(worker), KeptLoader(loader, spec.keep_loaded) as kept:
-            return _Trainer(worker, control, local, key, blob, refs, kept, spec, joined).train()
-    except SessionClosedError as e:  # the session ended under it: its driver is gone
-        plugin(worker).close(session)
-        return _stopped(trainer, e)
-    except SessionStoppedError as e:
-        return _stopped(trainer, e)
-    except BaseException as e:
-        with contextlib.suppress(Exception):  # the original error matters, not this one
-            control.fail(f"{type(e).__name__}: {e}")
-        e.add_note(f"in gradient-sharing trainer {trainer} on worker {worker.address}")
-        raise
 
+    def train(joined: View, loader: Callable[[Any], Any]) -> dict[str, Any]:
+        return _Trainer(worker, control, local, key, blob, refs, loader, spec, joined).train()
 
-def _stopped(trainer: str, error: SessionStoppedError) -> dict[str, Any]:
-    """The result of a trainer whose session stopped under it: it was lost (or its session is gone),
-    or another trainer failed."""
-    aborted = isinstance(error, SessionAbortedError)
-    return {"trainer": trainer, "lost": not aborted, "aborted": aborted}
+    return run_trainer(
+        worker,
+        plugin(worker),
+        session,
+        trainer,
+        control.join,
+        control.fail,
+        loader,
+        spec.keep_loaded,
+        train,
+        "gradient-sharing",
+    )
 
 
 class _Trainer:
