@@ -39,6 +39,14 @@ class SessionAbortedError(SessionStoppedError):
     reason = "aborted"
 
 
+def check_first_start(joined: set[str], trainer: str, session: str) -> None:
+    """Record that ``trainer`` of ``session`` started; one that starts a second time (its task rerun
+    elsewhere after its worker was lost) is refused."""
+    if trainer in joined:
+        raise TrainerLostError(f"trainer {trainer} of session {session} started a second time")
+    joined.add(trainer)
+
+
 STOPPED: dict[str, type[SessionStoppedError]] = {
     cls.reason: cls for cls in (SessionClosedError, TrainerLostError, SessionAbortedError)
 }

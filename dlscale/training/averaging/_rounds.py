@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from dlscale.training._errors import SessionAbortedError, SessionClosedError, TrainerLostError
+from dlscale.training._errors import SessionAbortedError, SessionClosedError, TrainerLostError, check_first_start
 
 __all__ = ["Round", "Rounds", "plan_rounds", "SessionAbortedError", "SessionClosedError", "TrainerLostError"]
 
@@ -203,9 +203,7 @@ class Rounds:
         """A trainer starting; one lost before it started, or started a second time (its task rerun
         elsewhere after its worker was lost), is refused."""
         self._check(trainer)
-        if trainer in self.joined:
-            raise TrainerLostError(f"trainer {trainer} of session {self.name} started a second time")
-        self.joined.add(trainer)
+        check_first_start(self.joined, trainer, self.name)
 
     def leave(self, trainer: str, k: int) -> str:
         """``trainer``, whose worker retires, leaves before round ``k`` (it holds round ``k - 1``'s average):

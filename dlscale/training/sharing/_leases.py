@@ -21,7 +21,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from dlscale.training._errors import SessionAbortedError, TrainerLostError
+from dlscale.training._errors import SessionAbortedError, TrainerLostError, check_first_start
 from dlscale.training.sharing._messages import Ack, Handout, View
 
 Report = tuple[int, int, float, float, float, int, float]
@@ -114,9 +114,7 @@ class Session:
         """A trainer starting; one lost before it started, or started a second time (its task rerun
         elsewhere after its worker was lost), is refused."""
         self._check_member(trainer)
-        if trainer in self.joined:
-            raise TrainerLostError(f"trainer {trainer} of session {self.name} started a second time")
-        self.joined.add(trainer)
+        check_first_start(self.joined, trainer, self.name)
         self._check_running()
         return self.view()
 
