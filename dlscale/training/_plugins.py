@@ -162,6 +162,7 @@ class SessionWorkerPlugin(WorkerPlugin):
 
     def __init__(self) -> None:
         self.parked: dict[str, Any] = {}  # session: what its trainers here left for the next fit
+        self.busy: set[Any] = set()  # its trainers here at work (by session, or by trainer)
         self.sockets: Sockets | None = None
 
     def setup(self, worker: Worker) -> None:
@@ -190,6 +191,13 @@ class SessionWorkerPlugin(WorkerPlugin):
         return found
 
     # -- what a master says ------------------------------------------------------------------
+    def open(self, session: str, *args: Any) -> Any:
+        """The driver opens ``session`` here (what follows the name is the master's): nothing is kept for it
+        unless a master says otherwise."""
+
+    def close(self, session: str) -> None:
+        """The driver closes ``session`` here (or its trainer found it closed)."""
+
     def is_open(self, session: str) -> bool:
         """Whether ``session`` is open here (a message for another is dropped unread)."""
         raise NotImplementedError
@@ -200,7 +208,7 @@ class SessionWorkerPlugin(WorkerPlugin):
 
     def at_work(self) -> bool:
         """Whether a trainer here is at work: a closing worker waits for it to leave its session."""
-        raise NotImplementedError
+        return bool(self.busy)
 
     def end(self) -> None:
         """The worker closes: its sessions end here."""
@@ -217,8 +225,9 @@ class SessionWorkerPlugin(WorkerPlugin):
             return self._trainers(self.parked[session]) if session in self.parked else []
 
     def _trainers(self, parked: Any) -> list[int]:
-        """The local trainers whose parked state ``parked`` (a session's) holds."""
-        raise NotImplementedError
+        """The local trainers whose parked state ``parked`` (a session's) holds: one a worker, unless a
+        master says otherwise."""
+        return [0]
 
     def _park_alone(self, session: str) -> None:
         """Forget every other session's parked trainers (the lock held): a worker parks one session's."""

@@ -36,7 +36,6 @@ class AveragingWorkerPlugin(SessionWorkerPlugin):
         super().__init__()
         self.mailboxes: dict[str, Mailbox] = {}
         self.results: dict[str, tuple[int, int, dict[str, Any], Any]] = {}  # session: (round, attempt, header, array)
-        self.busy: set[str] = set()  # sessions whose trainer here is at work: a closing worker waits for it to leave
         self.comms: Outbox | None = None
 
     def setup(self, worker: Worker) -> None:
@@ -45,9 +44,6 @@ class AveragingWorkerPlugin(SessionWorkerPlugin):
 
     def is_open(self, session: str) -> bool:
         return session in self.mailboxes
-
-    def at_work(self) -> bool:
-        return bool(self.busy)
 
     def _delivered(self, session: str, sender: str, head: dict[str, Any], payload: Any) -> None:
         """A part read from this worker's own connections."""
@@ -85,9 +81,6 @@ class AveragingWorkerPlugin(SessionWorkerPlugin):
         """The replica parked by ``session``'s trainer, taken away (``None`` if none is)."""
         with self._parking:
             return self.parked.pop(session, None)
-
-    def _trainers(self, parked: Any) -> list[int]:
-        return [0]  # its one
 
     def keep(self, session: str, round: int, attempt: int, header: dict[str, Any], array: Any) -> None:
         """Hold round ``round``'s average for peers that missed part of it (until the next round's)."""
