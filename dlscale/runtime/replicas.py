@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from distributed import Future, wait
 from distributed.active_memory_manager import (
     ReduceReplicas,
     Suggestion,
@@ -22,7 +23,7 @@ from distributed.core import Status
 from dlscale.runtime.extensions import Extension, install
 
 if TYPE_CHECKING:
-    from distributed import Client, Future
+    from distributed import Client
     from distributed.scheduler import Scheduler
 
 EVERY_WORKER = 2**31  # a replica count meaning "on every worker", those that join later included
@@ -35,6 +36,10 @@ class PersistedReplicas(ReduceReplicas):
     def __init__(self) -> None:
         super().__init__()
         self.desired: dict[Any, int] = {}
+        # keys of ``desired`` that the scheduler did not know yet when their count was set (a KEEP for
+        # keys a caller is about to place): their count waits for them instead of going as a released key's
+        # (one that never comes is kept until its count is set back to 1)
+        self.unseen: set[Any] = set()
         self.kept: dict[Any, int] = {}  # keys whose replicas are not dropped below a count, none added
 
     def run(self) -> SuggestionGenerator:
@@ -43,8 +48,10 @@ class PersistedReplicas(ReduceReplicas):
         for key, n in list(self.desired.items()):
             ts = tasks.get(key)
             if ts is None:
-                del self.desired[key]
+                if key not in self.unseen:  # released: its count goes with it
+                    del self.desired[key]
                 continue
+            self.unseen.discard(key)
             if ts.state != "memory" or n == KEEP:
                 continue
             for _ in range(min(n, workers) - len(ts.who_has)):
@@ -92,19 +99,33 @@ def _policy(scheduler: Scheduler) -> PersistedReplicas | None:
 def _set_desired(keys: Iterable[Any], n: int, dask_scheduler: Any = None) -> None:
     policy = _policy(dask_scheduler)
     if policy is not None:
-        for k in keys:
+        for k in map(_key, keys):
             if n > 1 or n == KEEP:
-                policy.desired[_key(k)] = n
+                policy.desired[k] = n
+                if k in dask_scheduler.tasks:
+                    policy.unseen.discard(k)
+                else:
+                    policy.unseen.add(k)
             else:
-                policy.desired.pop(_key(k), None)
+                policy.desired.pop(k, None)
+                policy.unseen.discard(k)
 
 
 def set_replication(client: Client, futures: list, n: int) -> None:
     """Hold ``n`` replicas of each of ``futures`` (1 returns them to Dask's default; :data:`KEEP` holds the
     copies there are while the caller places more itself, so that the memory manager neither drops them
     nor sends its own copies to workers that are receiving the caller's: with :data:`KEEP`, ``futures``
-    may be the keys the caller is about to place)."""
+    may be the keys the caller is about to place).
+
+    With ``n`` > 1, the futures are waited for first. The graph that :meth:`Client.persist` sent goes on
+    the client's batched stream, and the scheduler adds its tasks only once it has unpacked the graph in
+    a thread, whereas the count is set by a call of its own that can overtake both the graph and the
+    release of an earlier future of the same key: set before the tasks exist, the count was taken for a
+    released key's and removed at the memory manager's next cycle, which then dropped the copies that
+    :meth:`Client.replicate` made. Set once the scheduler holds the results, it is these tasks' count."""
     install(client, REPLICAS)
+    if n > 1 and (pending := [f for f in futures if isinstance(f, Future)]):
+        wait(pending)
     client.run_on_scheduler(_set_desired, [getattr(f, "key", f) for f in futures], n)
     if n > 1:
         client.replicate(futures, n=None if n == EVERY_WORKER else n)
