@@ -165,7 +165,7 @@ class SynchronousTrainingMaster(TrainingMaster):
     approach: ClassVar[str] = "synchronous SGD"
 
     def _train(self, run: Any, batches: Any, *, partitions: int | None = None, probe: bool = False) -> None:
-        _SynchronousRun(self, run, batches, held=batches.holders is not None).train(probe)
+        _SynchronousRun(self, run, batches).train(probe)
 
 
 class _SynchronousRun(SessionRun):

@@ -50,7 +50,7 @@ class SessionRun:
     prefix: ClassVar[str]  # the master's name in handlers (``dlscale_<prefix>_<op>``) and sessions
     extension: ClassVar[Extension]  # its scheduler and worker plugins
 
-    def __init__(self, master: Any, run: FitRun, batches: Minibatches, held: bool) -> None:
+    def __init__(self, master: Any, run: FitRun, batches: Minibatches) -> None:
         self.master, self.run, self.batches = master, run, batches
         self.client = run.client
         self.config = SessionConfig.from_dask()
@@ -63,7 +63,7 @@ class SessionRun:
         self.parked: dict[str, list[str]] = {}  # a session of this fit's (or the last's): the workers it parked on
         self.complete = False  # whether every trainer of the last segment returned the state (and parked)
         self.held: dict[str, Future] = {}
-        if held:  # minibatches in worker memory: published for the trainers, fetched by name
+        if batches.holders is not None:  # minibatches in worker memory: published for the trainers, fetched by name
             self.held = dict(zip(batches.names, batches.refs))
             loader = HeldMinibatch(f"{self.fit}-minibatches", self.config.end_timeout)
             self.batches = dataclasses.replace(batches, refs=list(batches.names), loader=loader)

@@ -138,7 +138,7 @@ class _Averaging(SessionRun):
     def __init__(
         self, master: ParameterAveragingTrainingMaster, run: FitRun, batches: _sources.Minibatches, local: bool
     ) -> None:
-        super().__init__(master, run, batches, held=batches.holders is not None)
+        super().__init__(master, run, batches)
         self.owner = dict(enumerate(batches.holders)) if local and batches.holders else None
         self.seen, self.lost = set(run.workers), set()
         self.rounds_done: collections.Counter[int] = collections.Counter()  # rounds reported, by epoch of the fit

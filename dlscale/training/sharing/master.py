@@ -100,7 +100,7 @@ class SharedTrainingMaster(TrainingMaster):
     def _train(
         self, run: FitRun, batches: _sources.Minibatches, *, partitions: int | None = None, probe: bool = False
     ) -> None:
-        _Session(self, run, batches, held=partitions is not None).train(probe)
+        _Session(self, run, batches).train(probe)
 
 
 def _probe_parked(session: str, local: int, ref: Any, loader: Any) -> None:
