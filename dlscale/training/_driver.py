@@ -277,6 +277,22 @@ class FitRun:
         done = None if epochs_done is None else self.first_epoch + epochs_done
         return [c for c in self.checkpointers if c.due(self.network.iteration, done)]
 
+    def steps_to_checkpoint(self, epochs: Sequence[int]) -> int:
+        """Of the work items ahead, one step each (``epochs``: the fit's epoch of each, in order), how
+        many are trained before a checkpoint by iterations or by epochs is due: all when none is. A
+        segment that ends there writes it at that point, however far its driver lags its trainers."""
+        ends = {}  # the fit's epoch -> how many items ahead are trained when it has ended
+        for k, epoch in enumerate(epochs, 1):
+            ends[epoch] = k
+        bound, last = len(epochs), 0
+        for epoch in sorted(ends):
+            last = max(last, ends[epoch])
+            if any(c.wants_epoch_end(self.first_epoch + epoch + 1) for c in self.checkpointers):
+                bound = min(bound, last)
+                break
+        steps = [c.iterations_to_due(self.network.iteration) for c in self.checkpointers]
+        return min([bound, *(s for s in steps if s is not None)])
+
     def write_checkpoint(
         self, due: list[CheckpointListener], position: FitPosition, state: Callable[[Network], None]
     ) -> None:

@@ -92,6 +92,11 @@ class SessionRun:
         """The task of trainer ``trainer``, the ``k``-th of the segment, ``local``-th on ``worker``."""
         raise NotImplementedError
 
+    def segment_length(self, order: list[int]) -> int:
+        """How many of the work items ``order`` the next segment trains: all of them unless a master
+        ends its segments where checkpoints fall."""
+        return len(order)
+
     def follow_every(self) -> float:
         """Seconds between two progress reports."""
         return self.config.poll_interval * 10
@@ -197,6 +202,8 @@ class SessionRun:
         returns the items left and the checkpoint listeners due."""
         client, nodes, name = self.client, self.nodes(), self.extension.name
         t0 = time.perf_counter()
+        later = order[self.segment_length(order) :]
+        order = order[: len(order) - len(later)]
         worker_of = {t: w for t, (w, _) in self.trainers.items()}
         self.call("open", worker_of=worker_of, fit=self.run.fit_id, client=client.id, **self.opened(order))
         try:
@@ -208,7 +215,7 @@ class SessionRun:
             closed = self.call("close")
             alive = set(cluster_workers(client))  # a lost worker would take a timeout
             client.run(_close_node, name, self.session, workers=[w for w in nodes if w in alive], on_error="ignore")
-        return self.conclude(futures, closed, time.perf_counter() - t0), due
+        return [*self.conclude(futures, closed, time.perf_counter() - t0), *later], due
 
     def _follow(self, futures: dict[str, Future]) -> list[Any]:
         """Follow the session until every trainer has returned; a trainer's error (or the failure the

@@ -146,13 +146,24 @@ class CheckpointListener(TrainingListener):
         """A fit starts (or resumes) with the network at ``iteration``: the intervals count from here."""
         self._last_iteration, self._last_time = iteration, time.monotonic()
 
+    def iterations_to_due(self, iteration: int) -> int | None:
+        """Steps from ``iteration`` until a checkpoint by iterations is due (``None``: none is asked for)."""
+        if self.every_iterations is None:
+            return None
+        last = self._last_iteration if self._last_iteration is not None else 0
+        return max(1, (last // self.every_iterations + 1) * self.every_iterations - iteration)
+
+    def wants_epoch_end(self, epochs_done: int) -> bool:
+        """Whether the end of an epoch, the network's ``epochs_done``-th, is due a checkpoint."""
+        return self.every_epochs is not None and epochs_done % self.every_epochs == 0
+
     def due(self, iteration: int, epochs_done: int | None) -> bool:
         """Whether a checkpoint is due with the network at ``iteration``; ``epochs_done`` is the network's
         epoch count when an epoch has just ended, else ``None``."""
         last = self._last_iteration if self._last_iteration is not None else 0
         if self.every_iterations is not None and iteration // self.every_iterations > last // self.every_iterations:
             return True
-        if self.every_epochs is not None and epochs_done is not None and epochs_done % self.every_epochs == 0:
+        if epochs_done is not None and self.wants_epoch_end(epochs_done):
             return True
         return self.every_seconds is not None and time.monotonic() - self._last_time >= self.every_seconds
 

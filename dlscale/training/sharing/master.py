@@ -196,6 +196,10 @@ class _Session(SessionRun):
             key=f"{self.session}-trainer-{k}",
         )
 
+    def segment_length(self, order: list[int]) -> int:
+        """Up to the next checkpoint by iterations or epochs: the segment ends there, its state whole."""
+        return self.run.steps_to_checkpoint([item // self.n for item in order])
+
     def progressed(self, progress: dict[str, Any], pending: bool) -> list[Any]:
         """Report the minibatches acknowledged, and take back the items not yet handed out once a
         checkpoint is due or a worker joined (with room for its trainers)."""
@@ -213,7 +217,7 @@ class _Session(SessionRun):
             room = self.config.max_trainers is None or len(self.trainers) < self.config.max_trainers
             if self.due or (progress["newcomers"] and room):
                 self.taken_back, self.drained = self.call("drain"), True  # a checkpoint, or the newcomers' trainers
-        elif not self.drained:  # the end of the fit
+        elif not self.drained:  # the end of the segment
             self.due = self.run.checkpoints_due(ended)
         return self.due
 
