@@ -40,6 +40,7 @@ _EXPORTS = {
     "TrainingStats": "dlscale.monitor.stats",
     "CheckpointListener": "dlscale.training.checkpoints",
     "TensorBoardListener": "dlscale.monitor.tensorboard",
+    "report": "dlscale.monitor.record",
     "predict": "dlscale.inference",
     "write_string_to_file": "dlscale.storage",
     "read_string_from_file": "dlscale.storage",
