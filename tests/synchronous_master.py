@@ -54,7 +54,7 @@ class _Steps:
 
     def progress(self) -> dict[str, Any]:
         reports, self.reports = self.reports, []
-        return {"reports": reports, "failed": self.failed}
+        return {"reports": reports, "abandoned": [], "lost": [], "failed": self.failed}  # no trainer is ever lost
 
     def push(self, k: int, gradient: bytes, examples: int, loss: float) -> None:
         self.pushed[k].append((np.frombuffer(gradient, np.float32), examples, loss))
@@ -181,13 +181,13 @@ class _SynchronousRun(SessionRun):
 
     def submit(self, trainer: str, worker: str, local: int, k: int) -> Future:
         b, run = self.batches, self.run
-        args = (self.session, trainer, run.replicas[0], run.blob, b.refs, b.loader, keep_loaded())
+        blob = run.blob  # sent when first asked for: then its replica's key is known
+        args = (self.session, trainer, run.replicas[0], blob, b.refs, b.loader, keep_loaded())
         return self.client.submit(_trainer, *args, workers=[worker], pure=False, key=f"{self.session}-trainer-{k}")
 
     def progressed(self, progress: dict[str, Any], pending: bool) -> list[Any]:
         for items, examples, score in progress["reports"]:
-            for item in items:
-                self.left[item // self.n] -= 1
+            self.reported(items, score)
             self.run.step(items[0] // self.n, len(items), examples, score, iterations=1)
         return []
 

@@ -412,6 +412,7 @@ def test_items_are_handed_out_in_order_and_acknowledged_once() -> None:
     assert [r[:6] for r in progress["reports"]] == [(0, 16, 0.5, 1e-3, 0.01, 100), (2, 8, 0.25, 1e-3, 0.01, 100)]
     assert before <= progress["reports"][0][6] == progress["reports"][1][6] <= time.time()
     assert {k: v for k, v in progress.items() if k != "reports"} == {
+        "abandoned": [],
         "lost": ["c#0"],
         "failed": None,
         "failed_by": None,
@@ -436,6 +437,8 @@ def test_a_lost_workers_unacknowledged_items_go_back_to_the_front() -> None:
     assert s.remove_worker("tcp://a") == [] and s.version == 1
     assert list(s.pending)[:3] == [1, 2, 5]
     assert s.lost == ["c#0", "a#0", "a#1"] and s.nodes() == ["tcp://b"]
+    assert s.progress()["abandoned"] == [1, 2]  # to be fitted again: the driver counts them redone
+    assert s.progress()["abandoned"] == []  # reported once
     with pytest.raises(TrainerLostError):
         s.hand_out("a#0", 1)
     assert s.hand_out("b#0", 2) == Handout((1, 2), View(False, 1, ("tcp://b",), ("b#0",), {}))
@@ -459,6 +462,7 @@ def test_a_retiring_trainer_hands_its_items_back_and_its_peers_wait_for_its_upda
     fresh, view = s.leave("b#0", [], sent=3, stats={}, running=set())
     assert "b#0" in view.alive and view.version == 2 and s.pending[0] == 2 and s.assigned["b#0"] == set()
     assert s.hand_out("b#0", 1).items == (2,)
+    assert s.progress()["abandoned"] == []  # a trainer that leaves hands back items it never fitted
 
 
 def test_the_session_is_done_when_every_item_is_acknowledged() -> None:
@@ -514,6 +518,7 @@ async def test_the_control_plane_over_the_comm(c: Any, s: Any, a: Any, b: Any) -
     assert [tuple(r[:6]) for r in progress["reports"]] == [(0, 16, 0.5, 1e-3, 0.01, 100)]
     assert set(progress) == {
         "reports",
+        "abandoned",
         "lost",
         "failed",
         "failed_by",

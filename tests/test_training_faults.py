@@ -29,6 +29,7 @@ from dlscale import (
 )
 from dlscale.data import DataSet, export_minibatches, list_paths
 from dlscale.nn import Network
+from tests.test_session import exactly_once
 from tests.test_sharing import BATCH, _KillAt, accuracy, digits, examples_rdd, mlp
 
 SIZES = [64, 32, 10]
@@ -143,6 +144,9 @@ def _fit_averaging_killed(
     assert net.epoch == EPOCHS
     fitted = Counter((r.epoch, b) for r in spark_net.training_stats.rounds for w in r.workers for b in w.batches)
     assert len(fitted) == EPOCHS * PER_EPOCH and set(fitted.values()) == {1}
+    # the tally agrees, and counts as redone at most the killed trainer's shares of the rounds not settled:
+    # the one it was given, the one before if it was that round's only holder, and streaming one more
+    assert exactly_once(spark_net.training_stats, PER_EPOCH, EPOCHS) <= (3 if streaming else 2) * ROUND_ITERATIONS
     return net
 
 
@@ -197,6 +201,7 @@ def test_sharing_direct_finishes_when_a_worker_holding_minibatches_dies(
     with pytest.warns(TrainerLostWarning, match=victim):
         spark_net.fit(examples_rdd(sc3, x, y, 3), epochs=EPOCHS)
     assert killer.killed and net.epoch == EPOCHS
+    assert exactly_once(spark_net.training_stats, PER_EPOCH, EPOCHS) >= 1  # it held minibatches leased ahead
     # the survivors' records, and the nanny's replacement's if it joined the fit in time: none of the victim
     workers = {t.worker for t in spark_net.training_stats.trainers}
     assert victim not in workers and len(workers) >= 2

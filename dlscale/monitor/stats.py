@@ -11,6 +11,7 @@ import html
 import io
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -89,6 +90,35 @@ class TrainerStats:
 
 
 @dataclass
+class EpochTally:
+    """Exactly once, for one epoch of a fit, counted from what the trainers reported fitted (not from the
+    plan): of its ``planned`` minibatches, ``once`` fitted by the trainer first given them, ``redone``
+    fitted by another after a trainer that held them was lost (parameter averaging drops the lost
+    trainer's work on them; gradient sharing keeps the updates it had sent), ``lost`` never fitted and
+    ``duplicated`` reported fitted more than once (both 0 unless something is wrong)."""
+
+    epoch: int
+    planned: int
+    once: int
+    redone: int
+    lost: int
+    duplicated: int = 0
+
+
+def tally_line(tallies: Sequence[EpochTally], workers_lost: int) -> str:
+    """The exactly-once tally of a fit's epochs in a few words: "3 workers lost, 41 minibatches redone, 0
+    lost (of 480, the rest fitted once)"."""
+    planned = sum(t.planned for t in tallies)
+    redone, lost = sum(t.redone for t in tallies), sum(t.lost for t in tallies)
+    duplicated = sum(t.duplicated for t in tallies)
+    parts = [f"{workers_lost} worker{'s' * (workers_lost != 1)} lost"] if workers_lost else []
+    parts += [f"{redone} minibatches redone", f"{lost} lost"]
+    if duplicated:
+        parts.append(f"{duplicated} fitted twice")
+    return f"{', '.join(parts)} (of {planned}, the rest fitted once)"
+
+
+@dataclass
 class TrainingStats:
     """Statistics of one ``fit`` call (appended to by later calls of the same ``SparkNet``).
 
@@ -102,6 +132,7 @@ class TrainingStats:
     trainers: list[TrainerStats] = field(default_factory=list)
     dense_bytes: int = 0
     averaging_frequency: int | None = None  # parameter averaging's, as "auto" chose it
+    exactly_once: list[EpochTally] = field(default_factory=list)  # each epoch of each fit
 
     def extend(self, later: TrainingStats) -> None:
         """Append the statistics of a later ``fit`` of the same network."""
@@ -110,6 +141,7 @@ class TrainingStats:
         self.trainers.extend(later.trainers)
         self.dense_bytes = later.dense_bytes or self.dense_bytes
         self.averaging_frequency = later.averaging_frequency or self.averaging_frequency
+        self.exactly_once.extend(later.exactly_once)
 
     def overview(self) -> dict[str, Any]:
         """The figures of the whole record, ``None`` where unknown: training ``seconds`` (rounds' times for
@@ -174,6 +206,8 @@ class TrainingStats:
             lines.append(("time by phase", ", ".join(f"{p} {share:.0%}" for p, share in o["phases"].items())))
         if o["score"] is not None:
             lines.append(("final loss", f"{o['score']:.6g}"))
+        if self.exactly_once:
+            lines.append(("exactly once", tally_line(self.exactly_once, 0)))
         return lines
 
     def __repr__(self) -> str:

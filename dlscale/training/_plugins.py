@@ -59,7 +59,9 @@ class Bookkeeping(Protocol):
         """``who`` (a trainer, or the driver) raised: every trainer stops at its next call."""
 
     def progress(self) -> dict[str, Any]:
-        """The driver's report."""
+        """The driver's report since the last: at least ``reports`` (what the trainers reported fitted),
+        ``abandoned`` (work items lost trainers held, to be fitted again), ``lost`` (the trainers lost so
+        far) and ``failed`` (the failure, or ``None``)."""
 
 
 S = TypeVar("S", bound=Bookkeeping)

@@ -23,6 +23,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import logging
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -32,6 +34,8 @@ import numpy as np
 from distributed import Future, get_client, secede, wait
 
 from dlscale.data.loaders import KeptLoader
+from dlscale.monitor import record
+from dlscale.monitor.stats import EpochTally, tally_line
 from dlscale.runtime.cluster import cluster_workers
 from dlscale.runtime.extensions import Extension, install
 from dlscale.runtime.profiling import profiler_paused
@@ -40,6 +44,8 @@ from dlscale.training._driver import FitRun, workers
 from dlscale.training._errors import SessionAbortedError, SessionClosedError, SessionStoppedError
 from dlscale.training._parking import Warm
 from dlscale.training._sources import HeldMinibatch, Minibatches
+
+logger = logging.getLogger("dlscale.training")
 
 Placement = dict[str, tuple[str, int]]  # a trainer's name: its worker and its index there
 
@@ -58,6 +64,11 @@ class SessionRun:
         self.session = self.fit  # the session of the segment at hand: <fit>-<segment>
         self.n = len(batches.refs)
         self.left: collections.Counter[int] = collections.Counter()  # items not yet reported, by epoch of the fit
+        self.planned: set[int] = set()  # the fit's work items
+        self.fitted: collections.Counter[int] = collections.Counter()  # times each item was reported fitted
+        self.abandoned: set[int] = set()  # items a lost trainer held, its work on them dropped or unreported
+        self.lost_workers: set[str] = set()  # workers with trainers of this fit that were lost
+        self.score = float("nan")  # the last loss reported
         self.trainers: Placement = {}
         self.warm: str | None = None  # the session of the last fit's trainers, when they go on in this one
         self.parked: dict[str, list[str]] = {}  # a session of this fit's (or the last's): the workers it parked on
@@ -139,6 +150,30 @@ class SessionRun:
             return [i for i in resume.remaining if i // self.n < self.run.epochs] + self.order(resume.epochs)
         return self.order(resume.epoch)
 
+    def reported(self, items: list[int], score: float) -> None:
+        """Work items ``items`` reported fitted (with mean loss ``score``), as the trainers tell them."""
+        for item in items:
+            self.left[item // self.n] -= 1
+            self.fitted[item] += 1
+        self.score = score
+
+    def tally(self) -> list[EpochTally]:
+        """Exactly once, per epoch of the fit, from what was reported fitted (:class:`EpochTally`)."""
+        by_epoch: dict[int, list[int]] = collections.defaultdict(list)
+        for item in self.planned:
+            by_epoch[item // self.n].append(item)
+        tallies = []
+        for epoch, items in sorted(by_epoch.items()):
+            fitted = [i for i in items if self.fitted[i]]
+            redone = sum(1 for i in fitted if i in self.abandoned)
+            duplicated = sum(1 for i in fitted if self.fitted[i] > 1)
+            duplicated += sum(1 for i in self.fitted if i // self.n == epoch and i not in self.planned)
+            first = self.run.first_epoch + epoch
+            tallies.append(
+                EpochTally(first, len(items), len(fitted) - redone, redone, len(items) - len(fitted), duplicated)
+            )
+        return tallies
+
     def epochs_done(self) -> int:
         """The fit's epochs whose every work item is reported, counted from its first."""
         return next((e for e in range(self.run.epochs) if self.left[e] > 0), self.run.epochs)
@@ -156,7 +191,8 @@ class SessionRun:
         run.show_progress(fit=self.fit)
         remaining = self.remaining()
         self.left.update(item // self.n for item in remaining)
-        kept = False
+        self.planned = set(remaining)
+        started, kept = time.perf_counter(), False
         try:
             if self.held:
                 client.publish_dataset(**{self.batches.loader.dataset: self.held})
@@ -172,6 +208,7 @@ class SessionRun:
                 epoch = min(remaining) // self.n if remaining else run.epochs
                 run.write_checkpoint(due, run.position(epoch, remaining=tuple(remaining)), lambda network: None)
                 segment += 1
+            self._close(time.perf_counter() - started)
             if self.complete and self.config.keep_trainers:  # every trainer parked: the next fit goes on with them
                 first = (self.batches.refs[0], self.batches.loader) if run.resume is None else None
                 trainers = tuple(sorted(self.trainers.items()))
@@ -187,6 +224,25 @@ class SessionRun:
             self.end()
             if self.held:
                 client.unpublish_dataset(self.batches.loader.dataset)
+
+    def _close(self, seconds: float) -> None:
+        """The fit's exactly-once tally: into its statistics, its closing line when a worker was lost or
+        anything was redone or lost, and the run's record (:mod:`dlscale.monitor.record`)."""
+        tallies = self.tally()
+        if self.run.stats is not None:
+            self.run.stats.exactly_once.extend(tallies)
+        wrong = any(t.lost or t.duplicated for t in tallies)
+        if wrong or self.lost_workers or any(t.redone for t in tallies):
+            line = tally_line(tallies, len(self.lost_workers))
+            logger.log(logging.WARNING if wrong else logging.INFO, "%s: %s", self.master.approach, line)
+        record.append(
+            "fit",
+            approach=self.master.approach,
+            seconds=seconds,
+            workers_lost=sorted(self.lost_workers),
+            score=self.score if math.isfinite(self.score) else None,
+            epochs=[dataclasses.asdict(t) for t in tallies],
+        )
 
     def nodes(self) -> list[str]:
         """The workers with trainers."""
@@ -227,6 +283,8 @@ class SessionRun:
             pending = {f for f in pending if not f.done()}
             self.run.pauses.check()
             progress = self.call("progress")
+            self.abandoned.update(progress["abandoned"])
+            self.lost_workers.update(self.trainers[t][0] for t in progress["lost"] if t in self.trainers)
             due = self.progressed(progress, bool(pending))
             failed = [f for f in futures.values() if f.status == "error" and not lost_worker(f)]
             if progress["failed"] and not failed:

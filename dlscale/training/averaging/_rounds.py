@@ -105,6 +105,8 @@ class Rounds:
             r.members[0] = self._members(r)
         self.stop_at: int | None = None  # rounds from this one on are not begun (a segment's end)
         self.reports: list[dict[str, Any]] = []  # settled rounds, for the driver
+        self.abandoned: list[int] = []  # items a lost trainer was given, its work on them dropped: for the driver
+        self.gone: set[str] = set()  # trainers lost (not retired)
         self.failed: str | None = None
         self.failed_by: str | None = None
         self.joined: set[str] = set()
@@ -182,6 +184,8 @@ class Rounds:
                 r.shares[t] = r.moved.pop(t)
                 self._take_back(k, set(r.shares[t]))
             for t in list(r.moved):  # the others' states are not: their items stay where they went
+                if t in r.handed and t in self.gone:  # and are fitted again (one that retired had not begun them)
+                    self.abandoned += r.moved[t]
                 r.shares.pop(t, None)
             r.moved.clear()
             for t in [t for t in r.shares if t not in members]:
@@ -242,6 +246,7 @@ class Rounds:
         """``trainer``'s worker was removed; returns whether it was alive."""
         if trainer not in self.alive:
             return False
+        self.gone.add(trainer)
         self._drop(trainer)
         return True
 
@@ -263,6 +268,8 @@ class Rounds:
                 if share and j <= last:
                     if j == k:  # its state may yet be in the open round's average: then taken back
                         r.moved[t] = share
+                    elif t in r.handed and t in self.gone:  # fitted ahead (streaming) or begun, dropped
+                        self.abandoned += share
                     lost += share
                 elif share:
                     self._spread(r, share)

@@ -57,8 +57,10 @@ class AveragingSession(Rounds):
 
     def progress(self) -> dict[str, Any]:
         reports, self.reports = self.reports, []
+        abandoned, self.abandoned = self.abandoned, []
         return {
             "reports": reports,
+            "abandoned": abandoned,
             "lost": list(self.lost),
             "failed": self.failed,
             "failed_by": self.failed_by,

@@ -316,11 +316,10 @@ class _Averaging(SessionRun):
         if not items:
             return
         epoch = items[0] // self.n
-        for i in items:
-            self.left[i // self.n] -= 1
         examples = sum(m["examples"] for m in members)
         fitted = [m for m in members if m["examples"]]
         score = sum(m["score"] * m["examples"] for m in fitted) / examples if examples else float("nan")
+        self.reported(items, score)
         self._fitted += len(items)
         rows = [
             {

@@ -42,6 +42,7 @@ class Session:
     joined: set[str] = field(default_factory=set)
     finished: dict[str, int] = field(default_factory=dict)  # trainer -> updates it sent
     reports: list[Report] = field(default_factory=list)  # for the driver
+    abandoned: list[int] = field(default_factory=list)  # items lost trainers held unacknowledged: for the driver
     lost: list[str] = field(default_factory=list)  # trainers lost, in order
     failed: str | None = None
     failed_by: str | None = None  # the trainer, or "driver", that stopped the session
@@ -92,11 +93,13 @@ class Session:
         last one (:data:`Report`), the trainers lost so far, the failure if any, and the state of the
         session."""
         reports, self.reports = self.reports, []
+        abandoned, self.abandoned = self.abandoned, []
         retired, self.retired_stats = self.retired_stats, []
         view = self.view()
         state = "abort" if self.failed is not None else "end" if view.done else "run"
         return {
             "reports": reports,
+            "abandoned": abandoned,
             "lost": list(self.lost),
             "failed": self.failed,
             "failed_by": self.failed_by,
@@ -184,7 +187,7 @@ class Session:
         """Drop the trainers of ``worker`` and hand their unacknowledged items back, to the front of
         the queue in order; returns the trainers dropped."""
         gone = sorted(t for t in self.alive if self.worker_of[t] == worker)
-        self._hand_back(gone)
+        self.abandoned += self._hand_back(gone)
         for t in gone:
             self.alive.discard(t)
             self.lost.append(t)
@@ -192,12 +195,14 @@ class Session:
             self.version += 1
         return gone
 
-    def _hand_back(self, trainers: list[str]) -> None:
-        """Put the items ``trainers`` hold and have not acknowledged back at the front of the queue, in order."""
-        back = set().union(*(self.assigned.get(t, ()) for t in trainers))
+    def _hand_back(self, trainers: list[str]) -> list[int]:
+        """Put the items ``trainers`` hold and have not acknowledged back at the front of the queue, in
+        order; returns them."""
+        back = sorted(set().union(*(self.assigned.get(t, ()) for t in trainers)))
         for t in trainers:
             self.assigned[t] = set()
-        self.pending.extendleft(sorted(back, reverse=True))
+        self.pending.extendleft(reversed(back))
+        return back
 
     def _check_member(self, trainer: str) -> None:
         if trainer not in self.alive:

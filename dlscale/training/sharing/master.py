@@ -209,7 +209,7 @@ class _Session(SessionRun):
         for item, examples, score, threshold, sparsity, sent, at in progress["reports"]:
             update = SentUpdate(sent, threshold, sparsity)
             self.run.step(item // self.n, 1, examples, score, iterations=1, at=at, update=update)
-            self.left[item // self.n] -= 1
+            self.reported([item], score)
         after = self.epochs_done()
         ended = after if after > before else None
         if not self.drained and pending:
