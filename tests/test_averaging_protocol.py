@@ -138,6 +138,15 @@ def test_a_committed_round_nobody_alive_holds_opens_again() -> None:
     assert s.abandoned == [4, 5]  # c fitted them, but the average it alone held went with it: redone
 
 
+def test_losing_every_trainer_leaves_a_session_that_fits_nothing_more() -> None:
+    """The last trainer lost (its shares of later rounds have nobody to go to): the bookkeeping takes it
+    in, and the driver, with no trainer left, fails the fit with its network unchanged."""
+    s = Rounds("s", plan_rounds(list(range(12)), ["a", "b"], 2, 12), ["a", "b"])
+    _run_round(s, 0)
+    assert s.lose("a") and s.lose("b")
+    assert not s.alive and not s.settled() and [r["round"] for r in s.reports] == [0]
+
+
 def test_a_retiring_trainer_leaves_between_settled_rounds_unless_it_is_the_last() -> None:
     s = Rounds("s", plan_rounds(list(range(8)), ["a", "b"], 2, 8), ["a", "b"])
     assert s.leave("b", 0) == "left"

@@ -59,6 +59,9 @@ def test_gradient_sharing_rows_match_each_trainers_statistics(sc) -> None:
     fit = newest(sc, "gradient sharing")
     stats = {t.trainer: t for t in spark_net.training_stats.trainers}
     assert fit["ended"] is not None and fit["done"] == fit["minibatches"] == 2 * len(data)
+    planned = 2 * len(data)
+    tally = {"planned": planned, "once": planned, "redone": 0, "lost": 0, "duplicated": 0, "workers_lost": 0}
+    assert fit["exactly_once"] == tally
     assert fit["examples"] == 2 * sum(b.num_examples() for b in data)
     assert set(fit["rows"]) == set(stats)
     for name, row in fit["rows"].items():
@@ -225,6 +228,10 @@ def test_an_open_page_streams_new_points_and_redraws_a_merged_row() -> None:
     panel.begin("f3", "parameter averaging", 4)
     page.update()
     assert page.fit == "f1"
+    tally = {"planned": 4, "once": 3, "redone": 1, "lost": 0, "duplicated": 0, "workers_lost": 1}
+    panel.end("f1", tally)  # the status says what the fit's exactly-once tally is
+    page.update()
+    assert "Exactly once</b>: 3 fitted once, 1 redone after 1 worker lost, 0 lost" in page.status.text
 
 
 def test_the_page_is_in_the_dashboard_from_the_context_start() -> None:

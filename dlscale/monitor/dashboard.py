@@ -349,6 +349,16 @@ def _status(f: Fit, now: float) -> str:
     )
     if seconds > 0:
         text += f" ({examples / seconds:,.0f} examples/s)"
+    if f.exactly_once is not None:
+        t = f.exactly_once
+        wrong = t["lost"] or t["duplicated"]
+        color = "#d62728" if wrong else "#2ca02c"
+        text += (
+            f"<br><b style='color:{color}'>Exactly once</b>: {t['once']:,} fitted once, {t['redone']:,} redone "
+            f"after {t['workers_lost']} worker{'s' * (t['workers_lost'] != 1)} lost, {t['lost']:,} lost"
+        )
+        if t["duplicated"]:
+            text += f", {t['duplicated']:,} fitted twice"
     stalled = [n for n, r in sorted(f.rows.items()) if r.stalled]
     if stalled:
         text += "<br><b style='color:#d62728'>Stalled</b>: " + ", ".join(

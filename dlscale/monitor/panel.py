@@ -147,6 +147,7 @@ class Fit:
     ended: float | None = None
     rows: dict[str, _Row] = field(default_factory=dict)
     rounds: list[tuple[float, float]] = field(default_factory=list)  # parameter averaging: (reported, seconds)
+    exactly_once: dict[str, int] | None = None  # the finished fit's tally, summed over its epochs
 
     def done(self) -> int:
         return sum(r.minibatches for r in self.rows.values())
@@ -162,6 +163,7 @@ class Fit:
             "examples": sum(r.examples for r in self.rows.values()),
             "seconds": elapsed,
             "rounds": [seconds for _, seconds in self.rounds],
+            "exactly_once": self.exactly_once,
             "rows": {
                 name: {
                     "worker": r.worker,
@@ -291,10 +293,12 @@ class TrainingPanel(SchedulerPlugin):
             if name in f.rows:
                 f.rows[name].phases = seconds
 
-    def end(self, fit: str) -> None:
+    def end(self, fit: str, exactly_once: dict[str, int] | None = None) -> None:
+        """``fit`` finished, with its exactly-once tally (``planned``, ``once``, ``redone``, ``lost``,
+        ``duplicated`` minibatches and ``workers_lost``), or failed (``None``)."""
         f = self.fits.get(fit)
         if f is not None:
-            f.ended = self.clock()
+            f.ended, f.exactly_once = self.clock(), exactly_once
 
     def view(self) -> dict[str, Any]:
         """Every kept fit, newest first, as plain data (the JSON page)."""
@@ -382,9 +386,10 @@ def record_phases(client: Client, fit: str | None, phases: dict[str, dict[str, f
         client.sync(client.scheduler.dlscale_panel_phases, fit=fit, phases=phases)
 
 
-def close_fit(client: Client, fit: str | None) -> None:
+def close_fit(client: Client, fit: str | None, exactly_once: dict[str, int] | None = None) -> None:
+    """End ``fit``'s record: finished with its exactly-once tally (see :meth:`TrainingPanel.end`), or failed."""
     if fit is not None:
-        client.sync(client.scheduler.dlscale_panel_end, fit=fit)
+        client.sync(client.scheduler.dlscale_panel_end, fit=fit, exactly_once=exactly_once)
 
 
 def url(client: Client, fit: str | None = "") -> str | None:

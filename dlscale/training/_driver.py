@@ -202,6 +202,7 @@ class FitRun:
         self._counters = self.network.iteration, self.network.epoch
         self._first_epoch = resume.first_epoch if resume is not None else self.network.epoch
         self.fit_id: str | None = None
+        self.exactly_once: dict[str, int] | None = None  # the fit's tally, summed (its master sets it)
         self._progress: Progress | None = None
         self._panel: tuple[list[dict[str, Any]], list[float]] = [], []  # rounds' rows and seconds, not yet sent
         self._panel_sent = -math.inf  # when rounds last went to the panel (time.monotonic())
@@ -232,7 +233,7 @@ class FitRun:
                 self._progress.close()
             if error is None:
                 self.send_rounds(phases=True)
-            panel.close_fit(self.client, self.fit_id)
+            panel.close_fit(self.client, self.fit_id, self.exactly_once if error is None else None)
             if self._shipped is not None:
                 alive = set(cluster_workers(self.client))  # a lost worker would take a timeout
                 self.client.run(
@@ -314,7 +315,8 @@ class FitRun:
         """Put the driver's network, as it is now, in place of the one the fit began with (a fit that
         goes on in a new segment after a checkpoint): :attr:`blob` then sends it."""
         if self._shipped is not None:
-            self.client.run(_worker.drop_replicas, self.replicas, workers=list(cluster_workers(self.client)))
+            alive = list(cluster_workers(self.client))  # one lost since holds nothing to drop
+            self.client.run(_worker.drop_replicas, self.replicas, workers=alive, on_error="ignore")
             self._shipped.release()
         self._blob, self._shipped = shipping.serialise(self.network), None
 

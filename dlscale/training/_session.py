@@ -231,6 +231,9 @@ class SessionRun:
         tallies = self.tally()
         if self.run.stats is not None:
             self.run.stats.exactly_once.extend(tallies)
+        fields = ("planned", "once", "redone", "lost", "duplicated")
+        self.run.exactly_once = {f: sum(getattr(t, f) for t in tallies) for f in fields}
+        self.run.exactly_once["workers_lost"] = len(self.lost_workers)
         wrong = any(t.lost or t.duplicated for t in tallies)
         if wrong or self.lost_workers or any(t.redone for t in tallies):
             line = tally_line(tallies, len(self.lost_workers))
@@ -263,7 +266,11 @@ class SessionRun:
         worker_of = {t: w for t, (w, _) in self.trainers.items()}
         self.call("open", worker_of=worker_of, fit=self.run.fit_id, client=client.id, **self.opened(order))
         try:
-            client.run(_open_node, name, self.session, *self.node_args(), workers=nodes)
+            opened = client.run(_open_node, name, self.session, *self.node_args(), workers=nodes, on_error="return")
+            alive = set(cluster_workers(client))
+            failed = [e for w, e in opened.items() if isinstance(e, Exception) and w in alive]
+            if failed:  # a worker lost meanwhile is the scheduler's to tell: its trainers are lost
+                raise failed[0]
             self.parked[self.session] = nodes
             futures = {t: self.submit(t, w, i, k) for k, (t, (w, i)) in enumerate(self.trainers.items())}
             due = self._follow(futures)

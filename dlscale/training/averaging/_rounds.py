@@ -302,6 +302,8 @@ class Rounds:
 
     def _spread(self, r: Round, items: list[int]) -> None:
         survivors = sorted(t for t in r.shares if t in self.alive) or sorted(self.alive)
+        if not survivors:  # every trainer lost: the session fails, the items stay unfitted
+            return
         for t, s in zip(survivors, np.array_split(np.array(items, dtype=np.int64), len(survivors))):
             r.shares.setdefault(t, []).extend(int(i) for i in s)
         if r.attempt in r.members:
