@@ -160,6 +160,10 @@ class _Trainer:
         # reply to the commit of the round before said
         self.statuses: dict[int, dict[str, Any]] = {}
         self.reply: tuple[int, Future | dict[str, Any]] | None = None  # the last commit's round and reply, unread
+        # peers this trainer saw dropped from a round's averaging (their worker lost): a later round whose
+        # status, heard before the loss, still names one is asked of the scheduler at once rather than
+        # after waiting ``poll`` seconds for a part that cannot come
+        self.gone: set[str] = set()
 
     def _send(self, peer: str, key: tuple[int, int, int], header: dict[str, Any], payload: Any) -> None:
         self.plugin.send(self.session, peer, key, header, payload)
@@ -410,7 +414,9 @@ class _RoundAverage:
 
     def __init__(self, trainer: _Trainer, k: int, report: dict[str, Any], status: dict[str, Any] | None) -> None:
         self.trainer, self.k, self.report = trainer, k, report
-        self.status = status if status is not None else trainer.control("sync", round=k)
+        if status is None or trainer.gone.intersection(status["members"]):
+            status = trainer.control("sync", round=k)
+        self.status = status
         self.exchange: Exchange | None = None
         self.contribution: Contribution | None = None
         if trainer.spec.streaming:
@@ -466,7 +472,9 @@ class _RoundAverage:
             exchange = self._exchange()
             if exchange.run(t.spec.poll):
                 return t._commit(k, exchange.attempt, exchange.reports, exchange.result)
+            before = set(self._members())
             self.status = t.control("sync", round=k)
+            t.gone.update(before - set(self._members()))
 
 
 class _Outer:
