@@ -1,9 +1,10 @@
 """The dlscale command, spark-submit's counterpart: run a script on a cluster,
-export data to minibatch files, evaluate or apply a saved network, and compare
-versions across a cluster.
+certify that it survives worker faults, export data to minibatch files,
+evaluate or apply a saved network, and compare versions across a cluster.
 
 examples:
   dlscale run train.py --workers 2 --worker-memory 8GB -- --epochs 3
+  dlscale certify train.py --workers 3 --kill-every 5s --max-time-ratio 1.5
   dlscale export data.npz train/ --batch-size 64
   dlscale evaluate model.dln test/ --top-n 5 --output results/eval.json
   dlscale predict model.dln test/ predictions/
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -48,6 +50,28 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _duration(text: str) -> float:
+    from dask.utils import parse_timedelta
+
+    try:
+        seconds = parse_timedelta(text, default="seconds")
+    except (TypeError, ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"expected a duration such as 5s or 500ms, got {text!r}") from None
+    if not seconds or seconds <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive duration, got {text!r}")
+    return float(seconds)
+
+
+def _bound(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number of at least 0, got {text!r}")
     return value
 
 
@@ -84,15 +108,20 @@ def _settings(args: argparse.Namespace) -> dict[str, str]:
     if args.threads_per_worker:
         settings["spark.executor.cores"] = str(args.threads_per_worker)
     if args.worker_memory:
-        from dlscale.facade.conf import spark_size_to_bytes
-
-        try:
-            settings["spark.executor.memory"] = str(spark_size_to_bytes(args.worker_memory, "--worker-memory"))
-        except ValueError as e:
-            raise ValueError(f"argument --worker-memory: {e}") from e
+        settings["spark.executor.memory"] = str(_memory_bytes(args.worker_memory))
     for name, amount in args.resources:
         settings[f"spark.executor.resource.{name}.amount"] = str(amount)
     return settings
+
+
+def _memory_bytes(text: str) -> int:
+    """``--worker-memory`` in bytes."""
+    from dlscale.facade.conf import spark_size_to_bytes
+
+    try:
+        return spark_size_to_bytes(text, "--worker-memory")
+    except ValueError as e:
+        raise ValueError(f"argument --worker-memory: {e}") from e
 
 
 def _context(args: argparse.Namespace) -> Any:
@@ -125,6 +154,59 @@ def run(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env[SUBMIT_ENV] = json.dumps(_settings(args))
     return subprocess.call([sys.executable, args.script, *args.script_args], env=env)
+
+
+def certify(args: argparse.Namespace) -> int:
+    """Run a script unfaulted, then under faults, each on a fresh embedded cluster; print the
+    certificate and write it as JSON. Returns 0 when every bound holds, 1 when one does not."""
+    from dlscale import certify as certifying
+
+    plan = certifying.Plan(**_certify_plan(args))
+    output = os.path.abspath(args.output)
+    if not os.path.isdir(os.path.dirname(output)):
+        raise FileNotFoundError(f"argument --output: no such directory: {os.path.dirname(output)}")
+    cert = certifying.certify(plan)
+    with open(output, "w", encoding="utf-8") as f:
+        json.dump(cert, f, indent=2)
+        f.write("\n")
+    print(certifying.render(cert))
+    print(f"certificate written to {args.output}")
+    return 0 if cert["verdict"]["passed"] else 1
+
+
+def _certify_plan(args: argparse.Namespace) -> dict[str, Any]:
+    """The fields of the :class:`dlscale.certify.Plan` that certify's flags describe, checked before
+    any cluster starts."""
+    if args.module and args.script:
+        raise ValueError(f"argument -m: give a script or -m MODULE, not both (got {args.script} too)")
+    if args.module:
+        if importlib.util.find_spec(args.module) is None:
+            raise ImportError(f"argument -m: no module named {args.module}")
+        argv, label = ["-m", args.module], f"-m {args.module}"
+    elif args.script:
+        if not os.path.isfile(args.script):
+            raise FileNotFoundError(f"argument script: no such file: {args.script}")
+        argv, label = [args.script], args.script
+    else:
+        raise ValueError("argument script: give the script to certify, or -m MODULE")
+    if args.workers < 2:
+        raise ValueError("argument --workers: certify needs at least 2 (a fault never takes the last running worker)")
+    if (args.stop_every is None) != (args.stop_for is None):
+        given, missing = ("--stop-for", "--stop-every") if args.stop_every is None else ("--stop-every", "--stop-for")
+        raise ValueError(f"argument {given}: needs {missing} too")
+    return {
+        "argv": [*argv, *args.script_args],
+        "label": label,
+        "workers": args.workers,
+        "threads_per_worker": args.threads_per_worker,
+        "memory_limit": _memory_bytes(args.worker_memory) if args.worker_memory else None,
+        "kill_every": args.kill_every,
+        "stop_every": args.stop_every,
+        "stop_for": args.stop_for,
+        "max_time_ratio": args.max_time_ratio,
+        "max_metric_drop": args.max_metric_drop,
+        "command_line": args.command_line,
+    }
 
 
 def export(args: argparse.Namespace) -> int:
@@ -277,6 +359,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("script_args", nargs="*", metavar="-- ARGS", help="the script's own arguments, after --")
     _cluster_flags(p)
 
+    _certify_flags(command("certify", certify, CERTIFY_HELP))
+
     p = command("export", export, "write the arrays of an .npz file as minibatch files")
     p.add_argument("source", help="an .npz file")
     p.add_argument("destination", help="a directory URL for the minibatch files (must not exist)")
@@ -288,29 +372,74 @@ def parser() -> argparse.ArgumentParser:
         ("evaluate", evaluate, "evaluate a saved network on minibatch files"),
         ("predict", predict, "apply a saved network to minibatch files"),
     ):
-        p = command(name, fn, help_text)
-        p.add_argument("model", help="a network archive written by Network.save")
-        p.add_argument("data", help="a directory URL of minibatch files")
-        if name == "predict":
-            p.add_argument("output", help="a directory URL for the outputs (one .npy file per input file)")
-        else:
-            p.add_argument("--top-n", type=_positive, default=1, help="also report top-N accuracy")
-            p.add_argument("--regression", action="store_true", help="regression metrics instead of classification")
-            p.add_argument("--output", help="write the evaluation as JSON to this URL")
-        p.add_argument("--batch-size", type=_positive, default=None, help="examples per forward pass (default 64)")
-        p.add_argument(
-            "--import",
-            dest="imports",
-            action="append",
-            default=[],
-            metavar="MODULE",
-            help="import MODULE first (e.g. the one that registers the network's model factory)",
-        )
-        _cluster_flags(p)
+        _network_flags(command(name, fn, help_text), name)
 
     p = command("info", info, "versions on the client, the scheduler and every worker, mismatches flagged")
     _cluster_flags(p)
     return main_parser
+
+
+def _network_flags(p: argparse.ArgumentParser, name: str) -> None:
+    """The flags of ``evaluate`` and ``predict``, which apply a saved network to minibatch files."""
+    p.add_argument("model", help="a network archive written by Network.save")
+    p.add_argument("data", help="a directory URL of minibatch files")
+    if name == "predict":
+        p.add_argument("output", help="a directory URL for the outputs (one .npy file per input file)")
+    else:
+        p.add_argument("--top-n", type=_positive, default=1, help="also report top-N accuracy")
+        p.add_argument("--regression", action="store_true", help="regression metrics instead of classification")
+        p.add_argument("--output", help="write the evaluation as JSON to this URL")
+    p.add_argument("--batch-size", type=_positive, default=None, help="examples per forward pass (default 64)")
+    p.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE first (e.g. the one that registers the network's model factory)",
+    )
+    _cluster_flags(p)
+
+
+CERTIFY_HELP = (
+    "run a training script twice on a fresh local cluster, unfaulted and then with worker processes killed, "
+    "and certify that it survives: nothing lost, both runs succeed, within the bounds given"
+)
+
+
+def _certify_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of ``certify``: the script, its clusters, the faults, the bounds and the output."""
+    p.add_argument("script", nargs="?", help="the script to certify (or -m MODULE)")
+    p.add_argument("script_args", nargs="*", metavar="-- ARGS", help="the script's own arguments, after --")
+    p.add_argument("-m", dest="module", metavar="MODULE", help="certify a module, run as python -m runs it")
+    p.add_argument("--workers", type=_positive, default=2, metavar="N", help="worker processes (default 2)")
+    p.add_argument(
+        "--threads-per-worker", type=_positive, default=1, metavar="T", help="threads per worker (default 1)"
+    )
+    p.add_argument("--worker-memory", metavar="SIZE", help="memory limit per worker, e.g. 8GB or 512m")
+    p.add_argument(
+        "--kill-every",
+        type=_duration,
+        required=True,
+        metavar="DURATION",
+        help="kill a random worker this often, e.g. 5s",
+    )
+    p.add_argument(
+        "--stop-every", type=_duration, metavar="DURATION", help="also stop (SIGSTOP) a random worker this often"
+    )
+    p.add_argument("--stop-for", type=_duration, metavar="DURATION", help="for this long each time, e.g. 3s")
+    p.add_argument(
+        "--max-time-ratio", type=_bound, metavar="R", help="fail when the faulted run takes over R times as long"
+    )
+    p.add_argument(
+        "--max-metric-drop", type=_bound, metavar="D", help="fail when a reported metric is over D worse under faults"
+    )
+    p.add_argument(
+        "--output",
+        default="certificate.json",
+        metavar="PATH",
+        help="where to write the certificate as JSON (default certificate.json)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -325,8 +454,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "script_args", None):
         command_parser.error(f"the script's own arguments go after --: {' '.join(args.script_args)}")
     args.script_args = argv[split + 1 :]
-    if args.script_args and args.command != "run":
-        command_parser.error(f"only 'dlscale run' passes arguments after -- (to its script); got {args.script_args}")
+    args.command_line = ["dlscale", *argv]
+    if args.script_args and args.command not in ("run", "certify"):
+        command_parser.error(
+            f"only 'dlscale run' passes arguments after -- (to its script; so does certify); got {args.script_args}"
+        )
     try:
         return args.run(args)
     except Exception as e:
