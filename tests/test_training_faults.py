@@ -29,6 +29,7 @@ from dlscale import (
 )
 from dlscale.data import DataSet, export_minibatches, list_paths
 from dlscale.nn import Network
+from tests.conftest import WORKER_IMPORTS
 from tests.test_session import exactly_once
 from tests.test_sharing import BATCH, _KillAt, accuracy, digits, examples_rdd, mlp
 
@@ -59,13 +60,11 @@ def reference(data: tuple[torch.Tensor, ...]) -> float:
 
 @pytest.fixture(scope="module")
 def cluster3() -> Iterator[SparkContext]:
-    """Three worker processes of one thread, for the tests that kill one (its nanny starts a new one,
-    which may take longer to start on a busy machine than Dask's 15 s before a lost worker's nanny
-    is closed for good)."""
-    with (
-        dask.config.set({"distributed.deploy.lost-worker-timeout": "300s"}),
-        SparkContext("local[3]", "training-faults") as ctx,
-    ):
+    """Three worker processes of one thread, for the tests that kill one: forked, as a training
+    program's are, from a server that imported torch (its nanny starts a new one; Dask's 15 s before a
+    lost worker's nanny is closed for good are raised for a busy machine all the same)."""
+    settings = {"distributed.deploy.lost-worker-timeout": "300s", "dlscale.worker.imports": WORKER_IMPORTS}
+    with dask.config.set(settings), SparkContext("local[3]", "training-faults") as ctx:
         yield ctx
 
 

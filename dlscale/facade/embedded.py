@@ -74,7 +74,11 @@ def _environment(config: dict[str, Any]) -> dict[str, str]:
     over it, for a nanny process (what multiprocessing's ``spawn`` hands a child, minus the main module)."""
     paths = [p or os.getcwd() for p in sys.path if isinstance(p, str)]
     # distributed's messages at warning from the start, as the nanny's ``silence_logs`` leaves them
-    settings = dask.config.merge(dask.config.config, {"logging": {"distributed": "warning"}}, config)
+    ours = {"logging": {"distributed": "warning"}}
+    if dask.config.get("dlscale.worker.forkserver") and dask.config.get("dlscale.worker.imports"):
+        # workers forked from a server that holds their imports (dlscale.runtime.forkserver)
+        ours["distributed"] = {"worker": {"multiprocessing-method": "forkserver"}}
+    settings = dask.config.merge(dask.config.config, ours, config)
     return {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)),
@@ -132,7 +136,7 @@ class EmbeddedCluster(SpecCluster):
             "memory_limit": memory_limit,
             "dashboard": False,
             "silence_logs": logging.WARN,
-            "preload_nanny": ["dlscale.runtime.lifeline"],
+            "preload_nanny": ["dlscale.runtime.lifeline", "dlscale.runtime.forkserver"],
             "preload": ["dlscale.runtime.warmup"],
             **({"resources": resources} if resources else {}),
         }
