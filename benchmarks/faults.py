@@ -18,10 +18,20 @@ nanny, leaving two workers for good).
 Recorded per fit: whether it finished (and the error if not), test accuracy, seconds, and whether
 the persisted RDD still holds every example afterwards. Targets: every faulted fit completes, within
 2 points of the unfaulted accuracy, nothing lost. Results go to ``benchmarks/results/faults.json``.
+
+``--kill-every SECONDS`` measures a punisher instead: a random worker process killed every SECONDS
+(5: torchft's punisher's default) through a fit of about 75 s, for each master, as a user would
+check their own job: ``dlscale certify benchmarks/punished_job.py --workers 3 --kill-every 5s
+--max-time-ratio 1.3 --max-metric-drop 0.02 -- MASTER EPOCHS`` (the digits MLP 64-128-10, one fit;
+:data:`KILL_EVERY_EPOCHS` sized for about 75 s unfaulted here), once per ``--fits``. Recorded per
+certificate: kills, seconds unfaulted and faulted (the script's and the fit's), the exactly-once
+tally, test accuracy, and the verdict. Targets: within 1.3x the unfaulted time and 2 points of its
+accuracy, nothing lost. Results go to ``benchmarks/results/faults-kill-every.json``.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import json
@@ -29,6 +39,8 @@ import os
 import random
 import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -52,6 +64,10 @@ from dlscale.nn import Network
 from dlscale.nn.listeners import TrainingListener
 
 RESULTS = Path(__file__).resolve().parent / "results" / "faults.json"
+KILL_EVERY_RESULTS = RESULTS.with_name("faults-kill-every.json")
+KILL_EVERY_JOB = Path(__file__).resolve().parent / "punished_job.py"
+KILL_EVERY_EPOCHS = {"averaging": 580, "sharing": 310}  # one fit of about 75 s unfaulted on local[3] here
+KILL_EVERY_BOUNDS = ("--max-time-ratio", "1.3", "--max-metric-drop", "0.02")
 BATCH = 16
 EPOCHS = 6
 AVERAGING_FREQUENCY = 5
@@ -225,6 +241,66 @@ def _table(summaries: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _certified(master: str, epochs: int, kill_every: float) -> dict[str, Any]:
+    """``dlscale certify`` of the punished job with ``master`` for ``epochs`` epochs: its certificate's
+    figures and its exit status."""
+    with tempfile.TemporaryDirectory() as directory:
+        output = Path(directory) / "certificate.json"
+        command = [
+            *(sys.executable, "-m", "dlscale.cli", "certify", str(KILL_EVERY_JOB), "--workers", str(WORKERS)),
+            *("--kill-every", f"{kill_every}s", *KILL_EVERY_BOUNDS, "--output", str(output), "--", master, str(epochs)),
+        ]
+        status = subprocess.run(command, check=False).returncode
+        if not output.exists():
+            raise RuntimeError(f"dlscale certify wrote no certificate (exit status {status}): {' '.join(command)}")
+        cert = json.loads(output.read_text())
+    runs = cert["runs"]
+    faulted = runs["faulted"] or {}
+    fits = faulted.get("fits", [])
+    tally = {k: sum(f["tally"][k] for f in fits) for k in ("planned", "once", "redone", "lost")}
+    return {
+        "master": master,
+        "epochs": epochs,
+        "exit_status": status,
+        "kills": cert["faults"]["counts"]["kill"],
+        "unfaulted_seconds": runs["unfaulted"]["seconds"],
+        "faulted_seconds": faulted.get("seconds"),
+        "time_ratio": cert["time_ratio"],
+        "fit_time_ratio": cert["fit_time_ratio"],
+        "unfaulted_fit_seconds": sum(f["seconds"] for f in runs["unfaulted"]["fits"]),
+        "faulted_fit_seconds": sum(f["seconds"] for f in fits),
+        "workers_lost": sum(len(f["workers_lost"]) for f in fits),
+        "tally": tally,
+        "unfaulted_accuracy": runs["unfaulted"]["metrics"].get("accuracy"),
+        "faulted_accuracy": faulted.get("metrics", {}).get("accuracy"),
+        "passed": cert["verdict"]["passed"],
+        "failed_bounds": [c["message"] for c in cert["verdict"]["checks"] if not c["passed"]],
+    }
+
+
+def _kill_every(args: argparse.Namespace) -> None:
+    """The punisher: certificates of each master's job under a kill every ``args.kill_every`` seconds."""
+    report: dict[str, Any] = {
+        **header("faults"),
+        "kill_every": args.kill_every,
+        "setup": {"workers": WORKERS, "job": KILL_EVERY_JOB.name, "model": [64, 128, 10], "bounds": KILL_EVERY_BOUNDS},
+        "certificates": [],
+    }
+    for i in range(args.fits):
+        for master, epochs in KILL_EVERY_EPOCHS.items():
+            run = _certified(master, epochs, args.kill_every)
+            report["certificates"].append(run)
+            print(
+                f"{master} {i + 1}/{args.fits}: {run['kills']} kills, {run['faulted_fit_seconds']:.1f} s against "
+                f"{run['unfaulted_fit_seconds']:.1f} s (fit {run['fit_time_ratio']:.2f}x, script "
+                f"{run['time_ratio']:.2f}x), {run['tally']['redone']} redone, {run['tally']['lost']} lost, accuracy "
+                f"{run['faulted_accuracy']} against {run['unfaulted_accuracy']}: "
+                f"{'passed' if run['passed'] else 'FAILED ' + '; '.join(run['failed_bounds'])}",
+                flush=True,
+            )
+            write_results(args.out, report, indent=1)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = command_line(__doc__.split("\n\n")[0], cases=CONFIG_HELP, title="configs")
     parser.add_argument("--fits", type=int, default=20, help="faulted fits per master and approach (default 20)")
@@ -239,9 +315,22 @@ def main(argv: list[str] | None = None) -> None:
         help="the masters and approaches to run (default all six); the others' results already in "
         "the results file are kept",
     )
-    args = parse(parser, argv, RESULTS, fits=1, baseline=1, configs=["averaging:export", "sharing:direct"])
+    parser.add_argument(
+        "--kill-every",
+        type=float,
+        metavar="SECONDS",
+        help="instead, certify each master's job of about 75 s under a kill every SECONDS, --fits times (default 2)",
+    )
+    chosen = parser.parse_known_args(argv)[0]
+    results = KILL_EVERY_RESULTS if chosen.kill_every else RESULTS
+    if chosen.kill_every:
+        parser.set_defaults(fits=2)
+    args = parse(parser, argv, results, fits=1, baseline=1, configs=["averaging:export", "sharing:direct"])
     if args.smoke:
-        shrink(globals(), EPOCHS=2)
+        shrink(globals(), EPOCHS=2, KILL_EVERY_EPOCHS={"averaging": 20, "sharing": 5})
+    if args.kill_every:
+        _kill_every(args)
+        return
     configs = [tuple(c.split(":")) for c in args.configs]
     kept = []
     if args.out.exists() and len(configs) < len(CONFIGS):

@@ -261,7 +261,7 @@ def block_faults() -> str:
     """Training through killed workers: fits completed, accuracy lost, fits that lost data.
 
     Per master and approach, with the commit each row ran on."""
-    found = recorded("faults")
+    found = recorded("faults", lambda r: "configs" in r)
     if found is None:
         return "No recorded run of `benchmarks.faults` yet.\n"
     path, report = found
@@ -276,6 +276,31 @@ def block_faults() -> str:
         lines.append(
             f"| {c['master']} | {c['approach']} | {c['completed']} of {c['fits']} | {c['points_below_mean']:.1f} "
             f"({c['points_below_worst']:.1f}) | {c['data_lost_fits']} | {(c.get('commit') or 'unrecorded')[:7]} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def block_faults_kill_every() -> str:
+    """A kill every few seconds through a fit of about 75 s: time and accuracy against the same job
+    unfaulted, and the exactly-once tally, per certificate of ``dlscale certify``."""
+    found = recorded("faults", lambda r: "kill_every" in r)
+    if found is None:
+        return "No recorded run of `benchmarks.faults --kill-every` yet.\n"
+    path, report = found
+    lines = [
+        f"{_source(path, report)}: a worker killed every {report['kill_every']:g} s.",
+        "",
+        "| master | kills | fit seconds unfaulted / faulted | fit time ratio (bound 1.3) | minibatches redone / lost "
+        "| accuracy unfaulted / faulted | verdict |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in report["certificates"]:
+        accuracy = f"{c['unfaulted_accuracy']:.3f} / {c['faulted_accuracy']:.3f}" if c["faulted_accuracy"] else "-"
+        verdict = "passed" if c["passed"] else "failed: " + "; ".join(c["failed_bounds"])
+        lines.append(
+            f"| {c['master']} | {c['kills']} | {c['unfaulted_fit_seconds']:.1f} / {c['faulted_fit_seconds']:.1f} | "
+            f"{c['fit_time_ratio']:.2f}x | {c['tally']['redone']} / {c['tally']['lost']} of {c['tally']['planned']} "
+            f"| {accuracy} | {verdict} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -380,6 +405,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "small_model": block_small_model,
     "quality": block_quality,
     "faults": block_faults,
+    "faults_kill_every": block_faults_kill_every,
     "index": block_index,
     "pick": block_pick,
 }
