@@ -21,7 +21,7 @@ the persisted RDD still holds every example afterwards. Targets: every faulted f
 
 ``--kill-every SECONDS`` measures a punisher instead: a random worker process killed every SECONDS
 (5: torchft's punisher's default) through a fit of about 75 s, for each master, as a user would
-check their own job: ``dlscale certify benchmarks/punished_job.py --workers 3 --kill-every 5s
+check their own job: ``dlscale certify benchmarks/_punished_job.py --workers 3 --kill-every 5s
 --max-time-ratio 1.3 --max-metric-drop 0.02 -- MASTER EPOCHS`` (the digits MLP 64-128-10, one fit;
 :data:`KILL_EVERY_EPOCHS` sized for about 75 s unfaulted here), once per ``--fits``. Recorded per
 certificate: kills, seconds unfaulted and faulted (the script's and the fit's), the exactly-once
@@ -65,7 +65,7 @@ from dlscale.nn.listeners import TrainingListener
 
 RESULTS = Path(__file__).resolve().parent / "results" / "faults.json"
 KILL_EVERY_RESULTS = RESULTS.with_name("faults-kill-every.json")
-KILL_EVERY_JOB = Path(__file__).resolve().parent / "punished_job.py"
+KILL_EVERY_JOB = Path(__file__).resolve().parent / "_punished_job.py"
 KILL_EVERY_EPOCHS = {"averaging": 580, "sharing": 310}  # one fit of about 75 s unfaulted on local[3] here
 KILL_EVERY_BOUNDS = ("--max-time-ratio", "1.3", "--max-metric-drop", "0.02")
 BATCH = 16

@@ -1,4 +1,4 @@
-"""A training job to certify under faults: ``dlscale certify benchmarks/punished_job.py --workers 3
+"""A training job to certify under faults: ``dlscale certify benchmarks/_punished_job.py --workers 3
 --kill-every 5s -- MASTER EPOCHS``.
 
 One fit of scikit-learn's digits (1,500 training and 297 test images, flattened) on an MLP 64-128-10
