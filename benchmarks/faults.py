@@ -66,7 +66,7 @@ from dlscale.nn.listeners import TrainingListener
 RESULTS = Path(__file__).resolve().parent / "results" / "faults.json"
 KILL_EVERY_RESULTS = RESULTS.with_name("faults-kill-every.json")
 KILL_EVERY_JOB = Path(__file__).resolve().parent / "_punished_job.py"
-KILL_EVERY_EPOCHS = {"averaging": 580, "sharing": 310}  # one fit of about 75 s unfaulted on local[3] here
+KILL_EVERY_EPOCHS = {"averaging": 780, "sharing": 310}  # one fit of about 75 s unfaulted on local[3] here
 KILL_EVERY_BOUNDS = ("--max-time-ratio", "1.3", "--max-metric-drop", "0.02")
 BATCH = 16
 EPOCHS = 6
