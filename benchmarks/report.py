@@ -302,6 +302,15 @@ def block_faults_kill_every() -> str:
             f"{c['fit_time_ratio']:.2f}x | {c['tally']['redone']} / {c['tally']['lost']} of {c['tally']['planned']} "
             f"| {accuracy} | {verdict} |"
         )
+    lines.append("")
+    for master in dict.fromkeys(c["master"] for c in report["certificates"]):
+        mine = [c for c in report["certificates"] if c["master"] == master]
+        faulted, unfaulted = sum(c["faulted_fit_seconds"] for c in mine), sum(c["unfaulted_fit_seconds"] for c in mine)
+        ratios = ", ".join(f"{c['fit_time_ratio']:.2f}x" for c in mine)
+        lines.append(
+            f"- {master}: its fits {faulted:.1f} s faulted against {unfaulted:.1f} s unfaulted over "
+            f"{len(mine)} certificate(s), {faulted / unfaulted:.2f}x (each: {ratios})."
+        )
     return "\n".join(lines) + "\n"
 
 
