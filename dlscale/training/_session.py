@@ -158,21 +158,29 @@ class SessionRun:
         self.score = score
 
     def tally(self) -> list[EpochTally]:
-        """Exactly once, per epoch of the fit, from what was reported fitted (:class:`EpochTally`)."""
-        by_epoch: dict[int, list[int]] = collections.defaultdict(list)
-        for item in self.planned:
-            by_epoch[item // self.n].append(item)
-        tallies = []
-        for epoch, items in sorted(by_epoch.items()):
-            fitted = [i for i in items if self.fitted[i]]
-            redone = sum(1 for i in fitted if i in self.abandoned)
-            duplicated = sum(1 for i in fitted if self.fitted[i] > 1)
-            duplicated += sum(1 for i in self.fitted if i // self.n == epoch and i not in self.planned)
-            first = self.run.first_epoch + epoch
-            tallies.append(
-                EpochTally(first, len(items), len(fitted) - redone, redone, len(items) - len(fitted), duplicated)
+        """Exactly once, per epoch of the fit, from what was reported fitted (:class:`EpochTally`), in one
+        pass over the reports (a long fit reports hundreds of thousands of items)."""
+        planned = collections.Counter(item // self.n for item in self.planned)
+        fitted, redone, duplicated = collections.Counter(), collections.Counter(), collections.Counter()
+        for item, times in self.fitted.items():
+            epoch = item // self.n
+            if item not in self.planned:  # reported, never planned: counted with what was fitted twice
+                duplicated[epoch] += 1
+                continue
+            fitted[epoch] += 1
+            redone[epoch] += item in self.abandoned
+            duplicated[epoch] += times > 1
+        return [
+            EpochTally(
+                self.run.first_epoch + e,
+                planned[e],
+                fitted[e] - redone[e],
+                redone[e],
+                planned[e] - fitted[e],
+                duplicated[e],
             )
-        return tallies
+            for e in sorted(planned)
+        ]
 
     def epochs_done(self) -> int:
         """The fit's epochs whose every work item is reported, counted from its first."""
