@@ -202,30 +202,7 @@ def test_the_printed_certificate_fits_in_80_columns(tmp_path: Path, monkeypatch)
     assert "... 5 more" in text and "  fit 2" in text
 
 
-# -- the command -----------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["certify", "missing.py", "--kill-every", "5s"], "argument script: no such file: missing.py"),
-        (["certify", "--kill-every", "5s"], "argument script: give the script to certify, or -m MODULE"),
-        (["certify", "job.py", "-m", "dlscale.demo", "--kill-every", "5s"], "argument -m: give a script or -m"),
-        (["certify", "-m", "no_such_module_here", "--kill-every", "5s"], "argument -m: no module named"),
-        (["certify", "job.py", "--kill-every", "5s", "--workers", "1"], "argument --workers: certify needs at least 2"),
-        (["certify", "job.py", "--kill-every", "5s", "--stop-for", "1s"], "argument --stop-for: needs --stop-every"),
-        (["certify", "job.py", "--kill-every", "5s", "--stop-every", "9s"], "argument --stop-every: needs --stop-for"),
-        (["certify", "job.py", "--kill-every", "5s", "--worker-memory", "lots"], "argument --worker-memory: "),
-        (["certify", "job.py", "--kill-every", "5s", "--output", "no/such/dir/c.json"], "argument --output: no such"),
-    ],
-)
-def test_bad_input_is_one_line_and_exit_status_2(capsys, monkeypatch, tmp_path, argv, message) -> None:
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "job.py").write_text("")
-    monkeypatch.delenv("DLSCALE_DEBUG", raising=False)
-    assert cli.main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith(f"dlscale: error: {message}") and err.count("\n") == 1, err
-
-
+# -- the command (its bad input: tests/test_cli.py) ----------------------------------------------
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -108,6 +108,15 @@ def test_run_hands_the_cluster_flags_to_the_script(tmp_path: Path) -> None:
         (["export", "missing.npz", "out"], "argument source: cannot read missing.npz as .npz: "),
         (["evaluate", "missing.dln", "data"], "network archive not found: missing.dln"),
         (["predict", "m.dln", "data", "out", "--import", "no_such_module"], "argument --import: cannot import"),
+        (["certify", "missing.py", "--kill-every", "5s"], "argument script: no such file: missing.py"),
+        (["certify", "--kill-every", "5s"], "argument script: give the script to certify, or -m MODULE"),
+        (["certify", "job.py", "-m", "dlscale.demo", "--kill-every", "5s"], "argument -m: give a script or -m"),
+        (["certify", "-m", "no_such_module_here", "--kill-every", "5s"], "argument -m: no module named"),
+        (["certify", "job.py", "--kill-every", "5s", "--workers", "1"], "argument --workers: certify needs at least 2"),
+        (["certify", "job.py", "--kill-every", "5s", "--stop-for", "1s"], "argument --stop-for: needs --stop-every"),
+        (["certify", "job.py", "--kill-every", "5s", "--stop-every", "9s"], "argument --stop-every: needs --stop-for"),
+        (["certify", "job.py", "--kill-every", "5s", "--worker-memory", "lots"], "argument --worker-memory: "),
+        (["certify", "job.py", "--kill-every", "5s", "--output", "no/such/dir/c.json"], "argument --output: no such"),
     ],
 )
 def test_a_user_error_is_one_line_and_exit_status_2(capsys, monkeypatch, tmp_path, argv, message) -> None:
