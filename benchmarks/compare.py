@@ -104,21 +104,25 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "cnn": {"title": "CNN conv16-conv32-linear", "module": cnn, "epochs": 3},
 }
 AVERAGING = (
+    "defaults",
+    "defaults_rdd",
+    "averaging_f5",
     "averaging_f10",
     "averaging_f50",
     "averaging_f50_fp16",
     "diloco_f50",
-    "averaging_auto",
     "averaging_f50_rdd",
     "streaming_f10",
+    "streaming_f20",
     "streaming_f50",
     "streaming_f50_fp16",
     "streaming_f50_int8",
     "streaming_f50_onefit",
-    "streaming_auto",
 )
-"""dlscale's parameter averaging: every 10 or 50 minibatches, the states exchanged in 16 bits, DiLoCo's
-Nesterov outer step (lr 0.7, momentum 0.9), "auto", ``fit(rdd)`` (the default export, its first
+"""dlscale's parameter averaging: with its defaults (the frequency and streaming chosen by the fit, a
+receipt of the choice recorded), also by ``fit(rdd)``, as a user calls it; every 5 (DL4J's), 10 or 50
+minibatches, the states exchanged in 16 bits, DiLoCo's
+Nesterov outer step (lr 0.7, momentum 0.9), ``fit(rdd)`` (the default export, its first
 epoch exporting) in place of ``fit_paths``, and streaming rounds (``streaming=True``), their states
 exchanged in 16 and 8 bits too, and every epoch in one fit (``_onefit``: ``fit_paths(paths, epochs=...)``,
 as on a slow link, where each fit's start and end send the whole state; its test accuracy is then
@@ -130,18 +134,20 @@ RUNNER_HELP = {
     "ddp": "PyTorch DDP over gloo, a process of one thread per worker",
     "ddp_powersgd": "DDP with the PowerSGD communication hook",
     "torch_distributor": "PySpark's TorchDistributor in local mode (DDP over gloo)",
+    "defaults": "ParameterAveragingTrainingMaster(64), its defaults (frequency, streaming chosen), fit_paths per epoch",
+    "defaults_rdd": "the same, fit(rdd) per epoch in place of fit_paths (its first epoch exporting the RDD)",
+    "averaging_f5": "ParameterAveragingTrainingMaster averaging every 5 minibatches (DL4J's default), no streaming",
     "averaging_f10": "ParameterAveragingTrainingMaster averaging every 10 minibatches, a fit_paths per epoch",
     "averaging_f50": "the same, averaging every 50 minibatches",
     "averaging_f50_fp16": "averaging every 50, the states exchanged in 16 bits",
     "diloco_f50": "averaging every 50 with DiLoCo's Nesterov outer step (lr 0.7, momentum 0.9)",
-    "averaging_auto": 'averaging_frequency="auto"',
     "averaging_f50_rdd": "averaging every 50, fit(rdd) in place of fit_paths (its first epoch exporting the RDD)",
     "streaming_f10": "streaming rounds (streaming=True) every 10 minibatches",
+    "streaming_f20": "streaming rounds every 20 minibatches",
     "streaming_f50": "streaming rounds every 50 minibatches",
     "streaming_f50_fp16": "streaming every 50, the states exchanged in 16 bits",
     "streaming_f50_int8": "streaming every 50, the states exchanged in int8 (a float32 scale per 1,024 values)",
     "streaming_f50_onefit": "streaming every 50, every epoch in one fit_paths (test accuracy at the end only)",
-    "streaming_auto": 'streaming rounds, averaging_frequency="auto"',
     "sharing": "SharedTrainingMaster (gradient sharing) with its defaults, a fit_paths per epoch",
 }
 """A line on each of :data:`RUNNERS`, for ``--help``."""
@@ -409,7 +415,7 @@ def run_dlscale(
         SparkNet(sc, warm, master()).fit_paths(sc.parallelize(paths.take(4 * workers)))  # imports, connections
         net = Network(workload["module"](), "cross_entropy", SGD)
         spark_net = SparkNet(sc, net, master())
-        elapsed, curve, edges, rounds = 0.0, [], [], []
+        elapsed, curve, edges, rounds, choices = 0.0, [], [], [], []
         rdd = sc.parallelize(DataSet(x, y).batch_by(BATCH), workers) if master_name.endswith("_rdd") else None
         fits, per_fit = (1, epochs) if master_name.endswith("_onefit") else (epochs, 1)
         with measured(out):
@@ -423,8 +429,11 @@ def run_dlscale(
                 edges.append(_edges(spark_net.training_stats, wall, time.time()))
                 rounds.append(spark_net.training_stats.rounds[sum(map(len, rounds)) :])  # this fit's
                 curve.append((elapsed, accuracy(net.module, tx, ty)))
+                choices.append(spark_net.training_stats.choice)
     stats = spark_net.training_stats  # of every epoch's fit
     out["fit_edges_seconds"] = edges
+    if stats.choice is not None:  # each fit's receipt: the choice, why, its predicted and measured speedups
+        out["choices"] = choices
     if stats.trainers:
         sent = sum(t.bytes_sent for t in stats.trainers)
         steps = sum(t.minibatches for t in stats.trainers)
@@ -434,7 +443,8 @@ def run_dlscale(
         out["steps"] = steps
     else:
         steps = sum(len(w.batches) for r in stats.rounds for w in r.workers)
-        per_fit = [_round_seconds(r, averaging(master_name).get("streaming", False)) for r in rounds]
+        streaming = stats.choice["streaming"] if stats.choice else averaging(master_name).get("streaming", False)
+        per_fit = [_round_seconds(r, streaming) for r in rounds]
         out["trainer_seconds"] = {k: sum(f[k] for f in per_fit) for k in ("fit", "wait", "straggler", "averaging")}
     dense = 4 * net.num_params()
     out.update(samples=steps * BATCH, seconds=elapsed, minibatches=steps, curve=curve, dense_update_bytes=dense)
@@ -453,15 +463,16 @@ def run_dlscale(
 
 
 def averaging(runner: str) -> dict[str, Any]:
-    """The ``ParameterAveragingTrainingMaster`` settings of an averaging runner (see :data:`AVERAGING`)."""
+    """The ``ParameterAveragingTrainingMaster`` settings of an averaging runner (see :data:`AVERAGING`):
+    none for the defaults; a frequency given, streaming as given (``False`` unless ``streaming_``)."""
     parts = runner.split("_")
-    settings: dict[str, Any] = {"averaging_frequency": "auto" if parts[1] == "auto" else int(parts[1][1:])}
+    if parts[0] == "defaults":
+        return {}
+    settings: dict[str, Any] = {"averaging_frequency": int(parts[1][1:]), "streaming": parts[0] == "streaming"}
     if "fp16" in parts:
         settings["exchange_dtype"] = "float16"
     if "int8" in parts:
         settings["exchange_dtype"] = "int8"
-    if parts[0] == "streaming":
-        settings["streaming"] = True
     if parts[0] == "diloco":
         settings["outer_optimizer"] = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
     return settings

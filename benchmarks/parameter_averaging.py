@@ -49,14 +49,18 @@ from dlscale.nn import Network
 
 RESULTS = Path(__file__).resolve().parent / "results" / "parameter_averaging.json"
 EPOCHS = 2
-FREQUENCIES = (5, 10, 20, 50, "auto")
+FREQUENCIES = (5, 10, 20, 50, None)  # None: the master's defaults, the frequency chosen by the fit
 REPEATS = 2
 TARGET = 1.7
 RUN_HELP = {
     "pytorch_1_thread": "a plain PyTorch training loop over in-memory minibatches, one thread",
     "pytorch_N_thread": "the same with every core (N: os.cpu_count())",
     **{
-        f"averaging_frequency_{f}": f"ParameterAveragingTrainingMaster(averaging_frequency={f!r}), local[2], fit_paths"
+        f"averaging_frequency_{f}": (
+            f"ParameterAveragingTrainingMaster(averaging_frequency={f}, streaming=False), local[2], fit_paths"
+            if f is not None
+            else "ParameterAveragingTrainingMaster's defaults (frequency and streaming chosen), local[2], fit_paths"
+        )
         for f in FREQUENCIES
     },
 }
@@ -80,11 +84,15 @@ def single_process(x: torch.Tensor, y: torch.Tensor, threads: int, seed: int = 0
 
 
 def distributed(
-    sc: SparkContext, paths: Any, frequency: int | str, epochs: int = EPOCHS
+    sc: SparkContext, paths: Any, frequency: int | None, epochs: int = EPOCHS
 ) -> tuple[float, Network, dict]:
     net = network()
     master = ParameterAveragingTrainingMaster(
-        BATCH, averaging_frequency=frequency, collect_training_stats=True, rng_seed=0
+        BATCH,
+        averaging_frequency=frequency,
+        streaming=None if frequency is None else False,
+        collect_training_stats=True,
+        rng_seed=0,
     )
     spark_net = SparkNet(sc, net, master)
     start = time.perf_counter()
@@ -141,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
         ]
         for frequency in FREQUENCIES:
 
-            def run(frequency: int | str = frequency) -> tuple[float, float]:
+            def run(frequency: int | None = frequency) -> tuple[float, float]:
                 seconds, net, breakdown = distributed(sc, paths, frequency)
                 report["dlscale"].setdefault(f"averaging_frequency_{frequency}", {}).update(breakdown)
                 return samples / seconds, accuracy(net.module, test_x, test_y)

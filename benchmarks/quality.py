@@ -79,8 +79,9 @@ METHOD_HELP = {
     f"<compressor>{UNMASKED}": "a compressor's fits without momentum masking (--masking off)",
     "ddp": "PyTorch DDP over gloo, W processes of one thread (--peers)",
     "ddp_powersgd": "DDP with the PowerSGD hook (--peers)",
-    "averaging f<N>": "ParameterAveragingTrainingMaster every N minibatches, or auto (--averaging)",
+    "averaging f<N>": "ParameterAveragingTrainingMaster every N minibatches, no streaming (--averaging N)",
     "streaming f<N>": "the same with streaming rounds (--averaging sN)",
+    "chosen": "ParameterAveragingTrainingMaster with its defaults: frequency and streaming chosen by the fit",
 }
 """A line on each method (a row of the table), for ``--help``."""
 
@@ -243,12 +244,12 @@ def averaged(
     test: tuple[torch.Tensor, torch.Tensor],
     seed: int,
     epochs: int,
-    frequency: int | str,
-    streaming: bool = False,
+    frequency: int | None,
+    streaming: bool | None = False,
 ) -> dict[str, Any]:
     """Test accuracy after parameter averaging on ``sc``'s workers every ``frequency`` minibatches (with
-    streaming rounds or not), and the bytes its allreduces sent (each trainer 2 (W - 1) / W times its
-    state, parameters and momentum, a round)."""
+    streaming rounds or not; ``None``: as the fit chooses), and the bytes its allreduces sent (each
+    trainer 2 (W - 1) / W times its state, parameters and momentum, a round)."""
     net = Network(model.module(seed), "cross_entropy", model.optimizer)
     master = ParameterAveragingTrainingMaster(
         model.batch, averaging_frequency=frequency, streaming=streaming, rng_seed=seed, collect_training_stats=True
@@ -405,14 +406,15 @@ def _names(value: str, known: tuple[str, ...], what: str, parser: argparse.Argum
     return names
 
 
-def _averaging(value: str, parser: argparse.ArgumentParser) -> tuple[str, int | str, bool]:
-    """A row of ``--averaging`` (``5``, ``auto``, ``s20``): its method's name, frequency and streaming."""
+def _averaging(value: str, parser: argparse.ArgumentParser) -> tuple[str, int | None, bool | None]:
+    """A row of ``--averaging`` (``5``, ``s20``, ``chosen``): its method's name, frequency and streaming."""
+    if value == "chosen":
+        return "chosen", None, None
     streaming = value.startswith("s")
     frequency = value[streaming:]
-    if frequency != "auto" and not frequency.isdigit():
-        parser.error(f"--averaging: {value!r} is not a frequency, 'auto', or either after 's'")
-    frequency = frequency if frequency == "auto" else int(frequency)
-    return f"{'streaming' if streaming else 'averaging'} f{frequency}", frequency, streaming
+    if not frequency.isdigit():
+        parser.error(f"--averaging: {value!r} is not a frequency, one after 's', or 'chosen'")
+    return f"{'streaming' if streaming else 'averaging'} f{frequency}", int(frequency), streaming
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -444,8 +446,8 @@ def main(argv: list[str] | None = None) -> None:
         "--averaging",
         default="5",
         help="comma-separated frequencies of parameter averaging to run (rows 'averaging f<frequency>'; "
-        "'auto' too; s<frequency>: with streaming rounds, rows 'streaming f<frequency>'; empty: none; "
-        "default 5, the master's own)",
+        "s<frequency>: with streaming rounds, rows 'streaming f<frequency>'; 'chosen': the master's "
+        "defaults, frequency and streaming chosen by the fit; empty: none; default 5, DL4J's)",
     )
     parser.add_argument("--report", action="store_true", help="the table again from the last results")
     args = parse(parser, argv, RESULTS, quick=True, models="digits_mlp", compressors=DEFAULT, peers="ddp")

@@ -35,6 +35,9 @@ BLOCK = re.compile(r"(<!-- report:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /rep
 LINKS = {"loopback": "loopback", "1gbit": "1 Gbit/s", "100mbit": "100 Mbit/s"}
 LABELS = {
     "ceiling": "ceiling: 2 independent processes",
+    "defaults": "parameter averaging, its defaults (chosen)",
+    "defaults_rdd": "parameter averaging, its defaults, `fit(rdd)`",
+    "averaging_f5": "averaging every 5 (DL4J's default)",
     "ddp": "DDP (gloo)",
     "ddp_powersgd": "DDP + PowerSGD",
     "torch_distributor": "PySpark's TorchDistributor",
@@ -42,14 +45,15 @@ LABELS = {
     "averaging_f50": "averaging every 50",
     "averaging_f50_fp16": "averaging every 50, float16 exchange",
     "averaging_f50_rdd": "averaging every 50, `fit(rdd)`",
-    "averaging_auto": 'averaging `"auto"`',
+    "averaging_auto": 'averaging `"auto"` (an earlier chooser)',
     "diloco_f50": "DiLoCo every 50",
     "streaming_f10": "streaming every 10",
+    "streaming_f20": "streaming every 20",
     "streaming_f50": "streaming every 50",
     "streaming_f50_fp16": "streaming every 50, float16 exchange",
     "streaming_f50_int8": "streaming every 50, int8 exchange",
     "streaming_f50_onefit": "streaming every 50, every epoch in one fit",
-    "streaming_auto": 'streaming `"auto"`',
+    "streaming_auto": 'streaming `"auto"` (an earlier chooser)',
     "sharing": "gradient sharing, its defaults",
 }
 """The comparison's runners as the docs name them."""
@@ -206,14 +210,22 @@ def block_small_model() -> str:
         f"Targets (`benchmarks/small_model.py`): the best 2-worker averaging at least {averaging['bound']}x one "
         f"process: {averaging['vs_single']:.2f}x ({averaging['best']}), {'met' if averaging['met'] else 'missed'}; "
         f"gradient sharing on 2 workers at least {sharing['bound']}x: {sharing['sharing_2_workers_vs_single']:.2f}x, "
-        f"{'met' if sharing['met'] else 'missed'}; the default frequency on 2 workers against 1: "
-        f"{averaging['default_2_vs_1_worker']:.2f}x.",
+        f"{'met' if sharing['met'] else 'missed'}; the defaults on 2 workers against 1: "
+        f"{averaging['default_2_vs_1_worker']:.2f}x"
+        + (
+            f"; the defaults on 2 workers at least {averaging['bound']}x one process: "
+            f"{averaging['defaults_vs_single']:.2f}x, {'met' if averaging['defaults_met'] else 'missed'}, "
+            f"{averaging['defaults_vs_best']:.2f} of the best row."
+            if "defaults_vs_single" in averaging
+            else "."
+        ),
     ]
     return "\n".join(lines) + "\n"
 
 
 QUALITY_METHODS = {
-    ("averaging f5", None): "parameter averaging, its defaults (every 5)",
+    ("chosen", None): "parameter averaging, its defaults (frequency and streaming chosen)",
+    ("averaging f5", None): "parameter averaging every 5 (DL4J's default)",
     ("topk", "sum"): "gradient sharing, its defaults",
     ("ddp", None): "DDP",
     ("ddp_powersgd", None): "DDP + PowerSGD",
@@ -314,6 +326,46 @@ def block_faults_kill_every() -> str:
     return "\n".join(lines) + "\n"
 
 
+def block_auto() -> str:
+    """The defaults' choice against trying every configuration of a grid: per workload and link, what
+    the fit chose, its predicted and measured speedups, and the defaults against one process and the
+    best configuration tried."""
+    found = recorded("auto")
+    if found is None:
+        return "No recorded run of `benchmarks.auto` yet.\n"
+    path, report = found
+    lines = [
+        f"{_source(path, report)}. Predicted and measured: the last fit's receipt, against one trainer at the "
+        "fit's measured step; error: the largest of the row's fits, predicted over measured; the other columns "
+        "against the single process, the whole fit timed as a user calls it.",
+        "",
+        "| workload | link | chosen | predicted | measured | error | defaults | best tried | defaults / best |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["rows"]:
+        last = r["receipts"][-1] if r["receipts"] else None
+        chosen = f"every {last['frequency']}{', streaming' if last['streaming'] else ''}" if last else "nothing"
+        told = f"{last['predicted']:.2f}x | {last['measured']:.2f}x" if last else " | "
+        lines.append(
+            f"| {r['workload']} | {LINKS.get(r['link'], r['link'])} | {chosen} | {told} | {r['largest_error']:+.0%} | "
+            f"{r['defaults_vs_single']:.2f}x | {LABELS.get(r['best'], r['best'])}, {r['best_vs_single']:.2f}x | "
+            f"{r['defaults_vs_best']:.2f} |"
+        )
+    t = report["targets"]
+    lines += [
+        "",
+        f"Targets (`benchmarks/auto.py`): the defaults at least {t['defaults_vs_best']} of the best tried and never "
+        f"slower than one process, predicted within {t['prediction_error']:.0%} of measured, on every row: "
+        f"{'met' if t['met'] else 'missed'} (rows missed: "
+        + (
+            ", ".join(f"{r['workload']} on {LINKS.get(r['link'], r['link'])}" for r in report["rows"] if not r["met"])
+            or "none"
+        )
+        + ").",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def block_index() -> str:
     """Every benchmark, its latest results file, the code it ran and the command that reruns it."""
     lines = [
@@ -346,24 +398,28 @@ def block_index() -> str:
 PICKS = (
     (
         "2+ workers on a fast link (loopback, 10 Gbit/s and up), a model of millions of parameters",
-        "`ParameterAveragingTrainingMaster(batch, averaging_frequency=50, streaming=True)`",
-        ("mlp", "loopback", "streaming_f50"),
+        "`ParameterAveragingTrainingMaster(batch)`, its defaults: the fit chooses the frequency and streams",
+        ("mlp", "loopback", "defaults"),
     ),
     (
-        "the same on a slow link (1 Gbit/s, shared)",
-        "the same, every epoch in one `fit_paths(paths, epochs=...)`",
+        "the same on a slow link (1 Gbit/s, shared), a fit per epoch (an evaluation between)",
+        "the same",
+        ("mlp", "1gbit", "defaults"),
+    ),
+    (
+        "the same, nothing needed between epochs",
+        "every epoch in one `fit_paths(paths, epochs=...)` (here streaming every 50)",
         ("mlp", "1gbit", "streaming_f50_onefit"),
     ),
     (
-        "the same, a fit per epoch (an evaluation between)",
-        "the same, `fit` per epoch",
-        ("mlp", "1gbit", "streaming_f50"),
+        "a small model, steps under a millisecond",
+        "the defaults, one fit of every epoch (they average about once an epoch, streaming)",
+        ("small_model", "averaging (2 workers, defaults)"),
     ),
     (
-        "a small model, steps under a millisecond",
-        "one process; or averaging once an epoch (the frequency a worker's share of an epoch), "
-        "`streaming=True`, one fit of every epoch",
-        ("small_model", "averaging (2 workers, frequency 38, streaming)"),
+        "DL4J's own default, for a port that must average as DL4J does",
+        "`ParameterAveragingTrainingMaster(batch, averaging_frequency=5)`",
+        ("mlp", "1gbit", "averaging_f5"),
     ),
     (
         "asynchronous training, DL4J's `SharedTrainingMaster`",
@@ -411,6 +467,7 @@ def block_pick() -> str:
 
 BLOCKS: dict[str, Callable[[], str]] = {
     "compare": block_compare,
+    "auto": block_auto,
     "small_model": block_small_model,
     "quality": block_quality,
     "faults": block_faults,

@@ -1,8 +1,10 @@
 """The main job: python -m dlscale.demo trains, evaluates, saves and serves a CNN on a cluster.
 
 On an embedded cluster (or any --master): export the bundled handwritten digits to minibatch files
-under demo/digits in the storage root, train a small CNN with gradient sharing
-(SharedTrainingMaster) from those files, evaluate it on the held-out files (accuracy, top-3
+under demo/digits in the storage root, train a small CNN with parameter averaging from those files
+(ParameterAveragingTrainingMaster with its defaults: the fit measures its first rounds and chooses
+how often to average, and its closing line says what it chose, why, and the speedup it predicted
+and measured), evaluate it on the held-out files (accuracy, top-3
 accuracy, F1, one-vs-all AUC), save it with its optimizer state, load it back, and run keyed
 inference over the test images, showing progress and printing a final report. The saved network
 names its model factory dlscale.demo:digits_cnn, however the job was started, so that
@@ -19,7 +21,14 @@ from typing import Any
 import torch
 
 import dlscale
-from dlscale import CheckpointListener, SharedTrainingMaster, SparkConf, SparkContext, SparkNet, storage
+from dlscale import (
+    CheckpointListener,
+    ParameterAveragingTrainingMaster,
+    SparkConf,
+    SparkContext,
+    SparkNet,
+    storage,
+)
 from dlscale.data import DataSet, export_minibatches, list_paths, load_digits
 from dlscale.evaluation import Evaluation, ROCMultiClass
 from dlscale.nn import Network, build, model_factory
@@ -132,8 +141,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with SparkContext(conf=conf, appName="dlscale-demo") as sc:
         print(f"cluster: {sc.master}, {sc.defaultParallelism} worker threads, dashboard {sc.uiWebUrl}")
         network = build(digits_cnn, {}, "cross_entropy", functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9))
-        print(f"network: CNN with {network.num_params():,} parameters; training with gradient sharing")
-        master = SharedTrainingMaster(args.batch_size, collect_training_stats=True, rng_seed=0)
+        print(f"network: CNN with {network.num_params():,} parameters; training with parameter averaging")
+        master = ParameterAveragingTrainingMaster(args.batch_size, collect_training_stats=True, rng_seed=0)
         spark_net = SparkNet(sc, network, master)
         spark_net.set_listeners(checkpoints)
         t0 = time.perf_counter()

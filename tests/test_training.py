@@ -45,6 +45,7 @@ from dlscale.nn import Network, ScoreIterationListener
 from dlscale.nn.listeners import TrainingListener
 from dlscale.runtime.cluster import cluster_workers
 from dlscale.training import _worker
+from dlscale.training._errors import TrainingConfigError
 from dlscale.training.averaging._worker_plugin import plugin
 from tests.test_embedded import _faults_of_a_reused_buffer, _huge_pages_always
 from tests.test_sharing import _networks_held, _SentNetworks
@@ -715,36 +716,59 @@ def test_average_is_exact_for_one_state_and_weighted_by_examples() -> None:
     torch.testing.assert_close(_worker.average(_worker.average(a, b), c)["params"], _worker.average(a, b, c)["params"])
 
 
-def test_auto_frequency_times_the_first_rounds_then_averages_at_what_it_chose(sc, tmp_path, caplog) -> None:
-    """``averaging_frequency="auto"`` fits its first rounds every 10 minibatches, times a round's
-    averaging against a step, chooses once (logged, and recorded in the statistics), at most once an
-    epoch (40 minibatches a worker here), and the rounds handed out after are of that size, an epoch's
-    rounds about even (the last one short by less than one minibatch a round); every minibatch is
-    fitted once an epoch."""
+def test_a_fit_not_told_its_frequency_chooses_it_and_shows_why(sc, tmp_path, caplog) -> None:
+    """Without ``averaging_frequency`` a fit streams its first rounds at the bounds' low end (4 here),
+    chooses once from what a round measured, within the bounds and at most once an epoch (40
+    minibatches a worker here), and the rounds handed out after are of that size, an epoch's rounds
+    about even; the receipt (the choice, why, the predicted and measured speedups) is the closing line
+    and ``TrainingStats.choice``. The next fit of the master chooses at once from the last fit's
+    measures: its first rounds are already of the chosen size. Every minibatch is fitted once an epoch."""
     rdd = rdd_of(sc, 800, 10, 2)  # 80 minibatches an epoch
     master = ParameterAveragingTrainingMaster(
-        10,
-        averaging_frequency="auto",
-        collect_training_stats=True,
-        rng_seed=0,
-        export_directory=str(tmp_path / "export"),
+        10, collect_training_stats=True, rng_seed=0, export_directory=str(tmp_path / "export")
     )
     spark_net = SparkNet(sc, mlp_network(MOMENTUM), master)
-    with caplog.at_level(logging.INFO, logger="dlscale.training.averaging"):
+    with (
+        dask.config.set({"dlscale.training.averaging.frequency-bounds": [4, 30]}),
+        caplog.at_level(logging.INFO, logger="dlscale.training"),
+    ):
         spark_net.fit(rdd, epochs=5)  # a fit long enough that the choice comes before its end
+        first = spark_net.training_stats.choice
+        rounds = len(spark_net.training_stats.rounds)
+        spark_net.fit(rdd, epochs=2)
     stats = spark_net.training_stats
-    chosen = [r.getMessage() for r in caplog.records if "averaging every" in r.getMessage()]
-    assert len(chosen) == 1
-    frequency = int(re.match(r"parameter averaging: averaging every (\d+) minibatches", chosen[0]).group(1))
-    assert stats.averaging_frequency == frequency and 1 <= frequency <= 40
+    closing = [r.getMessage() for r in caplog.records if "minibatches in" in r.getMessage()]
+    assert len(closing) == 2, closing
+    frequency = first["frequency"]
+    assert 4 <= frequency <= 30 and first["streaming"] and first["source"] == "this fit"
+    assert first["predicted"] > 0 and first["measured"] > 0 and first["measures"]["trainers"] == 2
+    assert re.fullmatch(
+        rf"parameter averaging: 400 minibatches in [\d.]+ s on 2 trainers; averaging every {frequency} minibatches "
+        r"in streaming rounds \(a step .+, an averaging .+ of .+, 2 trainers, measured in this fit\): "
+        r"predicted [\d.]+x, measured [\d.]+x one trainer",
+        closing[0],
+    ), closing[0]
+    assert "measured in the last fit" in closing[1] and stats.choice["source"] == "the last fit"
     shares = [[len(w.batches) for w in r.workers] for r in stats.rounds]
-    assert shares[0] == [10, 10] and all(n <= max(10, frequency) for s in shares for n in s)
-    assert frequency in {n for s in shares[1:] for n in s}  # the rounds handed out after the choice
-    final = stats.rounds[-1].epoch
-    last = [len(w.batches) for r in stats.rounds if r.epoch == final for w in r.workers]
+    assert shares[0] == [4, 4] and all(n <= max(4, frequency) for s in shares[:rounds] for n in s)
+    assert frequency in {n for s in shares[1:rounds] for n in s}  # the rounds handed out after the choice
+    second = stats.choice["frequency"]
+    assert shares[rounds] == [second, second]  # the next fit: no measuring rounds
+    final = stats.rounds[rounds - 1].epoch
+    last = [len(w.batches) for r in stats.rounds[:rounds] if r.epoch == final for w in r.workers]
     assert max(last) == frequency and max(last) - min(last) < math.ceil(40 / frequency)
     fitted = collections.Counter(path for r in stats.rounds for w in r.workers for path in w.batches)
-    assert len(fitted) == 80 and set(fitted.values()) == {5}
+    assert len(fitted) == 80 and set(fitted.values()) == {7}
+
+
+def test_frequency_bounds_that_are_not_two_ordered_counts_are_refused(sc) -> None:
+    spark_net = SparkNet(sc, mlp_network(), ParameterAveragingTrainingMaster(8))
+    for bounds in ([20], [50, 20], [0, 5], "20-50"):
+        with (
+            dask.config.set({"dlscale.training.averaging.frequency-bounds": bounds}),
+            pytest.raises(TrainingConfigError, match="frequency-bounds must be two positive integers"),
+        ):
+            spark_net.fit(rdd_of(sc, 64, 8, 2))
 
 
 def test_stats_summary_and_json(sc, tmp_path: Path) -> None:

@@ -131,8 +131,9 @@ class TrainingStats:
     rounds: list[RoundStats] = field(default_factory=list)
     trainers: list[TrainerStats] = field(default_factory=list)
     dense_bytes: int = 0
-    averaging_frequency: int | None = None  # parameter averaging's, as "auto" chose it
+    averaging_frequency: int | None = None  # parameter averaging's, as the last fit chose it
     exactly_once: list[EpochTally] = field(default_factory=list)  # each epoch of each fit
+    choice: dict[str, Any] | None = None  # the last chosen frequency's receipt: why, predicted and measured speedup
 
     def extend(self, later: TrainingStats) -> None:
         """Append the statistics of a later ``fit`` of the same network."""
@@ -141,6 +142,7 @@ class TrainingStats:
         self.trainers.extend(later.trainers)
         self.dense_bytes = later.dense_bytes or self.dense_bytes
         self.averaging_frequency = later.averaging_frequency or self.averaging_frequency
+        self.choice = later.choice or self.choice
         self.exactly_once.extend(later.exactly_once)
 
     def overview(self) -> dict[str, Any]:
@@ -208,6 +210,8 @@ class TrainingStats:
             lines.append(("final loss", f"{o['score']:.6g}"))
         if self.exactly_once:
             lines.append(("exactly once", tally_line(self.exactly_once, 0)))
+        if self.choice is not None:
+            lines.append(("chosen", self.choice["line"]))
         return lines
 
     def __repr__(self) -> str:

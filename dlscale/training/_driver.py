@@ -178,6 +178,7 @@ class FitRun:
         epochs: int,
         resume: FitPosition | None = None,
     ) -> None:
+        self.began = time.time()  # the fit's start, as its caller times it once the minibatches are ready
         self.client, self.network, self.listeners = context.client, context.network, context.listeners
         self.context, self.master, self.batches, self.epochs = context, master, batches, epochs
         if resume is not None:

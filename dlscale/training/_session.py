@@ -117,6 +117,10 @@ class SessionRun:
         the checkpoint listeners due at the segment's end so far (``pending``: trainers still at work)."""
         raise NotImplementedError
 
+    def receipt(self) -> str | None:
+        """What the fit's closing line adds: a master's choices, if it made any."""
+        return None
+
     def conclude(self, futures: dict[str, Future], closed: Any, seconds: float) -> list[int]:
         """The segment's end: the trainers' state onto the driver's network, :attr:`complete` set, the
         work items left returned (``closed``: the scheduler's reply to ``close``)."""
@@ -234,8 +238,18 @@ class SessionRun:
                 client.unpublish_dataset(self.batches.loader.dataset)
 
     def _close(self, seconds: float) -> None:
-        """The fit's exactly-once tally: into its statistics, its closing line when a worker was lost or
-        anything was redone or lost, and the run's record (:mod:`dlscale.monitor.record`)."""
+        """The fit's closing line (its minibatches, seconds and trainers, all its segments; the receipt of
+        what the master chose), and its exactly-once tally: into its statistics, a line when a worker
+        was lost or anything was redone or lost, and the run's record (:mod:`dlscale.monitor.record`)."""
+        receipt = self.receipt()
+        logger.info(
+            "%s: %d minibatches in %.2f s on %d trainers%s",
+            self.master.approach,
+            sum(self.fitted.values()),
+            seconds,
+            len(self.trainers),
+            f"; {receipt}" if receipt else "",
+        )
         tallies = self.tally()
         if self.run.stats is not None:
             self.run.stats.exactly_once.extend(tallies)

@@ -55,6 +55,7 @@ class TrainingMaster(abc.ABC):
         """Train ``context.network`` on an RDD of DataSet or MultiDataSet (from ``resume``, a checkpoint's
         position, onwards)."""
         check_epochs(epochs)
+        self._check_settings()
         blob = self._blob(context.network)
         # an RDD exported by an earlier fit is not computed again: its first file is probed on a worker
         exported = self.rdd_training_approach == "export" and self._exports.holds(rdd, self.batch_size_per_worker)
@@ -80,6 +81,7 @@ class TrainingMaster(abc.ABC):
         """Train ``context.network`` on the minibatches that ``loader`` reads from ``paths`` (from ``resume``,
         a checkpoint's position, onwards)."""
         check_epochs(epochs)
+        self._check_settings()
         blob = self._blob(context.network)
         batches = _sources.from_paths(paths, loader)
         with FitRun(context, self, blob, batches, epochs, resume) as run:
@@ -91,6 +93,11 @@ class TrainingMaster(abc.ABC):
         if network.optimizer is not None and self._warm is not None and self._warm.same(network, repr(self)):
             return None
         return serialise(network)
+
+    def _check_settings(self) -> None:
+        """Refuse, before a fit prepares anything, settings out of range: the master's own (its fields
+        may have been set since it was made) and the ``dlscale`` settings a master reads."""
+        check_source(self.rdd_training_approach, self.storage_level)
 
     def delete_temp_files(self) -> None:
         """Delete the minibatch files this master exported (DL4J's ``deleteTempFiles``)."""

@@ -432,6 +432,7 @@ class _RoundAverage:
         if self.contribution is None:
             flat = self.trainer.flat
             vector, layout, kept = flat.vector()
+            self.report["state_values"] = vector.numel()  # what a round's averaging moves, for the driver's choice
             self.contribution = Contribution(
                 vector, layout, kept, self.report["examples"], self.report, flat.average_buffer
             )

@@ -25,6 +25,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from distributed import Future, get_worker
 
@@ -35,10 +36,12 @@ from dlscale.runtime.cluster import cluster_workers
 from dlscale.runtime.retirement import retired
 from dlscale.runtime.tasks import check_count
 from dlscale.training import _sources, _worker
+from dlscale.training._config import setting
 from dlscale.training._driver import FitRun
+from dlscale.training._errors import TrainingConfigError
 from dlscale.training._parking import Warm
 from dlscale.training._session import SessionRun
-from dlscale.training.averaging import _trainer
+from dlscale.training.averaging import _choice, _trainer
 from dlscale.training.averaging._exchange import DTYPES
 from dlscale.training.averaging._extension import AVERAGING
 from dlscale.training.averaging._rounds import plan_rounds
@@ -48,8 +51,6 @@ from dlscale.training.master import TrainingMaster
 logger = logging.getLogger("dlscale.training.averaging")
 
 REPARTITION = ("always", "never", "num_partitions_workers_differs")
-AUTO_START = 10  # the frequency "auto" starts with, before the averaging is measured
-AUTO_SHARE = 0.05  # the share of a round's fitting that "auto" lets its averaging cost
 
 
 @dataclasses.dataclass
@@ -59,21 +60,26 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
     Each worker's trainer fits ``averaging_frequency`` minibatches per round, reading
     ``worker_prefetch_num_batches`` ahead; then the trainers average their states, weighted by examples
     (with the optimizer's state when ``save_updater``; without, the optimizer starts afresh every
-    round). ``averaging_frequency="auto"`` starts at :data:`AUTO_START` and, once the trainers have
-    averaged twice, takes the smallest frequency whose averaging costs at most :data:`AUTO_SHARE` of a
-    round's fitting, as measured, rounded up so that a worker's minibatches of an epoch split into
-    rounds of about even length (recorded as ``TrainingStats.averaging_frequency``).
+    round). Without an ``averaging_frequency`` (the default) the fit chooses it: its first rounds
+    measure a step, a round and its averaging, and a cost model of a round
+    (:mod:`~dlscale.training.averaging._choice`) picks the smallest frequency within
+    ``dlscale.training.averaging.frequency-bounds`` that trains within 5% of the fastest there; the
+    next fit of the same master starts from the last fit's measures. The choice, why, and its
+    predicted and measured speedups are the fit's closing line and ``TrainingStats.choice``.
+    ``averaging_frequency=5`` is DL4J's default. ``streaming=True`` overlaps
+    each round's averaging with the next round's steps (Streaming DiLoCo, arXiv 2501.18512): a trainer
+    fits round ``k + 1`` from its own state while round ``k``'s averaging is in flight, and takes round
+    ``k``'s average, keeping the progress made since, as soon as it is whole (after half of round
+    ``k + 1`` at the latest), so a round costs its steps and not its communication; the last round's
+    average is taken whole, every trainer ends with the same state. Without ``streaming`` (the
+    default) rounds stream when the frequency is chosen or at least the bounds' lower end (an average
+    taken half a round late costs little in rounds that long; in short ones it cost a point).
     ``outer_optimizer`` (DiLoCo, arXiv 2311.08105) is a factory of a torch optimizer, such as
     ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)``, stepped once a round
     with the averaged change of the parameters, negated, as their gradient; ``None`` (the default) moves
     them by the averaged change: plain averaging, DL4J's semantics. ``exchange_dtype`` ("float32",
     "float16", "bfloat16", "int8": blocks of 1,024 values scaled by their largest magnitude) is the
-    precision the states' parts travel in. ``streaming=True`` overlaps
-    each round's averaging with the next round's steps (Streaming DiLoCo, arXiv 2501.18512): a trainer
-    fits round ``k + 1`` from its own state while round ``k``'s averaging is in flight, and takes round
-    ``k``'s average, keeping the progress made since, as soon as it is whole (after half of round
-    ``k + 1`` at the latest), so a round costs its steps and not its communication; the last round's
-    average is taken whole, every trainer ends with the same state. ``repartition`` applies to
+    precision the states' parts travel in. ``repartition`` applies to
     ``rdd_training_approach="direct"``: "never" trains every minibatch on the worker that holds it,
     "always" spreads the minibatches evenly over the workers, and "num_partitions_workers_differs" does
     the latter only when the RDD does not have exactly one partition per worker. Exported files are
@@ -83,23 +89,24 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
 
     approach: ClassVar[str] = "parameter averaging"
 
-    averaging_frequency: int | str = 5
+    averaging_frequency: int | None = None
     worker_prefetch_num_batches: int = 2
     save_updater: bool = True
     repartition: str = "always"
     outer_optimizer: Callable[..., torch.optim.Optimizer] | None = None
     exchange_dtype: str = "float32"
-    streaming: bool = False
+    streaming: bool | None = None
+    _measures: _choice.Measures | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.averaging_frequency != "auto":
+        if self.averaging_frequency is not None:
             check_count("averaging_frequency", self.averaging_frequency)
         check_count("worker_prefetch_num_batches", self.worker_prefetch_num_batches, 0)
         if self.repartition not in REPARTITION:
             raise ValueError(f"repartition must be one of {REPARTITION}, got {self.repartition!r}")
-        if not isinstance(self.streaming, bool):
-            raise TypeError(f"streaming must be True or False, got {self.streaming!r}")
+        if self.streaming is not None and not isinstance(self.streaming, bool):
+            raise TypeError(f"streaming must be True, False or None (chosen), got {self.streaming!r}")
         if self.exchange_dtype not in DTYPES:
             raise ValueError(f"exchange_dtype must be one of {tuple(DTYPES)}, got {self.exchange_dtype!r}")
         if self.outer_optimizer is not None and not callable(self.outer_optimizer):
@@ -107,6 +114,11 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
                 "outer_optimizer must be a factory of a torch optimizer given the parameters, such as "
                 f"functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True), got {self.outer_optimizer!r}"
             )
+
+    def _check_settings(self) -> None:
+        super()._check_settings()
+        if self.averaging_frequency is None:
+            frequency_bounds()
 
     def _train(
         self, run: FitRun, batches: _sources.Minibatches, *, partitions: int | None = None, probe: bool = False
@@ -118,11 +130,32 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
         _Averaging(self, run, batches, local).train(probe)
 
 
+def frequency_bounds() -> tuple[int, int]:
+    """``dlscale.training.averaging.frequency-bounds``: the frequencies a fit may choose from."""
+    bounds = setting("training.averaging.frequency-bounds")
+    if (
+        not isinstance(bounds, (list, tuple))
+        or len(bounds) != 2
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in bounds)
+        or bounds[0] > bounds[1]
+    ):
+        raise TrainingConfigError(
+            f"dlscale.training.averaging.frequency-bounds must be two positive integers, low then high, got {bounds!r}"
+        )
+    return bounds[0], bounds[1]
+
+
 def _probe_parked(session: str, ref: Any, loader: Any) -> None:
     """Load one minibatch and compute the loss on it with the replica parked here (what
     ``_worker.probe`` does with a network sent)."""
     network = plugin(get_worker()).parked[session]
     network.score(next(prefetch([ref], loader, 0)))
+
+
+def _stepping(member: dict[str, Any]) -> float:
+    """The seconds a round's member spent in its steps: fitting, neither reading minibatches (the
+    first epoch's, before they are kept loaded) nor taking an average."""
+    return max(0.0, member["fit_seconds"] - member["averaging_seconds"] - member["wait_seconds"])
 
 
 def _network_state(result: dict[str, Any]) -> dict[str, Any]:
@@ -143,9 +176,21 @@ class _Averaging(SessionRun):
         self.seen, self.lost = set(run.workers), set()
         self.rounds_done: collections.Counter[int] = collections.Counter()  # rounds reported, by epoch of the fit
         self._fitted = 0  # minibatches reported in the current segment
-        auto = master.averaging_frequency == "auto"
-        self.frequency: int = AUTO_START if auto else master.averaging_frequency
-        self.measuring = auto  # "auto": the frequency is chosen from the first rounds' measures
+        self.bounds = frequency_bounds()
+        given = master.averaging_frequency
+        self.streaming = master.streaming
+        if self.streaming is None:  # rounds long enough that an average taken half a round late costs little
+            self.streaming = (given or self.bounds[0]) >= self.bounds[0]
+        self.choice: _choice.Choice | None = None  # the receipt of a chosen frequency
+        # chosen from this fit's first rounds (a lone trainer never averages: nothing to choose)
+        self.measuring = given is None and master._measures is None and len(run.workers) > 1
+        self.frequency: int = given or self.bounds[0]
+        self.steps = [0.0, 0]  # seconds stepping and minibatches fitted, over every trainer's rounds
+        self.timed: list[tuple[float, int, float]] = []  # rounds after a segment's first: seconds, frequency, averaging
+        self.first_start: float | None = None  # when the fit's first round began (time.time())
+        self.state_bytes = master._measures.state_bytes if master._measures is not None else 0
+        if given is None and master._measures is not None and len(run.workers) > 1:  # the last fit's choose at once
+            self._choose(master._measures, "the last fit")
         self.spec = _trainer.TrainerSpec(
             master.save_updater,
             master.worker_prefetch_num_batches,
@@ -155,7 +200,7 @@ class _Averaging(SessionRun):
             self.config.end_timeout,
             self.config.keep_trainers,
             keep_loaded(),
-            master.streaming,
+            self.streaming,
         )
 
     def begin(self, probe: bool, left: Warm | None) -> None:
@@ -200,7 +245,8 @@ class _Averaging(SessionRun):
         )
 
     def follow_every(self) -> float:
-        # "auto" looks at every poll until it chooses: its choice reaches the rounds not yet handed out
+        # a fit choosing its frequency looks at every poll until it chooses: the choice reaches the rounds
+        # not yet handed out
         return self.config.poll_interval * (1 if self.measuring else 5)
 
     def progressed(self, progress: dict[str, Any], pending: bool) -> list[Any]:
@@ -208,9 +254,10 @@ class _Averaging(SessionRun):
         due or a worker joined; the listeners due are kept until the segment ends."""
         run = self.run
         for report in progress["reports"]:
-            if self.measuring and not self.stopped:
-                self._choose_frequency(report["members"])
             end = max((m["end"] for m in report["members"]), default=self.last)
+            self._time(report["members"], max(0.0, end - self.last))
+            if self.measuring and not self.stopped:
+                self._measure(report, max(0.0, end - self.last))
             done_before = self.epochs_done()
             self._report(report["members"], max(0.0, end - self.last), end)
             self.last = max(self.last, end)
@@ -236,8 +283,7 @@ class _Averaging(SessionRun):
             raise RuntimeError("every parameter-averaging trainer was lost; the network is unchanged")
         self.complete = len(finished) == len(futures)
         _worker.apply_state(self.run.network, _network_state(result), copy=False)
-        logger.log(
-            logging.INFO if not closed else logging.DEBUG,
+        logger.debug(
             "parameter averaging: %d minibatches in %.2f s on %d trainers",
             self._fitted,
             seconds,
@@ -278,36 +324,80 @@ class _Averaging(SessionRun):
                 return k + 1
         return None
 
-    def _choose_frequency(self, members: list[dict[str, Any]]) -> None:
-        """``averaging_frequency="auto"``: once a round's members report their last averaging's time, the
-        smallest frequency whose averaging costs at most :data:`AUTO_SHARE` of a round's fitting, rounded
-        up to split a trainer's minibatches of an epoch into as many rounds as it fits, about even (each
-        round is fitted as long as the slowest trainer's share takes and averaged once: 30 of 38 would
-        leave a round of 8 that costs what a round of 30 costs in averaging). The
-        averaging is timed by the member that came to it last (the others' times include waiting for it).
-        Streaming, the averaging counts at least as long as its parts were in flight (the longest of
-        each phase, from the sender's clock to the receiver's), so that "auto" picks about what it
-        would without streaming, and streaming then hides that averaging behind the next round's steps."""
+    def _time(self, members: list[dict[str, Any]], seconds: float) -> None:
+        """Keep a round's timing for the measures of the whole fit (:meth:`receipt`)."""
+        if self.first_start is None:
+            self.first_start = min((m["start"] for m in members), default=time.time())
+        times = [m["last_exchange_seconds"] for m in members]
+        if self._fitted and members and all(t == t for t in times):  # not a segment's first; NaN: no averaging yet
+            self.timed.append((seconds, max(len(m["items"]) for m in members), min(times)))
+
+    def _measure(self, report: dict[str, Any], seconds: float) -> None:
+        """Choose the frequency from the first round whose members report their last averaging's time
+        (the one before it: NaN until a first averaging), timed by the member that came to it last
+        (the others' include waiting for it); streaming, as long as its parts were in flight."""
+        members = report["members"]
         fitted = [m for m in members if m["items"]]
         times = [m["last_exchange_seconds"] for m in members]
-        if len(members) < 2 or not fitted or not all(t == t for t in times):  # NaN before a first averaging
+        if len(members) < 2 or not fitted or not all(t == t for t in times):
             return
-        step = sorted(m["fit_seconds"] / len(m["items"]) for m in fitted)[len(fitted) // 2]
-        share = math.ceil(self.n / len(members))  # a trainer's minibatches an epoch
-        smallest = max(1, min(math.ceil(min(times) / (AUTO_SHARE * step)), share))
-        frequency = math.ceil(share / (share // smallest))  # as many rounds an epoch as it fits, about even
-        self.measuring = False
-        self.frequency = frequency
-        if self.run.stats is not None:
-            self.run.stats.averaging_frequency = frequency
-        logger.info(
-            "parameter averaging: averaging every %d minibatches (a step %.3g s, an averaging %.3g s)",
-            frequency,
-            step,
-            min(times),
+        step = sorted(_stepping(m) / len(m["items"]) for m in fitted)[len(fitted) // 2]
+        frequency = max(len(m["items"]) for m in members)
+        self.state_bytes = self._state_bytes(members)
+        measures = _choice.Measures.of_round(
+            len(members), step, min(times), self.state_bytes, frequency, self.streaming, seconds
         )
+        self._choose(measures, "this fit")
         owner = None if self.owner is None else {str(i): w for i, w in self.owner.items()}
-        self.call("replan", per_trainer=frequency, per_epoch=self.n, owner=owner)
+        self.call("replan", per_trainer=self.frequency, per_epoch=self.n, owner=owner)
+
+    def _state_bytes(self, members: list[dict[str, Any]]) -> int:
+        """The bytes of a trainer's state as a round's averaging sends it."""
+        values = max(m.get("state_values", 0) for m in members)
+        width = {"float32": 4, "float16": 2, "bfloat16": 2}.get(self.master.exchange_dtype, 1 + 4 / 1024)
+        return int(values * width)
+
+    def _choose(self, measures: _choice.Measures, source: str) -> None:
+        """Take the frequency the cost model chooses from ``measures`` (on as many trainers as this fit
+        has), and the fit's predicted speedup with it, for the receipt."""
+        measures = dataclasses.replace(measures, trainers=max(1, len(self.run.workers)))
+        share = math.ceil(self.n / measures.trainers)  # a trainer's minibatches an epoch
+        self.frequency = _choice.choose(measures, self.streaming, share, self.bounds)
+        self.measuring = False
+        items, remaining = len(self.planned) or self.n * self.run.epochs, sum(self.left.values())
+        if source != "this fit":
+            remaining = items
+        elapsed = time.time() - self.run.began
+        predicted = _choice.fit_speedup(measures, self.frequency, self.streaming, items, remaining, elapsed)
+        self.choice = _choice.Choice(self.frequency, self.streaming, measures, source, predicted, self.bounds)
+        if self.run.stats is not None:
+            self.run.stats.averaging_frequency = self.frequency
+        logger.debug("parameter averaging: %s", self.choice.line())
+
+    def receipt(self) -> str | None:
+        """The choice with the fit's measured speedup over one trainer (its minibatches at the mean step
+        its trainers took, against the seconds since the fit began); the whole fit's measures, of two
+        trainers or more, are kept for the next fit of the master to choose from."""
+        spent, fitted = self.steps
+        seconds = time.time() - self.run.began
+        if self.timed and fitted and self.first_start is not None and len(self.run.workers) > 1:
+            step = spent / fitted
+            averaging = float(np.median([a for _, _, a in self.timed]))
+            m = _choice.Measures(len(self.run.workers), step, averaging, self.state_bytes, 0.0, 0.0, 0.0)
+            overhead = [s - h * step - m.exposed(h, self.streaming) for s, h, _ in self.timed]
+            self.master._measures = dataclasses.replace(
+                m,
+                overhead=max(0.0, float(np.median(overhead))),
+                start=max(0.0, self.first_start - self.run.began),
+                end=max(0.0, time.time() - self.last),
+            )
+        if self.choice is None:
+            return None
+        if fitted and seconds > 0:
+            self.choice.measured = spent / seconds
+        if self.run.stats is not None:
+            self.run.stats.choice = self.choice.to_dict()
+        return self.choice.line()
 
     def _report(self, members: list[dict[str, Any]], seconds: float, end: float) -> None:
         """A settled round, which ended at ``end`` (``time.time()`` of its last member): the run's step
@@ -321,6 +411,9 @@ class _Averaging(SessionRun):
         score = sum(m["score"] * m["examples"] for m in fitted) / examples if examples else float("nan")
         self.reported(items, score)
         self._fitted += len(items)
+        self.state_bytes = self._state_bytes(members) or self.state_bytes
+        self.steps[0] += sum(_stepping(m) for m in members)
+        self.steps[1] += len(items)
         rows = [
             {
                 "row": m["worker"],

@@ -246,8 +246,7 @@ class _Session(SessionRun):
             params = self.run.network.params()
             self.run.stats.dense_bytes = params.numel() * params.element_size()
         minibatches = sum(r["batches"] for r in states) + sum(s["minibatches"] for s in self.retired)
-        logger.log(  # a segment that ends for a checkpoint or a newcomer is not news; the fit's last is
-            logging.INFO if not self.taken_back else logging.DEBUG,
+        logger.debug(  # a segment's: the fit's closing line is SessionRun's
             "gradient sharing: %d minibatches in %.2f s on %d trainers",
             minibatches,
             seconds,

@@ -1,0 +1,143 @@
+"""How a parameter-averaging fit that is not told its averaging frequency chooses it, and the receipt it
+shows: the choice, what it was chosen from, the predicted speedup and the measured one.
+
+A round of ``H`` minibatches a trainer costs its steps, ``H * step``, what the round costs beyond its
+steps and its averaging (handing out shares, committing, taking the average: ``overhead``, measured),
+and the part of the averaging the trainers wait for: all of it without streaming, and with streaming
+what is left of it after half of the next round's steps (a trainer takes round ``k``'s average after
+half of round ``k + 1`` at the latest). ``W`` trainers then fit ``W * H`` minibatches in that time,
+against ``H`` for one trainer stepping alone at the same pace: the speedup over one trainer. The
+frequency chosen is the smallest within ``[low, high]`` (the quality guard: what ``benchmarks.quality``
+shows keeps the benchmark models within a point of one process) whose predicted speed is within
+:data:`TOLERANCE` of the fastest there, rounded up so that a trainer's minibatches of an epoch split
+into rounds of about even length; a shorter round keeps the replicas closer (AdaComm's trade, made
+once from the measures).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from dask.utils import format_bytes
+
+TOLERANCE = 0.05  # the speed a shorter round may give up against the fastest frequency in bounds
+
+
+@dataclasses.dataclass(frozen=True)
+class Measures:
+    """What averaged rounds measured: ``trainers`` of them, a ``step`` (seconds a minibatch, fitting and
+    reading), an ``averaging`` (seconds a round's allreduce of ``state_bytes`` took, parts in flight
+    included), a round's ``overhead`` beyond its steps and the averaging waited for, and what a fit
+    costs before its first round (``start``: the trainers started) and after its last (``end``: the
+    state taken back), measured over a fit, or estimated from the averaging before one ended."""
+
+    trainers: int
+    step: float
+    averaging: float
+    state_bytes: int
+    overhead: float
+    start: float
+    end: float
+
+    @classmethod
+    def of_round(
+        cls,
+        trainers: int,
+        step: float,
+        averaging: float,
+        state_bytes: int,
+        frequency: int,
+        streaming: bool,
+        seconds: float,
+    ) -> Measures:
+        """From one round of ``frequency`` minibatches a trainer that took ``seconds``; a fit's end
+        estimated as the last averaging, taken whole, and the state sent back once at the rate the
+        averaging moved it (its start is not known yet: it has passed)."""
+        m = cls(trainers, step, averaging, state_bytes, 0.0, 0.0, 0.0)
+        overhead = max(0.0, seconds - frequency * step - m.exposed(frequency, streaming))
+        end = averaging * (1 + trainers / (2 * max(1, trainers - 1)))
+        return dataclasses.replace(m, overhead=overhead, end=end)
+
+    def exposed(self, frequency: int, streaming: bool) -> float:
+        """Seconds of a round's averaging the trainers wait for at ``frequency``."""
+        return max(0.0, self.averaging - frequency * self.step / 2) if streaming else self.averaging
+
+    def round_at(self, frequency: int, streaming: bool) -> float:
+        """The predicted seconds of a round of ``frequency`` minibatches a trainer."""
+        return frequency * self.step + self.overhead + self.exposed(frequency, streaming)
+
+    def speedup(self, frequency: int, streaming: bool) -> float:
+        """Rounds of ``frequency`` against one trainer stepping alone at the measured step."""
+        return self.trainers * frequency * self.step / self.round_at(frequency, streaming)
+
+    def rate(self) -> float:
+        """Bytes a second between the trainers, as the averaging moved them (each sends and receives
+        about twice ``(W - 1) / W`` of its state in an allreduce)."""
+        moved = 2 * (self.trainers - 1) / self.trainers * self.state_bytes
+        return moved / self.averaging if self.averaging > 0 else math.inf
+
+
+@dataclasses.dataclass
+class Choice:
+    """The receipt of a chosen frequency: ``frequency`` and ``streaming``, the :class:`Measures` it was
+    chosen from (``source``: "this fit" or "the last fit"), the fit's ``predicted`` speedup over one
+    trainer when chosen, and the ``measured`` one when the fit ended (``None`` until then)."""
+
+    frequency: int
+    streaming: bool
+    measures: Measures
+    source: str
+    predicted: float
+    bounds: tuple[int, int]
+    measured: float | None = None
+
+    def why(self) -> str:
+        """The measures behind the choice, in a few words."""
+        m = self.measures
+        rate = m.rate()
+        link = f"{format_bytes(rate)}/s" if math.isfinite(rate) else "no averaging"
+        return (
+            f"a step {_seconds(m.step)}, an averaging {_seconds(m.averaging)} of {format_bytes(m.state_bytes)} "
+            f"({link}), {m.trainers} trainers, measured in {self.source}"
+        )
+
+    def line(self) -> str:
+        """The choice, why, and the speedups: what the fit's closing line says."""
+        how = "streaming rounds" if self.streaming else "rounds"
+        said = f"averaging every {self.frequency} minibatches in {how} ({self.why()}): predicted {self.predicted:.2f}x"
+        if self.measured is not None:
+            said += f", measured {self.measured:.2f}x"
+        return said + " one trainer"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "line": self.line()}
+
+
+def choose(measures: Measures, streaming: bool, share: int, bounds: tuple[int, int]) -> int:
+    """The frequency for rounds of ``streaming`` (or not) given ``measures``: the smallest in ``bounds``
+    (and at most ``share``, a trainer's minibatches of an epoch) within :data:`TOLERANCE` of the
+    fastest there, rounded up to split ``share`` into rounds of about even length."""
+    low, high = bounds
+    high = max(1, min(high, share))
+    low = min(low, high)
+    best = measures.speedup(high, streaming)
+    smallest = next(h for h in range(low, high + 1) if measures.speedup(h, streaming) >= (1 - TOLERANCE) * best)
+    return math.ceil(share / (share // smallest))  # as many rounds an epoch as it fits, about even
+
+
+def fit_speedup(
+    measures: Measures, frequency: int, streaming: bool, items: int, remaining: int, elapsed: float
+) -> float:
+    """The fit's predicted speedup over one trainer: its ``items`` at the measured step, against the
+    ``elapsed`` seconds so far (or, from its start, the fit's measured start), the rounds of
+    ``frequency`` left for ``remaining`` items, and the fit's end."""
+    rounds = remaining / (measures.trainers * frequency)
+    before = elapsed if remaining < items else measures.start
+    seconds = before + rounds * measures.round_at(frequency, streaming) + measures.end
+    return items * measures.step / seconds if seconds > 0 else math.nan
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1e3:.3g} ms" if value < 1 else f"{value:.3g} s"

@@ -1,0 +1,80 @@
+"""The cost model a parameter-averaging fit chooses its frequency with, against a round's time worked
+out by hand and against choosing by trying every frequency in the bounds."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from dlscale.training.averaging._choice import TOLERANCE, Choice, Measures, choose, fit_speedup
+
+
+def measures(step: float, averaging: float, overhead: float = 0.0, trainers: int = 2) -> Measures:
+    return Measures(trainers, step, averaging, 1 << 20, overhead, 0.0, 0.0)
+
+
+def test_streaming_hides_the_averaging_up_to_half_a_round() -> None:
+    """A round of 20 steps of 10 ms and 2 ms beside: an averaging of 0.1 s is all waited for without
+    streaming, hidden by streaming (half the round, 0.1 s, covers it); one of 0.16 s shows 0.06 s."""
+    m = measures(0.01, 0.1, overhead=0.002)
+    assert m.round_at(20, streaming=False) == pytest.approx(0.2 + 0.002 + 0.1)
+    assert m.round_at(20, streaming=True) == pytest.approx(0.2 + 0.002)
+    assert measures(0.01, 0.16, 0.002).round_at(20, streaming=True) == pytest.approx(0.2 + 0.002 + 0.06)
+    assert m.speedup(20, streaming=True) == pytest.approx(2 * 0.2 / 0.202)
+
+
+def test_a_round_measured_gives_back_its_overhead_and_the_next_fit_its_end() -> None:
+    """``of_round``: a round of 30 steps of 4 ms and an averaging of 50 ms, all of it waited for without
+    streaming and none of it streaming: the overhead is what the round took beyond them; the fit's
+    end, the last averaging and the state sent back once at the rate the averaging moved it (2
+    trainers: each moved its state once)."""
+    for streaming, exposed in ((False, 0.05), (True, 0.0)):
+        m = Measures.of_round(2, 0.004, 0.05, 1 << 20, 30, streaming, 0.12 + exposed + 0.007)
+        assert m.overhead == pytest.approx(0.007)
+        assert m.end == pytest.approx(0.05 + 0.05)
+        assert m.rate() == pytest.approx((1 << 20) / 0.05)
+
+
+@pytest.mark.parametrize(
+    ("step", "averaging", "overhead", "share"),
+    list(itertools.product((0.0003, 0.004, 0.04), (0.001, 0.05, 0.4, 2.0), (0.0, 0.003), (45, 100, 7))),
+)
+def test_the_choice_is_the_smallest_frequency_within_tolerance_of_the_fastest(
+    step: float, averaging: float, overhead: float, share: int
+) -> None:
+    """Tried one by one: the speed of every frequency in the bounds (capped at a trainer's share of an
+    epoch) from the round's time as the module's docstring states it; the smallest within 5% of the
+    fastest, then rounded up to split the share evenly."""
+    low, high = 20, 50
+    for streaming in (False, True):
+
+        def speed(h: int, streaming: bool = streaming) -> float:
+            exposed = max(0.0, averaging - h * step / 2) if streaming else averaging
+            return h / (h * step + overhead + exposed)
+
+        top = min(high, share)
+        candidates = range(min(low, top), top + 1)
+        fastest = max(speed(h) for h in candidates)
+        smallest = min(h for h in candidates if speed(h) >= (1 - TOLERANCE) * fastest)
+        expected = math.ceil(share / (share // smallest))
+        assert choose(measures(step, averaging, overhead), streaming, share, (low, high)) == expected
+
+
+def test_a_fit_predicted_from_its_start_counts_its_edges_and_from_its_middle_what_has_elapsed() -> None:
+    m = Measures(2, 0.01, 0.02, 1 << 20, 0.001, start=0.5, end=0.3)
+    # 400 items, 2 trainers every 20: 10 rounds of 0.2 + 0.001 s (the averaging hidden)
+    assert fit_speedup(m, 20, True, 400, 400, elapsed=0.0) == pytest.approx(400 * 0.01 / (0.5 + 10 * 0.201 + 0.3))
+    assert fit_speedup(m, 20, True, 400, 200, elapsed=1.2) == pytest.approx(400 * 0.01 / (1.2 + 5 * 0.201 + 0.3))
+
+
+def test_the_receipt_says_what_was_chosen_why_and_both_speedups() -> None:
+    choice = Choice(40, True, measures(0.035, 0.21), "this fit", 1.8234, (20, 50))
+    assert choice.line() == (
+        "averaging every 40 minibatches in streaming rounds (a step 35 ms, an averaging 210 ms of 1.00 MiB "
+        "(4.76 MiB/s), 2 trainers, measured in this fit): predicted 1.82x one trainer"
+    )
+    choice.measured = 1.7
+    assert choice.line().endswith("predicted 1.82x, measured 1.70x one trainer")
+    assert choice.to_dict()["line"] == choice.line() and choice.to_dict()["measures"]["step"] == 0.035
