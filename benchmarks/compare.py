@@ -456,9 +456,10 @@ def run_dlscale(
         frequency = stats.averaging_frequency or averaging(master_name).get("averaging_frequency")
         width = {"fp16": 2, "int8": 1 + 4 / 1024}.get(master_name.rsplit("_", 1)[-1], 4)  # int8: and its scales
         state = 2 * width * net.num_params()
+        averaged = sum(map(len, rounds))  # rounds averaged, each sending its state once a worker
         out.update(
             averaging_frequency=frequency,
-            bytes_per_minibatch=2 * (workers - 1) / workers * state / frequency if workers > 1 else 0,
+            bytes_per_minibatch=2 * (workers - 1) * state * averaged / steps if workers > 1 and steps else 0,
         )
 
 
