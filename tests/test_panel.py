@@ -232,6 +232,10 @@ def test_an_open_page_streams_new_points_and_redraws_a_merged_row() -> None:
     panel.end("f1", tally)  # the status says what the fit's exactly-once tally is
     page.update()
     assert "Exactly once</b>: 3 fitted once, 1 redone after 1 worker lost, 0 lost" in page.status.text
+    assert "Chosen" not in page.status.text
+    panel.end("f1", tally, "averaging every 20 minibatches <in> streaming rounds")  # a master's receipt
+    page.update()
+    assert "Chosen</b>: averaging every 20 minibatches &lt;in&gt; streaming rounds" in page.status.text
 
 
 def test_the_page_is_in_the_dashboard_from_the_context_start() -> None:

@@ -359,6 +359,8 @@ def _status(f: Fit, now: float) -> str:
         )
         if t["duplicated"]:
             text += f", {t['duplicated']:,} fitted twice"
+    if f.receipt is not None:
+        text += f"<br><b>Chosen</b>: {html.escape(f.receipt)}"
     stalled = [n for n, r in sorted(f.rows.items()) if r.stalled]
     if stalled:
         text += "<br><b style='color:#d62728'>Stalled</b>: " + ", ".join(

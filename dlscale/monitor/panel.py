@@ -148,6 +148,7 @@ class Fit:
     rows: dict[str, _Row] = field(default_factory=dict)
     rounds: list[tuple[float, float]] = field(default_factory=list)  # parameter averaging: (reported, seconds)
     exactly_once: dict[str, int] | None = None  # the finished fit's tally, summed over its epochs
+    receipt: str | None = None  # what the finished fit's master chose, why, predicted and measured
 
     def done(self) -> int:
         return sum(r.minibatches for r in self.rows.values())
@@ -164,6 +165,7 @@ class Fit:
             "seconds": elapsed,
             "rounds": [seconds for _, seconds in self.rounds],
             "exactly_once": self.exactly_once,
+            "receipt": self.receipt,
             "rows": {
                 name: {
                     "worker": r.worker,
@@ -293,12 +295,13 @@ class TrainingPanel(SchedulerPlugin):
             if name in f.rows:
                 f.rows[name].phases = seconds
 
-    def end(self, fit: str, exactly_once: dict[str, int] | None = None) -> None:
+    def end(self, fit: str, exactly_once: dict[str, int] | None = None, receipt: str | None = None) -> None:
         """``fit`` finished, with its exactly-once tally (``planned``, ``once``, ``redone``, ``lost``,
-        ``duplicated`` minibatches and ``workers_lost``), or failed (``None``)."""
+        ``duplicated`` minibatches and ``workers_lost``), or failed (``None``); ``receipt``: what its
+        master chose, why, and the speedup predicted beside the one measured, if it chose."""
         f = self.fits.get(fit)
         if f is not None:
-            f.ended, f.exactly_once = self.clock(), exactly_once
+            f.ended, f.exactly_once, f.receipt = self.clock(), exactly_once, receipt
 
     def view(self) -> dict[str, Any]:
         """Every kept fit, newest first, as plain data (the JSON page)."""
@@ -386,10 +389,13 @@ def record_phases(client: Client, fit: str | None, phases: dict[str, dict[str, f
         client.sync(client.scheduler.dlscale_panel_phases, fit=fit, phases=phases)
 
 
-def close_fit(client: Client, fit: str | None, exactly_once: dict[str, int] | None = None) -> None:
-    """End ``fit``'s record: finished with its exactly-once tally (see :meth:`TrainingPanel.end`), or failed."""
+def close_fit(
+    client: Client, fit: str | None, exactly_once: dict[str, int] | None = None, receipt: str | None = None
+) -> None:
+    """End ``fit``'s record: finished with its exactly-once tally and its master's receipt (see
+    :meth:`TrainingPanel.end`), or failed."""
     if fit is not None:
-        client.sync(client.scheduler.dlscale_panel_end, fit=fit, exactly_once=exactly_once)
+        client.sync(client.scheduler.dlscale_panel_end, fit=fit, exactly_once=exactly_once, receipt=receipt)
 
 
 def url(client: Client, fit: str | None = "") -> str | None:

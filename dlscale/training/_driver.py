@@ -204,6 +204,7 @@ class FitRun:
         self._first_epoch = resume.first_epoch if resume is not None else self.network.epoch
         self.fit_id: str | None = None
         self.exactly_once: dict[str, int] | None = None  # the fit's tally, summed (its master sets it)
+        self.receipt: str | None = None  # what its master chose, why, predicted and measured (it sets it)
         self._progress: Progress | None = None
         self._panel: tuple[list[dict[str, Any]], list[float]] = [], []  # rounds' rows and seconds, not yet sent
         self._panel_sent = -math.inf  # when rounds last went to the panel (time.monotonic())
@@ -234,7 +235,10 @@ class FitRun:
                 self._progress.close()
             if error is None:
                 self.send_rounds(phases=True)
-            panel.close_fit(self.client, self.fit_id, self.exactly_once if error is None else None)
+            if error is None:
+                panel.close_fit(self.client, self.fit_id, self.exactly_once, self.receipt)
+            else:
+                panel.close_fit(self.client, self.fit_id)
             if self._shipped is not None:
                 alive = set(cluster_workers(self.client))  # a lost worker would take a timeout
                 self.client.run(

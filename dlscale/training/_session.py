@@ -241,7 +241,7 @@ class SessionRun:
         """The fit's closing line (its minibatches, seconds and trainers, all its segments; the receipt of
         what the master chose), and its exactly-once tally: into its statistics, a line when a worker
         was lost or anything was redone or lost, and the run's record (:mod:`dlscale.monitor.record`)."""
-        receipt = self.receipt()
+        receipt = self.run.receipt = self.receipt()
         logger.info(
             "%s: %d minibatches in %.2f s on %d trainers%s",
             self.master.approach,
