@@ -255,11 +255,12 @@ class _Averaging(SessionRun):
         run = self.run
         for report in progress["reports"]:
             end = max((m["end"] for m in report["members"]), default=self.last)
-            self._time(report["members"], max(0.0, end - self.last))
+            seconds = max(0.0, end - self.last)
+            self._time(report["members"], seconds)
             if self.measuring and not self.stopped:
-                self._measure(report, max(0.0, end - self.last))
+                self._measure(report, seconds)
             done_before = self.epochs_done()
-            self._report(report["members"], max(0.0, end - self.last), end)
+            self._report(report["members"], seconds, end)
             self.last = max(self.last, end)
             done_after = self.epochs_done()
             # an epoch's end seen in this batch of reports stays due
@@ -325,9 +326,15 @@ class _Averaging(SessionRun):
         return None
 
     def _time(self, members: list[dict[str, Any]], seconds: float) -> None:
-        """Keep a round's timing for the measures of the whole fit (:meth:`receipt`)."""
+        """Keep a round's measures for the choice and the whole fit's (:meth:`receipt`): the state's
+        size, the seconds stepped and minibatches fitted, and the round's timing."""
         if self.first_start is None:
             self.first_start = min((m["start"] for m in members), default=time.time())
+        fitted = sum(len(m["items"]) for m in members)
+        if fitted:
+            self.state_bytes = self._state_bytes(members) or self.state_bytes
+            self.steps[0] += sum(_stepping(m) for m in members)
+            self.steps[1] += fitted
         times = [m["last_exchange_seconds"] for m in members]
         if self._fitted and members and all(t == t for t in times):  # not a segment's first; NaN: no averaging yet
             self.timed.append((seconds, max(len(m["items"]) for m in members), min(times)))
@@ -343,7 +350,6 @@ class _Averaging(SessionRun):
             return
         step = sorted(_stepping(m) / len(m["items"]) for m in fitted)[len(fitted) // 2]
         frequency = max(len(m["items"]) for m in members)
-        self.state_bytes = self._state_bytes(members)
         measures = _choice.Measures.of_round(
             len(members), step, min(times), self.state_bytes, frequency, self.streaming, seconds
         )
@@ -411,9 +417,6 @@ class _Averaging(SessionRun):
         score = sum(m["score"] * m["examples"] for m in fitted) / examples if examples else float("nan")
         self.reported(items, score)
         self._fitted += len(items)
-        self.state_bytes = self._state_bytes(members) or self.state_bytes
-        self.steps[0] += sum(_stepping(m) for m in members)
-        self.steps[1] += len(items)
         rows = [
             {
                 "row": m["worker"],
