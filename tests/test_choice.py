@@ -62,6 +62,17 @@ def test_the_choice_is_the_smallest_frequency_within_tolerance_of_the_fastest(
         assert choose(measures(step, averaging, overhead), streaming, share, (low, high)) == expected
 
 
+@pytest.mark.parametrize(("share", "bounds", "expected"), [(80, (4, 30), 27), (40, (4, 30), 20), (31, (20, 30), 29)])
+def test_even_rounds_never_pass_the_bounds(share: int, bounds: tuple[int, int], expected: int) -> None:
+    """Rounds of averaging whose cost only longer rounds pay (the fastest at the high end, nothing
+    shorter within the tolerance): split evenly, rounded up they would pass the high end (80 in 2
+    rounds of 40, 40 in 1 of 40), so they split into as many more rounds as keep them within it
+    (3 of 27, 2 of 20); where even rounds would fall below the low end (31 in 2 of 16, under 20),
+    the smallest frequency within the tolerance itself (29: rounds within 5% of 30's speed)."""
+    m = measures(0.0003, 2.0, 0.0)
+    assert choose(m, False, share, bounds) == expected
+
+
 def test_a_fit_predicted_from_its_start_counts_its_edges_and_from_its_middle_what_has_elapsed() -> None:
     m = Measures(2, 0.01, 0.02, 1 << 20, 0.001, start=0.5, end=0.3)
     # 400 items, 2 trainers every 20: 10 rounds of 0.2 + 0.001 s (the averaging hidden)

@@ -10,8 +10,8 @@ against ``H`` for one trainer stepping alone at the same pace: the speedup over 
 frequency chosen is the smallest within ``[low, high]`` (the quality guard: what ``benchmarks.quality``
 shows keeps the benchmark models within a point of one process) whose predicted speed is within
 :data:`TOLERANCE` of the fastest there, rounded up so that a trainer's minibatches of an epoch split
-into rounds of about even length; a shorter round keeps the replicas closer (AdaComm's trade, made
-once from the measures).
+into rounds of about even length (unless that would pass ``high``); a shorter round keeps the
+replicas closer (AdaComm's trade, made once from the measures).
 """
 
 from __future__ import annotations
@@ -118,13 +118,17 @@ class Choice:
 def choose(measures: Measures, streaming: bool, share: int, bounds: tuple[int, int]) -> int:
     """The frequency for rounds of ``streaming`` (or not) given ``measures``: the smallest in ``bounds``
     (and at most ``share``, a trainer's minibatches of an epoch) within :data:`TOLERANCE` of the
-    fastest there, rounded up to split ``share`` into rounds of about even length."""
+    fastest there, rounded up to split ``share`` into rounds of about even length (down, where up
+    would pass ``high``; the smallest itself where even rounds do not fit the bounds)."""
     low, high = bounds
     high = max(1, min(high, share))
     low = min(low, high)
     best = measures.speedup(high, streaming)
     smallest = next(h for h in range(low, high + 1) if measures.speedup(h, streaming) >= (1 - TOLERANCE) * best)
-    return math.ceil(share / (share // smallest))  # as many rounds an epoch as it fits, about even
+    even = math.ceil(share / (share // smallest))  # as many rounds an epoch as it fits, about even
+    if even > high:  # rounds that long would pass the quality guard: as many more as keep them within it
+        even = math.ceil(share / math.ceil(share / high))
+    return even if even >= low else smallest
 
 
 def fit_speedup(
