@@ -264,7 +264,8 @@ def test_a_bound_that_fails_exits_1_and_is_named(tmp_path: Path) -> None:
     assert cert["command"][:3] == ["dlscale", "certify", "job.py"]
 
 
-TRAINING_JOB = """
+EPOCHS = 200  # a fit of about 4 s here, so that a kill every 2 s from the connection lands in it
+TRAINING_JOB = f"""
     import functools
     import torch
     import dlscale
@@ -281,7 +282,7 @@ TRAINING_JOB = """
     with SparkContext() as sc:
         rdd = sc.parallelize([DataSet(x[i : i + 16], y[i : i + 16]) for i in range(0, len(x), 16)], 4)
         master = ParameterAveragingTrainingMaster(16, averaging_frequency=5, rng_seed=1)
-        SparkNet(sc, net, master).fit(rdd, epochs=20)
+        SparkNet(sc, net, master).fit(rdd, epochs={EPOCHS})
     dlscale.report(accuracy=float((net.output(tx).argmax(1) == ty).float().mean()))
 """
 
@@ -303,7 +304,8 @@ def test_a_training_job_is_certified_under_kills(tmp_path: Path) -> None:
         assert set(run["metrics"]) == {"accuracy"} and run["metrics_from"] == "dlscale.report"
         assert len(run["fits"]) == 1
     assert runs["unfaulted"]["metrics"]["accuracy"] > 0.8
+    assert any(fit["workers_lost"] for fit in runs["faulted"]["fits"]), "no kill landed in the fit"
     for fit in runs["faulted"]["fits"]:
         assert fit["tally"]["lost"] == 0 and all(e["lost"] == 0 for e in fit["epochs"])
-        assert fit["tally"]["planned"] == 20 * 75 == sum(e["planned"] for e in fit["epochs"])
+        assert fit["tally"]["planned"] == EPOCHS * 75 == sum(e["planned"] for e in fit["epochs"])
     assert cert["time_ratio"] > 0 and cert["fit_time_ratio"] > 0

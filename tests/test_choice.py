@@ -8,11 +8,13 @@ import math
 
 import pytest
 
-from dlscale.training.averaging._choice import TOLERANCE, Choice, Measures, choose, fit_speedup
+from dlscale.training.averaging._choice import TOLERANCE, Choice, Measures, choose, fit_speedup, pace
 
 
-def measures(step: float, averaging: float, overhead: float = 0.0, trainers: int = 2) -> Measures:
-    return Measures(trainers, step, averaging, 1 << 20, overhead, 0.0, 0.0)
+def measures(
+    step: float, averaging: float, overhead: float = 0.0, trainers: int = 2, contention: float = 0.0
+) -> Measures:
+    return Measures(trainers, step, averaging, 1 << 20, overhead, 0.0, 0.0, contention)
 
 
 def test_streaming_hides_the_averaging_up_to_half_a_round() -> None:
@@ -23,6 +25,22 @@ def test_streaming_hides_the_averaging_up_to_half_a_round() -> None:
     assert m.round_at(20, streaming=True) == pytest.approx(0.2 + 0.002)
     assert measures(0.01, 0.16, 0.002).round_at(20, streaming=True) == pytest.approx(0.2 + 0.002 + 0.06)
     assert m.speedup(20, streaming=True) == pytest.approx(2 * 0.2 / 0.202)
+
+
+def test_the_averaging_in_flight_costs_a_streaming_round_what_it_took_from_its_steps() -> None:
+    """A round of 20 steps of 10 ms, 8 of them beside the last round's averaging and 3 ms slower each:
+    the pace is the undisturbed 10 ms and the 24 ms more a cost of every streaming round, however
+    long; rounds without streaming take the averaging whole and nothing beside it."""
+    step, contention = pace(20 * 0.01 + 8 * 0.003, 20, 8 * 0.013, 8)
+    assert step == pytest.approx(0.01) and contention == pytest.approx(0.024)
+    assert pace(0.2, 20, 0.0, 0) == pytest.approx((0.01, 0.0))  # nothing in flight: no contention
+    m = measures(step, 0.1, overhead=0.002, contention=contention)
+    for h in (20, 50):
+        assert m.round_at(h, streaming=True) == pytest.approx(h * 0.01 + 0.002 + 0.024)
+    assert m.round_at(20, streaming=False) == pytest.approx(0.2 + 0.002 + 0.1)
+    assert m.speedup(50, True) / m.speedup(20, True) == pytest.approx(0.226 / 0.2 * 0.5 / 0.526)
+    # its round measured gives back the overhead net of it
+    assert Measures.of_round(2, 0.01, 0.1, 1 << 20, 20, True, 0.226, 0.024).overhead == pytest.approx(0.002)
 
 
 def test_a_round_measured_gives_back_its_overhead_and_the_next_fit_its_end() -> None:
@@ -39,19 +57,20 @@ def test_a_round_measured_gives_back_its_overhead_and_the_next_fit_its_end() -> 
 
 @pytest.mark.parametrize(
     ("step", "averaging", "overhead", "share"),
-    list(itertools.product((0.0003, 0.004, 0.04), (0.001, 0.05, 0.4, 2.0), (0.0, 0.003), (45, 100, 7))),
+    list(itertools.product((0.0003, 0.004, 0.04), (0.001, 0.05, 0.4, 2.0), (0.0, 0.003, 0.08), (45, 100, 7))),
 )
 def test_the_choice_is_the_smallest_frequency_within_tolerance_of_the_fastest(
     step: float, averaging: float, overhead: float, share: int
 ) -> None:
     """Tried one by one: the speed of every frequency in the bounds (capped at a trainer's share of an
     epoch) from the round's time as the module's docstring states it; the smallest within 5% of the
-    fastest, then rounded up to split the share evenly."""
+    fastest, then rounded up to split the share evenly (a contention of a tenth of the averaging)."""
     low, high = 20, 50
+    contention = averaging / 10
     for streaming in (False, True):
 
         def speed(h: int, streaming: bool = streaming) -> float:
-            exposed = max(0.0, averaging - h * step / 2) if streaming else averaging
+            exposed = max(0.0, averaging - h * step / 2) + contention if streaming else averaging
             return h / (h * step + overhead + exposed)
 
         top = min(high, share)
@@ -59,7 +78,8 @@ def test_the_choice_is_the_smallest_frequency_within_tolerance_of_the_fastest(
         fastest = max(speed(h) for h in candidates)
         smallest = min(h for h in candidates if speed(h) >= (1 - TOLERANCE) * fastest)
         expected = math.ceil(share / (share // smallest))
-        assert choose(measures(step, averaging, overhead), streaming, share, (low, high)) == expected
+        m = measures(step, averaging, overhead, contention=contention)
+        assert choose(m, streaming, share, (low, high)) == expected
 
 
 @pytest.mark.parametrize(("share", "bounds", "expected"), [(80, (4, 30), 27), (40, (4, 30), 20), (31, (20, 30), 29)])
@@ -88,4 +108,6 @@ def test_the_receipt_says_what_was_chosen_why_and_both_speedups() -> None:
     )
     choice.measured = 1.7
     assert choice.line().endswith("predicted 1.82x, measured 1.70x one trainer")
+    choice.measures = measures(0.035, 0.21, contention=0.066)
+    assert "(a step 35 ms (+66 ms a round beside an averaging), an averaging 210 ms" in choice.line()
     assert choice.to_dict()["line"] == choice.line() and choice.to_dict()["measures"]["step"] == 0.035

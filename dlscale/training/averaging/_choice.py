@@ -1,12 +1,15 @@
 """How a parameter-averaging fit that is not told its averaging frequency chooses it, and the receipt it
 shows: the choice, what it was chosen from, the predicted speedup and the measured one.
 
-A round of ``H`` minibatches a trainer costs its steps, ``H * step``, what the round costs beyond its
-steps and its averaging (handing out shares, committing, taking the average: ``overhead``, measured),
-and the part of the averaging the trainers wait for: all of it without streaming, and with streaming
-what is left of it after half of the next round's steps (a trainer takes round ``k``'s average after
-half of round ``k + 1`` at the latest). ``W`` trainers then fit ``W * H`` minibatches in that time,
-against ``H`` for one trainer stepping alone at the same pace: the speedup over one trainer. The
+A round of ``H`` minibatches a trainer costs its steps, ``H * step`` (a step as long as it takes with
+no averaging in flight), what the round costs beyond its steps and its averaging (handing out shares,
+committing, taking the average: ``overhead``, measured), and the part of the averaging the trainers
+wait for: all of it without streaming, and with streaming what is left of it after half of the next
+round's steps (a trainer takes round ``k``'s average after half of round ``k + 1`` at the latest) and
+the CPU the averaging in flight takes from the steps it overlaps (``contention``: on cores shared by
+the trainers and their workers' comms, those steps are slower; a cost a round, however long). ``W``
+trainers then fit ``W * H`` minibatches in that time, against ``H`` for one trainer stepping alone at
+the undisturbed pace: the speedup over one trainer. The
 frequency chosen is the smallest within ``[low, high]`` (the quality guard: what ``benchmarks.quality``
 shows keeps the benchmark models within a point of one process) whose predicted speed is within
 :data:`TOLERANCE` of the fastest there, rounded up so that a trainer's minibatches of an epoch split
@@ -27,11 +30,13 @@ TOLERANCE = 0.05  # the speed a shorter round may give up against the fastest fr
 
 @dataclasses.dataclass(frozen=True)
 class Measures:
-    """What averaged rounds measured: ``trainers`` of them, a ``step`` (seconds a minibatch, fitting and
-    reading), an ``averaging`` (seconds a round's allreduce of ``state_bytes`` took, parts in flight
-    included), a round's ``overhead`` beyond its steps and the averaging waited for, and what a fit
-    costs before its first round (``start``: the trainers started) and after its last (``end``: the
-    state taken back), measured over a fit, or estimated from the averaging before one ended."""
+    """What averaged rounds measured: ``trainers`` of them, a ``step`` (seconds a minibatch with no
+    averaging in flight, fitting and reading), an ``averaging`` (seconds a round's allreduce of
+    ``state_bytes`` took, parts in flight included), a round's ``overhead`` beyond its steps and the
+    averaging waited for, what a fit costs before its first round (``start``: the trainers started)
+    and after its last (``end``: the state taken back), measured over a fit, or estimated from the
+    averaging before one ended, and the seconds a streaming round's steps lose to the averaging in
+    flight beside them (``contention``)."""
 
     trainers: int
     step: float
@@ -40,6 +45,7 @@ class Measures:
     overhead: float
     start: float
     end: float
+    contention: float = 0.0
 
     @classmethod
     def of_round(
@@ -51,12 +57,13 @@ class Measures:
         frequency: int,
         streaming: bool,
         seconds: float,
+        contention: float = 0.0,
     ) -> Measures:
         """From one round of ``frequency`` minibatches a trainer that took ``seconds``; a fit's end
         estimated as the last averaging, taken whole, and the state sent back once at the rate the
         averaging moved it (its start is not known yet: it has passed)."""
-        m = cls(trainers, step, averaging, state_bytes, 0.0, 0.0, 0.0)
-        overhead = max(0.0, seconds - frequency * step - m.exposed(frequency, streaming))
+        m = cls(trainers, step, averaging, state_bytes, 0.0, 0.0, 0.0, contention)
+        overhead = max(0.0, seconds - frequency * step - m.taken(streaming) - m.exposed(frequency, streaming))
         end = averaging * (1 + trainers / (2 * max(1, trainers - 1)))
         return dataclasses.replace(m, overhead=overhead, end=end)
 
@@ -64,9 +71,13 @@ class Measures:
         """Seconds of a round's averaging the trainers wait for at ``frequency``."""
         return max(0.0, self.averaging - frequency * self.step / 2) if streaming else self.averaging
 
+    def taken(self, streaming: bool) -> float:
+        """Seconds a round's steps lose to its averaging in flight: streaming's alone overlaps them."""
+        return self.contention if streaming else 0.0
+
     def round_at(self, frequency: int, streaming: bool) -> float:
         """The predicted seconds of a round of ``frequency`` minibatches a trainer."""
-        return frequency * self.step + self.overhead + self.exposed(frequency, streaming)
+        return frequency * self.step + self.overhead + self.taken(streaming) + self.exposed(frequency, streaming)
 
     def speedup(self, frequency: int, streaming: bool) -> float:
         """Rounds of ``frequency`` against one trainer stepping alone at the measured step."""
@@ -98,9 +109,10 @@ class Choice:
         m = self.measures
         rate = m.rate()
         link = f"{format_bytes(rate)}/s" if math.isfinite(rate) else "no averaging"
+        beside = f" (+{_seconds(m.contention)} a round beside an averaging)" if self.streaming and m.contention else ""
         return (
-            f"a step {_seconds(m.step)}, an averaging {_seconds(m.averaging)} of {format_bytes(m.state_bytes)} "
-            f"({link}), {m.trainers} trainers, measured in {self.source}"
+            f"a step {_seconds(m.step)}{beside}, an averaging {_seconds(m.averaging)} of "
+            f"{format_bytes(m.state_bytes)} ({link}), {m.trainers} trainers, measured in {self.source}"
         )
 
     def line(self) -> str:
@@ -129,6 +141,14 @@ def choose(measures: Measures, streaming: bool, share: int, bounds: tuple[int, i
     if even > high:  # rounds that long would pass the quality guard: as many more as keep them within it
         even = math.ceil(share / math.ceil(share / high))
     return even if even >= low else smallest
+
+
+def pace(stepped: float, steps: int, late_seconds: float, late_steps: int) -> tuple[float, float]:
+    """Seconds a step with no averaging in flight, and what the ``late_steps`` taken with one in flight
+    (streaming) took beyond that pace (the CPU the averaging took from them), from ``stepped`` seconds
+    of ``steps`` steps, of which ``late_seconds`` went to the late ones."""
+    free = (stepped - late_seconds) / (steps - late_steps) if steps > late_steps else stepped / max(1, steps)
+    return max(0.0, free), max(0.0, late_seconds - late_steps * free)
 
 
 def fit_speedup(

@@ -288,6 +288,7 @@ class _Trainer:
         start, t0 = time.time(), time.perf_counter()
         examples, score, waited = 0, float("nan"), 0.0
         late, latest, averaging = 0, (len(items) + 1) // 2, 0.0
+        late_seconds = 0.0  # the steps taken with the last round's averaging in flight
         losses = []  # where the network computes, unread until the round's steps are queued
         batches = prefetch([self.refs[i % n] for i in items], self.loader, self.spec.prefetch)
         try:
@@ -304,6 +305,7 @@ class _Trainer:
                 if pending is not None:
                     late += 1
                     if pending.poll() or late >= latest:
+                        late_seconds = time.perf_counter() - t0 - waited
                         averaging = self._finish(pending)
                         pending = None
             if pending is not None:  # an empty share
@@ -332,6 +334,7 @@ class _Trainer:
             "start": start,
             "end": time.time(),
             "late_steps": late,
+            "late_seconds": late_seconds,
             "averaging_seconds": averaging,
         }
 

@@ -185,7 +185,10 @@ class _Averaging(SessionRun):
         # chosen from this fit's first rounds (a lone trainer never averages: nothing to choose)
         self.measuring = given is None and master._measures is None and len(run.workers) > 1
         self.frequency: int = given or self.bounds[0]
-        self.steps = [0.0, 0]  # seconds stepping and minibatches fitted, over every trainer's rounds
+        # over every trainer's rounds: seconds stepping and minibatches fitted; of them, with the last
+        # round's averaging in flight (streaming), and the trainers' rounds that had such steps
+        self.steps = [0.0, 0]
+        self.late = [0.0, 0, 0]
         self.timed: list[tuple[float, int, float]] = []  # rounds after a segment's first: seconds, frequency, averaging
         self.first_start: float | None = None  # when the fit's first round began (time.time())
         self.state_bytes = master._measures.state_bytes if master._measures is not None else 0
@@ -335,6 +338,9 @@ class _Averaging(SessionRun):
             self.state_bytes = self._state_bytes(members) or self.state_bytes
             self.steps[0] += sum(_stepping(m) for m in members)
             self.steps[1] += fitted
+            self.late[0] += sum(m["late_seconds"] for m in members)
+            self.late[1] += sum(m["late_steps"] for m in members)
+            self.late[2] += sum(1 for m in members if m["late_steps"])
         times = [m["last_exchange_seconds"] for m in members]
         if self._fitted and members and all(t == t for t in times):  # not a segment's first; NaN: no averaging yet
             self.timed.append((seconds, max(len(m["items"]) for m in members), min(times)))
@@ -348,10 +354,11 @@ class _Averaging(SessionRun):
         times = [m["last_exchange_seconds"] for m in members]
         if len(members) < 2 or not fitted or not all(t == t for t in times):
             return
-        step = sorted(_stepping(m) / len(m["items"]) for m in fitted)[len(fitted) // 2]
+        paces = [_choice.pace(_stepping(m), len(m["items"]), m["late_seconds"], m["late_steps"]) for m in fitted]
+        step, contention = (float(np.median(p)) for p in zip(*paces, strict=True))
         frequency = max(len(m["items"]) for m in members)
         measures = _choice.Measures.of_round(
-            len(members), step, min(times), self.state_bytes, frequency, self.streaming, seconds
+            len(members), step, min(times), self.state_bytes, frequency, self.streaming, seconds, contention
         )
         self._choose(measures, "this fit")
         owner = None if self.owner is None else {str(i): w for i, w in self.owner.items()}
@@ -381,16 +388,17 @@ class _Averaging(SessionRun):
         logger.debug("parameter averaging: %s", self.choice.line())
 
     def receipt(self) -> str | None:
-        """The choice with the fit's measured speedup over one trainer (its minibatches at the mean step
-        its trainers took, against the seconds since the fit began); the whole fit's measures, of two
-        trainers or more, are kept for the next fit of the master to choose from."""
+        """The choice with the fit's measured speedup over one trainer (its minibatches at the pace its
+        trainers stepped with no averaging in flight, against the seconds since the fit began); the whole
+        fit's measures, of two trainers or more, are kept for the next fit of the master to choose from."""
         spent, fitted = self.steps
+        step, contention = _choice.pace(spent, fitted, self.late[0], self.late[1])
+        contention /= max(1, self.late[2])
         seconds = time.time() - self.run.began
         if self.timed and fitted and self.first_start is not None and len(self.run.workers) > 1:
-            step = spent / fitted
             averaging = float(np.median([a for _, _, a in self.timed]))
-            m = _choice.Measures(len(self.run.workers), step, averaging, self.state_bytes, 0.0, 0.0, 0.0)
-            overhead = [s - h * step - m.exposed(h, self.streaming) for s, h, _ in self.timed]
+            m = _choice.Measures(len(self.run.workers), step, averaging, self.state_bytes, 0.0, 0.0, 0.0, contention)
+            overhead = [s - h * step - m.taken(self.streaming) - m.exposed(h, self.streaming) for s, h, _ in self.timed]
             self.master._measures = dataclasses.replace(
                 m,
                 overhead=max(0.0, float(np.median(overhead))),
@@ -400,7 +408,7 @@ class _Averaging(SessionRun):
         if self.choice is None:
             return None
         if fitted and seconds > 0:
-            self.choice.measured = spent / seconds
+            self.choice.measured = fitted * step / seconds
         if self.run.stats is not None:
             self.run.stats.choice = self.choice.to_dict()
         return self.choice.line()
