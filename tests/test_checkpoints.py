@@ -106,6 +106,29 @@ def test_averaging_resumed_from_any_checkpoint_ends_as_the_uninterrupted_fit(sc:
         assert torch.equal(resumed.params(), whole.params()), checkpoint
 
 
+def test_a_fit_goes_on_after_each_checkpoint_with_its_trainers_parked(
+    sc: SparkContext, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A segment after a checkpoint goes on with the replicas its trainers parked: the network is sent
+    once for the fit, where without parked trainers it is sent again for each of its 7 segments after
+    the first, and both fits end alike."""
+    from dlscale.training._driver import FitRun
+
+    sent: list[int] = []
+    reship = FitRun.reship
+    monkeypatch.setattr(FitRun, "reship", lambda run: (sent.append(1), reship(run))[1])
+    rdd, nets = _rdd(sc), []
+    for keep in (True, False):
+        sent.clear()
+        nets.append(_net())
+        spark_net = SparkNet(sc, nets[-1], ParameterAveragingTrainingMaster(16, averaging_frequency=2, rng_seed=1))
+        spark_net.set_listeners(CheckpointListener(str(tmp_path / str(keep)), save_every_n_iterations=8))
+        with dask.config.set({"dlscale.training.keep-trainers": keep}):
+            spark_net.fit(rdd, epochs=3)
+        assert len(sent) == (0 if keep else 7)
+    assert torch.equal(nets[0].params(), nets[1].params())
+
+
 def test_a_checkpoint_of_another_fit_is_refused(sc: SparkContext, tmp_path: Path) -> None:
     rdd = _rdd(sc)
     listener = CheckpointListener(str(tmp_path), save_every_n_epochs=1)

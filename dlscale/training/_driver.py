@@ -11,6 +11,7 @@ leave the network's counters as they were.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import secrets
@@ -36,7 +37,7 @@ from dlscale.runtime.cluster import PauseWatch, cluster_workers
 from dlscale.runtime.extensions import install
 from dlscale.runtime.retirement import RETIREMENT
 from dlscale.training import _worker
-from dlscale.training.checkpoints import CheckpointListener, FitPosition, checkpointers, network_with
+from dlscale.training.checkpoints import CheckpointListener, FitPosition, checkpointers
 
 if TYPE_CHECKING:
     from dlscale.training._sources import Minibatches
@@ -299,22 +300,15 @@ class FitRun:
         steps = [c.iterations_to_due(self.network.iteration) for c in self.checkpointers]
         return min([bound, *(s for s in steps if s is not None)])
 
-    def write_checkpoint(
-        self, due: list[CheckpointListener], position: FitPosition, state: Callable[[Network], None]
-    ) -> None:
-        """Write a checkpoint at ``position`` for the listeners ``due``: the driver's network changed by
-        ``state`` (which sets the fit's state there on it), on a copy."""
+    def write_checkpoint(self, due: list[CheckpointListener], position: FitPosition) -> None:
+        """Write a checkpoint at ``position`` for the listeners ``due``: the driver's network as a segment
+        of the fit left it, on a copy counting the epochs done there."""
         if not due:
             return
-        network = network_with(self.network, state)
+        network = copy.deepcopy(self.network)
         network.epoch = max(network.epoch, self.first_epoch + position.epoch)
         for listener in due:
             listener.save(network, position)
-
-    def checkpoint(self, position: FitPosition, state: Callable[[Network], None]) -> None:
-        """:meth:`write_checkpoint` for the listeners that want one at ``position``, a round's end."""
-        epoch_end = position.rounds == 0
-        self.write_checkpoint(self.checkpoints_due(position.epoch if epoch_end else None), position, state)
 
     def reship(self) -> None:
         """Put the driver's network, as it is now, in place of the one the fit began with (a fit that

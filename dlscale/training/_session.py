@@ -210,15 +210,12 @@ class SessionRun:
                 client.publish_dataset(**{self.batches.loader.dataset: self.held})
             segment = 0
             while remaining:
-                if segment:  # the fit goes on from a segment's end: the network and the workers there now
-                    self._forget(keep=None)
-                    self.resend()
-                    self.warm = None
-                    self.trainers = self.place(workers(client))
+                if segment:  # the fit goes on from a segment's end
+                    self._go_on()
                 self.session = f"{self.fit}-{segment}"
                 remaining, due = self._segment(remaining)
                 epoch = min(remaining) // self.n if remaining else run.epochs
-                run.write_checkpoint(due, run.position(epoch, remaining=tuple(remaining)), lambda network: None)
+                run.write_checkpoint(due, run.position(epoch, remaining=tuple(remaining)))
                 segment += 1
             self._close(time.perf_counter() - started)
             if self.complete and self.config.keep_trainers:  # every trainer parked: the next fit goes on with them
@@ -347,22 +344,41 @@ class SessionRun:
         warm, self.master._warm = self.master._warm, None
         if warm is None:
             return None
-        nodes = sorted({w for _, (w, _) in warm.trainers})
-        self.parked[warm.session] = nodes
-        alive = set(cluster_workers(self.client))
+        self.parked[warm.session] = sorted({w for _, (w, _) in warm.trainers})
         usable = (
             self.run.resume is None
             and self.run.parked_network
-            and alive.issuperset(nodes)
             and warm.trainers == tuple(sorted(self.trainers.items()))
+            and self._held(warm.session)
         )
-        if usable:
-            held = self.client.run(_parked_here, self.extension.name, warm.session, workers=nodes)
-            usable = all(held[w] == sorted(i for _, (v, i) in warm.trainers if v == w) for w in nodes)
         if not usable:
             self._forget(keep=None)
             return None
         return warm.session
+
+    def _go_on(self) -> None:
+        """Before a segment after the first: its trainers go on with the replicas the last segment's
+        parked, if every one of them returned the state now on the driver's network (a checkpoint is
+        written from a copy) and they are where the new segment would place them; otherwise the
+        driver's network goes to the workers there now (a worker joined, one was lost)."""
+        trainers = self.place(workers(self.client))
+        if self.complete and self.config.keep_trainers and trainers == self.trainers and self._held(self.session):
+            self._forget(keep=self.session)
+            self.warm = self.session
+            return
+        self._forget(keep=None)
+        self.resend()
+        self.warm = None
+        self.trainers = trainers
+
+    def _held(self, session: str) -> bool:
+        """Whether the workers of :attr:`trainers` are alive and hold the replicas ``session`` parked for
+        them (a worker restarted holds none)."""
+        nodes = self.nodes()
+        if not set(cluster_workers(self.client)).issuperset(nodes):
+            return False
+        held = self.client.run(_parked_here, self.extension.name, session, workers=nodes)
+        return all(held[w] == sorted(i for v, i in self.trainers.values() if v == w) for w in nodes)
 
     def _forget(self, keep: str | None) -> None:
         """Drop what the sessions of this fit (and the last fit's) parked on their workers, but ``keep``'s."""

@@ -16,7 +16,6 @@ import copy
 import dataclasses
 import re
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -231,10 +230,3 @@ def restore(network: Network, saved: Network) -> None:
 def checkpointers(listeners: list[TrainingListener] | tuple[TrainingListener, ...]) -> list[CheckpointListener]:
     """The checkpoint listeners among ``listeners``."""
     return [listener for listener in listeners if isinstance(listener, CheckpointListener)]
-
-
-def network_with(network: Network, apply: Callable[[Network], None]) -> Network:
-    """A copy of ``network`` changed by ``apply`` (the driver's network keeps its state until the fit ends)."""
-    out = copy.deepcopy(network)
-    apply(out)
-    return out
