@@ -63,7 +63,7 @@ class Measures:
         estimated as the last averaging, taken whole, and the state sent back once at the rate the
         averaging moved it (its start is not known yet: it has passed)."""
         m = cls(trainers, step, averaging, state_bytes, 0.0, 0.0, 0.0, contention)
-        overhead = max(0.0, seconds - frequency * step - m.taken(streaming) - m.exposed(frequency, streaming))
+        overhead = max(0.0, seconds - m.round_at(frequency, streaming))  # m's overhead is 0: what is left
         end = averaging * (1 + trainers / (2 * max(1, trainers - 1)))
         return dataclasses.replace(m, overhead=overhead, end=end)
 
@@ -71,13 +71,11 @@ class Measures:
         """Seconds of a round's averaging the trainers wait for at ``frequency``."""
         return max(0.0, self.averaging - frequency * self.step / 2) if streaming else self.averaging
 
-    def taken(self, streaming: bool) -> float:
-        """Seconds a round's steps lose to its averaging in flight: streaming's alone overlaps them."""
-        return self.contention if streaming else 0.0
-
     def round_at(self, frequency: int, streaming: bool) -> float:
-        """The predicted seconds of a round of ``frequency`` minibatches a trainer."""
-        return frequency * self.step + self.overhead + self.taken(streaming) + self.exposed(frequency, streaming)
+        """The predicted seconds of a round of ``frequency`` minibatches a trainer (streaming's averaging
+        alone overlaps the steps: its contention)."""
+        taken = self.contention if streaming else 0.0
+        return frequency * self.step + self.overhead + taken + self.exposed(frequency, streaming)
 
     def speedup(self, frequency: int, streaming: bool) -> float:
         """Rounds of ``frequency`` against one trainer stepping alone at the measured step."""

@@ -398,7 +398,7 @@ class _Averaging(SessionRun):
         if self.timed and fitted and self.first_start is not None and len(self.run.workers) > 1:
             averaging = float(np.median([a for _, _, a in self.timed]))
             m = _choice.Measures(len(self.run.workers), step, averaging, self.state_bytes, 0.0, 0.0, 0.0, contention)
-            overhead = [s - h * step - m.taken(self.streaming) - m.exposed(h, self.streaming) for s, h, _ in self.timed]
+            overhead = [s - m.round_at(h, self.streaming) for s, h, _ in self.timed]  # m's overhead is 0
             self.master._measures = dataclasses.replace(
                 m,
                 overhead=max(0.0, float(np.median(overhead))),
