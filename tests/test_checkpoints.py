@@ -129,6 +129,39 @@ def test_a_fit_goes_on_after_each_checkpoint_with_its_trainers_parked(
     assert torch.equal(nets[0].params(), nets[1].params())
 
 
+@pytest.mark.parametrize("streaming", [False, True], ids=["rounds", "streaming"])
+def test_checkpoints_at_epochs_ends_are_written_while_the_trainers_go_on(
+    sc: SparkContext, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, streaming: bool
+) -> None:
+    """A checkpoint at each epoch's end is written from the average the trainers kept aside there, and the
+    fit goes on in its one session; each is the network at its epoch's end: a fit resumed from it ends as
+    the uninterrupted one (rounds; streaming rounds take averages when they come, so there it ends
+    at the same place, after the same minibatches)."""
+    from dlscale.training._session import SessionRun
+
+    segments: list[int] = []
+    segment = SessionRun._segment
+    monkeypatch.setattr(SessionRun, "_segment", lambda run, order: (segments.append(1), segment(run, order))[1])
+    rdd, whole = _rdd(sc), _net()
+    master = functools.partial(ParameterAveragingTrainingMaster, 16, averaging_frequency=4, streaming=streaming)
+    listener = CheckpointListener(str(tmp_path), save_every_n_epochs=1)
+    spark_net = SparkNet(sc, whole, master(rng_seed=1))
+    spark_net.set_listeners(listener)
+    spark_net.fit(rdd, epochs=3)
+    assert len(segments) == 1
+    checkpoints = listener.available_checkpoints()
+    # a checkpoint at each epoch's end (20 iterations an epoch), the last the fit's
+    assert [(c.epoch, c.iteration) for c in checkpoints] == [(1, 20), (2, 40), (3, 60)]
+    saved, _ = load_checkpoint(checkpoints[-1].url, like=_net())
+    assert torch.equal(saved.params(), whole.params())
+    for checkpoint in checkpoints[:2]:
+        resumed = _net()
+        SparkNet(sc, resumed, master()).fit(rdd, epochs=3, resume_from=checkpoint.url)
+        assert (resumed.iteration, resumed.epoch) == (60, 3)
+        if not streaming:
+            assert torch.equal(resumed.params(), whole.params()), checkpoint
+
+
 def test_a_checkpoint_of_another_fit_is_refused(sc: SparkContext, tmp_path: Path) -> None:
     rdd = _rdd(sc)
     listener = CheckpointListener(str(tmp_path), save_every_n_epochs=1)

@@ -300,12 +300,17 @@ class FitRun:
         steps = [c.iterations_to_due(self.network.iteration) for c in self.checkpointers]
         return min([bound, *(s for s in steps if s is not None)])
 
-    def write_checkpoint(self, due: list[CheckpointListener], position: FitPosition) -> None:
+    def write_checkpoint(
+        self, due: list[CheckpointListener], position: FitPosition, state: dict[str, Any] | None = None
+    ) -> None:
         """Write a checkpoint at ``position`` for the listeners ``due``: the driver's network as a segment
-        of the fit left it, on a copy counting the epochs done there."""
+        of the fit left it, or with ``state`` (a network's state as its trainers hold it at ``position``,
+        while they go on), on a copy counting the epochs done there."""
         if not due:
             return
         network = copy.deepcopy(self.network)
+        if state is not None:
+            _worker.apply_state(network, state, copy=False)
         network.epoch = max(network.epoch, self.first_epoch + position.epoch)
         for listener in due:
             listener.save(network, position)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dlscale.nn.network import Network
+from dlscale.nn.network import Network, cpu_copy
 
 
 def _plain(value: Any) -> Any:
@@ -137,6 +137,22 @@ class FlatState:
         if self._averages[self._turn].numel() != length:
             self._averages[self._turn] = torch.empty(length, dtype=torch.float32, device=self.params.device)
         return self._averages[self._turn]
+
+    def averaged(self, average: torch.Tensor, layout: list[list[Any]], carried: bool) -> dict[str, Any]:
+        """A CPU copy of the state that a round's ``average`` (laid out by ``layout``), just taken, stands
+        for, as ``state_of`` gives a network's: the averaged parameters (the anchor once the average was
+        carried over, :meth:`settle`; else the parameters), the buffers and optimizer state as averaged
+        (a streaming trainer's own hold its progress since), and the values set aside as taken."""
+        buffers = {name: cpu_copy(b) for name, b in self.network.module.named_buffers()}
+        optimizer = cpu_copy(self.network.optimizer_state()) if self.with_optimizer else None
+        for name, value in self._laid_out(average, layout):
+            kind, _, rest = name.partition("/")
+            if kind == "buffer":
+                buffers[rest] = cpu_copy(value)
+            elif optimizer is not None:
+                index, _, key = rest.partition("/")
+                optimizer["state"][int(index)][key] = cpu_copy(value)
+        return {"params": cpu_copy(self.anchor if carried else self.params), "buffers": buffers, "optimizer": optimizer}
 
     def apply(
         self,

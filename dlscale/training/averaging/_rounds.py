@@ -24,6 +24,10 @@ averaging is in flight) is handed round ``k + 1`` with round ``k`` and round ``k
 round ``k``. So a lost trainer's shares of the rounds handed out to anyone go to rounds inserted
 after the last of them (one for each, so that a round's items stay in one epoch), never into a
 share handed out, and items are taken back only from rounds not yet handed out.
+
+A round handed out as the last of an epoch whose end a checkpoint wants (``snapshot_epochs``) says so
+(``"snapshot"``): its trainers keep its average aside for the driver, which writes the checkpoint from
+it while they go on.
 """
 
 from __future__ import annotations
@@ -111,6 +115,8 @@ class Rounds:
         self.failed_by: str | None = None
         self.joined: set[str] = set()
         self.version = 0
+        self.snapshot_epochs: set[int] = set()  # epochs of the fit whose last round's average is kept
+        self.per_epoch = 0  # work items an epoch of the fit (item // per_epoch: its epoch)
 
     # -- what the session is ----------------------------------------------------------------
     def _members(self, r: Round) -> tuple[str, ...]:
@@ -144,9 +150,20 @@ class Rounds:
         r = self.rounds[k]
         r.handed.add(trainer)
         reply = {"end": False, "round": k, "items": list(r.shares.get(trainer, [])), **self.sync(trainer, k)}
+        if self._ends_snapshot_epoch(k):
+            reply["snapshot"] = True
         if ahead:
             reply["next"] = self.begin(trainer, k + 1, ahead - 1)
         return reply
+
+    def _ends_snapshot_epoch(self, k: int) -> bool:
+        """Whether round ``k`` is, as planned now, the last of an epoch in :attr:`snapshot_epochs` (a round
+        inserted later for a lost trainer's items may end that epoch instead: the driver then stops)."""
+        if not self.snapshot_epochs:
+            return False
+        epochs = [{i // self.per_epoch for i in r.items()} for r in self.rounds[k : k + 2]]
+        last = len(epochs) == 1 or epochs[0] != epochs[1]
+        return len(epochs[0]) == 1 and epochs[0] <= self.snapshot_epochs and last
 
     def sync(self, trainer: str, k: int) -> dict[str, Any]:
         """Round ``k``'s averaging as ``trainer`` is to take part in it now."""

@@ -85,14 +85,18 @@ class AveragingSchedulerPlugin(SessionSchedulerPlugin[AveragingSession]):
         plan: list[dict[str, list[int]]],
         worker_of: dict[str, str],
         stop_at: int | None = None,
+        snapshot_epochs: list[int] = (),
+        per_epoch: int = 0,
         fit: str | None = None,
         client: str | None = None,
     ) -> None:
         """Start a session: its rounds, its trainers (by worker), the round it stops before (a checkpoint
-        due then), the fit it is part of and the driver's ``client``. The driver, which hears of every
-        settled round, writes the training page's rows."""
+        due then), the epochs of the fit (``per_epoch`` items each) at whose end its trainers keep the
+        average for a checkpoint, the fit it is part of and the driver's ``client``. The driver, which
+        hears of every settled round, writes the training page's rows."""
         s = AveragingSession(session, plan, worker_of, self.scheduler.workers, fit or session, client)
         s.stop_at = stop_at
+        s.snapshot_epochs, s.per_epoch = set(snapshot_epochs), per_epoch
         self.sessions[session] = s
 
     def close_session(self, session: str) -> list[int]:

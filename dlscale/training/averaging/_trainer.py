@@ -164,6 +164,7 @@ class _Trainer:
         # status, heard before the loss, still names one is asked of the scheduler at once rather than
         # after waiting ``poll`` seconds for a part that cannot come
         self.gone: set[str] = set()
+        self.snapshots: set[int] = set()  # rounds handed out whose average is kept aside for a checkpoint
 
     def _send(self, peer: str, key: tuple[int, int, int], header: dict[str, Any], payload: Any) -> None:
         self.plugin.send(self.session, peer, key, header, payload)
@@ -181,7 +182,7 @@ class _Trainer:
         net, spec = self.network, self.spec
         self.flat = FlatState(net, spec.save_updater)
         self.outer = _Outer(spec.outer_optimizer, self.flat) if spec.outer_optimizer is not None else None
-        self.shares, self.statuses = _handed(self.control("begin", round=0, ahead=self.ahead))
+        self._handed(self.control("begin", round=0, ahead=self.ahead))
         k, staying = 0, False
         pending: _RoundAverage | None = None  # streaming: the last round's averaging, in flight
         while True:
@@ -257,11 +258,28 @@ class _Trainer:
                 f"trainer {self.name}: the scheduler took another attempt's average of a round whose every "
                 "part this trainer held; the parameter-averaging protocol is broken"
             )
-        shares, statuses = _handed(reply)
-        self.shares.update(shares)
-        self.statuses.update(statuses)
+        self._handed(reply)
         if "current" in reply:
             self.statuses[k + 1] = reply["current"]
+
+    def _handed(self, reply: dict[str, Any]) -> None:
+        """Take in the shares a ``begin`` or ``commit`` reply hands out, how each round's averaging stood
+        as it was handed out (each round's part of the reply carries it), and the rounds whose average
+        is to be kept aside for a checkpoint."""
+        while reply is not None and not reply["end"]:
+            k = reply["round"]
+            self.shares[k], self.statuses[k] = reply["items"], reply
+            if reply.get("snapshot"):
+                self.snapshots.add(k)
+            reply = reply.get("next")
+
+    def _snapshot(self, k: int, average: torch.Tensor, layout: list[list[Any]]) -> None:
+        """Round ``k``'s average, just taken, kept aside on the worker if the driver is to write a
+        checkpoint from it (the round ends an epoch one wants): the trainer goes on."""
+        if k in self.snapshots:
+            state = self.flat.averaged(average, layout, carried=self.spec.streaming)
+            self.plugin.snapshot(self.session, k, state)
+        self.snapshots = {j for j in self.snapshots if j > k}
 
     def _leave(self, k: int) -> str:
         """Leave the session before round ``k`` as this trainer's worker retires: ``"left"``; ``"stay"``
@@ -364,6 +382,7 @@ class _Trainer:
             return reply
         average, layout, kept = result
         self._take(average, layout, kept)
+        self._snapshot(k, average, layout)
         self.plugin.keep(self.session, k, attempt, {"layout": layout, "kept": kept}, average.cpu().numpy())
         return reply
 
@@ -386,6 +405,7 @@ class _Trainer:
                         self._hear()  # as _commit: the last commit's reply first
                         reply = self.control("commit", round=k, attempt=attempt, report=packed([]), ahead=self.ahead)
                         self._take(average, header["layout"], header["kept"])
+                        self._snapshot(k, average, header["layout"])
                         self.plugin.keep(self.session, k, attempt, header, average.cpu().numpy())
                         logger.info("trainer %s took round %d's average from %s", self.name, k, holder)
                         return reply
@@ -397,16 +417,6 @@ class _Trainer:
             time.sleep(self.spec.poll)
             status = self.control("sync", round=k)
             attempt, holders = status["committed"], status["holders"]
-
-
-def _handed(reply: dict[str, Any]) -> tuple[dict[int, list[int]], dict[int, dict[str, Any]]]:
-    """The shares a ``begin`` or ``commit`` reply hands out, and how each round's averaging stood as it
-    was handed out (each round's part of the reply carries it), by round."""
-    shares, statuses = {}, {}
-    while reply is not None and not reply["end"]:
-        shares[reply["round"]], statuses[reply["round"]] = reply["items"], reply
-        reply = reply.get("next")
-    return shares, statuses
 
 
 class _RoundAverage:

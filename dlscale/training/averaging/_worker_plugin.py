@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from distributed import Worker
 
 NAME = "dlscale-averaging"
+SNAPSHOTS = 4  # the averaged states a worker keeps for checkpoints, at most, a session (a round ending an epoch)
 
 
 class AveragingWorkerPlugin(SessionWorkerPlugin):
@@ -36,6 +37,7 @@ class AveragingWorkerPlugin(SessionWorkerPlugin):
         super().__init__()
         self.mailboxes: dict[str, Mailbox] = {}
         self.results: dict[str, tuple[int, int, dict[str, Any], Any]] = {}  # session: (round, attempt, header, array)
+        self.snapshots: dict[str, dict[int, dict[str, Any]]] = {}  # session: round: its averaged state
         self.comms: Outbox | None = None
 
     def setup(self, worker: Worker) -> None:
@@ -70,6 +72,7 @@ class AveragingWorkerPlugin(SessionWorkerPlugin):
     def close(self, session: str) -> None:
         self.mailboxes.pop(session, None)
         self.results.pop(session, None)
+        self.snapshots.pop(session, None)
 
     def park(self, session: str, network: Any | None) -> None:
         """Keep the replica that the trainer of ``session`` trained for the next fit (``None``: keep
@@ -85,6 +88,21 @@ class AveragingWorkerPlugin(SessionWorkerPlugin):
     def keep(self, session: str, round: int, attempt: int, header: dict[str, Any], array: Any) -> None:
         """Hold round ``round``'s average for peers that missed part of it (until the next round's)."""
         self.results[session] = (round, attempt, header, array)
+
+    def snapshot(self, session: str, round: int, state: dict[str, Any]) -> None:
+        """Keep round ``round``'s averaged state (a CPU copy) until the driver takes it for a checkpoint;
+        the :data:`SNAPSHOTS` latest at most (a driver that lags that far stops the session instead)."""
+        kept = self.snapshots.setdefault(session, {})
+        kept[round] = state
+        for old in sorted(kept)[:-SNAPSHOTS]:
+            kept.pop(old, None)
+
+    def take_snapshot(self, session: str, round: int) -> dict[str, Any] | None:
+        """Round ``round``'s averaged state, taken away (``None`` if it is not held), with any older."""
+        kept = self.snapshots.get(session, {})
+        for old in [r for r in list(kept) if r < round]:
+            kept.pop(old, None)
+        return kept.pop(round, None)
 
     def send(self, session: str, peer: str, key: tuple[int, int, int], header: dict[str, Any], payload: Any) -> None:
         """Send a part to ``peer`` from any thread, without waiting (see :meth:`Outbox.send`)."""

@@ -152,6 +152,11 @@ def _probe_parked(session: str, ref: Any, loader: Any) -> None:
     network.score(next(prefetch([ref], loader, 0)))
 
 
+def _take_snapshot(session: str, round: int, dask_worker: Any = None) -> dict[str, Any] | None:
+    """Round ``round``'s averaged state, which this worker's trainer kept aside for a checkpoint."""
+    return plugin(dask_worker).take_snapshot(session, round)
+
+
 def _stepping(member: dict[str, Any]) -> float:
     """The seconds a round's member spent in its steps: fitting, neither reading minibatches (the
     first epoch's, before they are kept loaded) nor taking an average."""
@@ -223,8 +228,17 @@ class _Averaging(SessionRun):
         self.due: list[Any] = []
         self.stopped = False
         self._fitted = 0
+        self.segment_order = order  # the work items of the segment, in order
         self.last = time.time()  # the end of the round before the next one reported, by the members' clocks
-        return {"plan": plan, "stop_at": self._stop_before(plan)}
+        # checkpoints at an epoch's end are written from the average its last round's trainers keep aside,
+        # while they go on (a lone trainer averages nothing: its segment ends there)
+        run = self.run
+        kept = [
+            e
+            for e in range(run.epochs)
+            if len(nodes) > 1 and any(c.wants_epoch_end(run.first_epoch + e + 1) for c in run.checkpointers)
+        ]
+        return {"plan": plan, "stop_at": self._stop_before(plan, kept), "snapshot_epochs": kept, "per_epoch": self.n}
 
     def submit(self, trainer: str, worker: str, local: int, k: int) -> Future:
         """The trainer on ``worker``: on the network sent, or (:attr:`warm`) on the replica parked there."""
@@ -268,7 +282,9 @@ class _Averaging(SessionRun):
             done_after = self.epochs_done()
             # an epoch's end seen in this batch of reports stays due
             ended = done_after if done_after > done_before else None
-            self.due += [c for c in run.checkpoints_due(ended) if c not in self.due]
+            due = [c for c in run.checkpoints_due(ended) if c not in self.due]
+            if due and (self.stopped or not self._write_snapshot(report, due)):
+                self.due += due
         run.send_rounds()
         if progress["lost"]:
             self._note_lost(list(cluster_workers(self.client)))
@@ -309,9 +325,26 @@ class _Averaging(SessionRun):
                 stacklevel=6,
             )
 
-    def _stop_before(self, plan: list[dict[str, list[int]]]) -> int | None:
+    def _write_snapshot(self, report: dict[str, Any], due: list[Any]) -> bool:
+        """Write the checkpoints ``due`` at the end of the settled round ``report`` from the average its
+        trainers kept aside, taken from one of them; returns whether one held it (a round that did not
+        end an epoch a checkpoint wants, or one whose holders lag or were lost, did not keep it)."""
+        session, k = self.session, report["round"]
+        for worker in dict.fromkeys(m["worker"] for m in report["members"]):
+            held = self.client.run(_take_snapshot, self.session, k, workers=[worker], on_error="return")
+            state = held.get(worker)
+            if isinstance(state, dict):
+                remaining = [i for i in self.segment_order if not self.fitted[i]]
+                epoch = min(remaining) // self.n if remaining else self.run.epochs
+                self.run.write_checkpoint(due, self.run.position(epoch, remaining=tuple(remaining)), state)
+                logger.debug("parameter averaging: a checkpoint from round %d of session %s", k, session)
+                return True
+        return False
+
+    def _stop_before(self, plan: list[dict[str, list[int]]], kept: list[int]) -> int | None:
         """The round of ``plan`` to stop before: after the first whose end a checkpoint listener wants (by
-        iterations or epochs, as the plan foretells them; one by time is seen as rounds settle)."""
+        iterations or epochs, as the plan foretells them; one by time is seen as rounds settle), but the
+        end of an epoch in ``kept``, whose checkpoint is written from its last round's average."""
         if not self.run.checkpointers:
             return None
         iteration, left = self.run.network.iteration, collections.Counter(self.left)
@@ -322,7 +355,7 @@ class _Averaging(SessionRun):
                 for item in s:
                     left[item // self.n] -= 1
             now = next((e for e in range(self.run.epochs) if left[e] > 0), self.run.epochs)
-            epochs_done = self.run.first_epoch + now if now > done else None
+            epochs_done = self.run.first_epoch + now if now > done and now - 1 not in kept else None
             done = now
             if any(c.due(iteration, epochs_done) for c in self.run.checkpointers):
                 return k + 1
