@@ -3,11 +3,13 @@ to choose its frequency and streaming, beside each configuration of a grid, on c
 (over loopback and a link limited to 1 Gbit/s) and the small model (the digits MLP 64-256-10, loopback).
 
 Each compare workload runs as ``benchmarks.compare`` runs it (2 workers, a ``fit_paths`` per epoch, a
-warm-up fit first, timed as a user calls it; the single process once, on loopback); the small model
-as ``benchmarks.small_model`` does (one fit of its 20 epochs, a fresh master for each, the median of
-``REPEATS``). A row: the choice the defaults made (their receipts: frequency, streaming, the speedup
-predicted over one trainer at the fit's measured step and the one measured), the defaults against
-the single process, the best configuration of the grid against it, and the prediction's error.
+warm-up fit first, timed as a user calls it; the single process on loopback); the small model
+as ``benchmarks.small_model`` does (one fit of its 20 epochs, a fresh master for each). Every
+configuration runs ``--repeats`` times, each repeat running them all in turn (so that a slow spell of
+the machine weighs on all alike), and the run of median speed stands for it. A row: the choice the
+defaults made (their receipts: frequency, streaming, the speedup predicted over one trainer at the
+fit's measured step and the one measured), the defaults against the single process, the best
+configuration of the grid against it, and the prediction's error.
 
 Targets: the defaults at least 0.9 of the best configuration tried on every row, and never slower than
 the single process; predicted within 15% of measured on every fit. Results go to
@@ -76,30 +78,38 @@ def _row(workload: str, link: str, single: float, defaults: dict[str, Any], trie
     }
 
 
+def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median speed among ``runs``, with every run's speed beside it (``repeats``)."""
+    ranked = sorted(runs, key=lambda r: r["samples_per_s"])
+    return {**ranked[len(ranked) // 2], "repeats": [r["samples_per_s"] for r in runs]}
+
+
 def compare_rows(
-    workloads: tuple[str, ...], links: tuple[str, ...], grid: tuple[str, ...]
+    workloads: tuple[str, ...], links: tuple[str, ...], grid: tuple[str, ...], repeats: int
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The compare workloads' rows, each configuration run as ``benchmarks.compare`` runs it."""
+    """The compare workloads' rows, each configuration run as ``benchmarks.compare`` runs it, ``repeats``
+    times in turn with the others (the single process too, on a link's first pass), its median kept."""
     runs, rows = [], []
     reason = _links.available()
     singles: dict[str, float] = {}
     for link in links if reason is None else ("loopback",):
         with _links.limited_namespace(_links.LINKS[link]) if reason is None else compare._nothing() as ns:
             for workload in workloads:
-                if workload not in singles:
-                    single = compare._one(ns, link, workload, "single", 1, False, "cpu")
-                    runs.append(single)
-                    singles[workload] = single["samples_per_s"]
-                results = {}
-                for runner in ("defaults", *grid):
-                    r = compare._one(ns, link, workload, runner, 2, False, "cpu")
-                    runs.append(r)
-                    if "error" in r:
-                        raise RuntimeError(f"{link} {workload} {runner}: {r['error']}")
-                    results[runner] = r
-                    print(f"{link:9s} {workload:4s} {runner:14s} {r['samples_per_s']:,.0f} samples/s", flush=True)
-                tried = {k: v["samples_per_s"] for k, v in results.items() if k != "defaults"}
-                rows.append(_row(workload, link, singles[workload], results["defaults"], tried))
+                runners = ("defaults", *grid) if workload in singles else ("single", "defaults", *grid)
+                results: dict[str, list[dict[str, Any]]] = {runner: [] for runner in runners}
+                for _ in range(repeats):
+                    for runner in runners:
+                        r = compare._one(ns, link, workload, runner, 1 if runner == "single" else 2, False, "cpu")
+                        if "error" in r:
+                            raise RuntimeError(f"{link} {workload} {runner}: {r['error']}")
+                        results[runner].append(r)
+                        print(f"{link:9s} {workload:4s} {runner:14s} {r['samples_per_s']:,.0f} samples/s", flush=True)
+                median = {runner: _median(r) for runner, r in results.items()}
+                runs += median.values()
+                if "single" in median:
+                    singles[workload] = median.pop("single")["samples_per_s"]
+                tried = {k: v["samples_per_s"] for k, v in median.items() if k != "defaults"}
+                rows.append(_row(workload, link, singles[workload], median["defaults"], tried))
     return rows, runs
 
 
@@ -152,7 +162,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = command_line(__doc__.split("\n\n")[0], cases=CASES, title="configurations")
     parser.add_argument("--links", default=",".join(LINKS), help="comma-separated links (default loopback,1gbit)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="compare's workloads (default mlp,cnn)")
-    parser.add_argument("--repeats", type=int, default=small_model.REPEATS, help="small model: runs of each")
+    parser.add_argument(
+        "--repeats", type=int, default=small_model.REPEATS, help="runs of each configuration, the median kept"
+    )
     args = parse(parser, argv, RESULTS, workloads="mlp", links="loopback", repeats=1)
     if args.smoke:
         shrink(vars(small_model), EPOCHS=1, REPEATS=1)
@@ -161,12 +173,19 @@ def main(argv: list[str] | None = None) -> None:
     unknown = (set(workloads) - set(WORKLOADS)) | (set(links) - set(LINKS))
     if unknown:
         parser.error(f"unknown workload or link: {', '.join(sorted(unknown))}")
-    rows, runs = compare_rows(workloads, links, GRID[:1] if args.smoke else GRID) if workloads else ([], [])
+    grid = GRID[:1] if args.smoke else GRID
+    rows, runs = compare_rows(workloads, links, grid, args.repeats) if workloads else ([], [])
     small, small_runs = small_rows(args.repeats)
     rows += small
     report = {
         **header("auto"),
-        "setup": {"grid": GRID, "small_grid": SMALL_GRID, "links": links, "workloads": workloads},
+        "setup": {
+            "grid": GRID,
+            "small_grid": SMALL_GRID,
+            "links": links,
+            "workloads": workloads,
+            "repeats": args.repeats,
+        },
         "rows": rows,
         "runs": runs,
         "small_runs": small_runs,

@@ -223,6 +223,33 @@ def block_small_model() -> str:
     return "\n".join(lines) + "\n"
 
 
+def block_main_job() -> str:
+    """The main job's training against the same model in one process, and its fit's closing line."""
+    found = recorded("main_job")
+    if found is None:
+        return "No recorded run of `benchmarks.main_job` yet.\n"
+    path, report = found
+    setup, runs, target = report["setup"], report["runs"], report["target"]
+    lines = [
+        f"{_source(path, report)}: `python -m dlscale.demo` ({setup['epochs']} epochs, minibatches of "
+        f"{setup['batch']}, 2 workers, a checkpoint every epoch) against its CNN in one process, the median "
+        f"of {setup['repeats']} repeats.",
+        "",
+        "| row | training seconds | against one process | test accuracy |",
+        "|---|---|---|---|",
+    ]
+    for name, r in runs.items():
+        lines.append(f"| {name} | {r['seconds']:.2f} | {r['vs_single']:.2f}x | {r['accuracy']:.3f} |")
+    lines += [
+        "",
+        f"Its fit's closing line: {runs['main job']['closing_line']}",
+        "",
+        f"Target (`benchmarks/main_job.py`): the main job at least {target['bound']}x one process: "
+        f"{target['main_job_vs_single']:.2f}x, {'met' if target['met'] else 'missed'}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 QUALITY_METHODS = {
     ("chosen", None): "parameter averaging, its defaults (frequency and streaming chosen)",
     ("averaging f5", None): "parameter averaging every 5 (DL4J's default)",
@@ -469,6 +496,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "compare": block_compare,
     "auto": block_auto,
     "small_model": block_small_model,
+    "main_job": block_main_job,
     "quality": block_quality,
     "faults": block_faults,
     "faults_kill_every": block_faults_kill_every,

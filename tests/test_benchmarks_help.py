@@ -44,6 +44,7 @@ LISTED: dict[str, Names] = {
     "first_fit": lambda m, _: m.WAYS,
     "gpu_profile": lambda m, _: m.COMPRESSORS,
     "late_average": lambda m, _: m.GRID,
+    "main_job": lambda m, _: m.ROWS,
     "momentum_masking": lambda m, _: m.SETTINGS,
     "parameter_averaging": lambda m, _: [f"averaging_frequency_{f}" for f in m.FREQUENCIES],
     "pyspark_tests": lambda m, _: m.SYSTEMS,
