@@ -26,12 +26,11 @@ import logging
 import multiprocessing
 import statistics
 import tempfile
-import time
 from typing import Any
 
 import torch
 
-from benchmarks._common import RESULTS, command_line, header, parse, shrink, write_results
+from benchmarks._common import RESULTS, accuracy, command_line, header, parse, plain_epochs, shrink, write_results
 
 EPOCHS = 15  # the main job's default
 BATCH = 32  # the main job's default minibatch size per worker
@@ -50,20 +49,8 @@ def single(epochs: int) -> dict[str, Any]:
     x, y, test_x, test_y = demo._split()
     torch.manual_seed(0)
     module = demo.digits_cnn()
-    optimizer = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
-    order = torch.Generator().manual_seed(0)
-    start = time.perf_counter()
-    for _ in range(epochs):
-        perm = torch.randperm(len(x), generator=order)
-        for i in range(0, len(x), BATCH):
-            at = perm[i : i + BATCH]
-            optimizer.zero_grad(set_to_none=True)
-            torch.nn.functional.cross_entropy(module(x[at]), y[at]).backward()
-            optimizer.step()
-    seconds = time.perf_counter() - start
-    with torch.no_grad():
-        accuracy = float((module(test_x).argmax(1) == test_y).float().mean())
-    return {"seconds": seconds, "accuracy": accuracy}
+    seconds = plain_epochs(module, torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9), x, y, BATCH, epochs)
+    return {"seconds": seconds, "accuracy": accuracy(module, test_x, test_y)}
 
 
 def main_job(epochs: int) -> dict[str, Any]:

@@ -361,8 +361,11 @@ def block_auto() -> str:
     if found is None:
         return "No recorded run of `benchmarks.auto` yet.\n"
     path, report = found
+    repeats = report["setup"].get("repeats")
     lines = [
-        f"{_source(path, report)}. Predicted and measured: the last fit's receipt, against one trainer at the "
+        f"{_source(path, report)}"
+        + (f", each configuration the median of {repeats} runs" if repeats else "")
+        + ". Predicted and measured: the last fit's receipt, against one trainer at the "
         "fit's measured step; error: the largest of the row's fits, predicted over measured; the other columns "
         "against the single process, the whole fit timed as a user calls it.",
         "",

@@ -56,7 +56,17 @@ import dask
 import torch
 
 from benchmarks import _ddp
-from benchmarks._common import accuracy, command_line, digits, export_paths, header, parse, shrink, write_results
+from benchmarks._common import (
+    accuracy,
+    command_line,
+    digits,
+    export_paths,
+    header,
+    parse,
+    plain_epochs,
+    shrink,
+    write_results,
+)
 from benchmarks.compare import _edges, _round_seconds, measured
 from benchmarks.quality import digits_mlp
 from dlscale import ParameterAveragingTrainingMaster, SharedTrainingMaster, SparkContext, SparkNet, config
@@ -100,17 +110,7 @@ def single(data: tuple[torch.Tensor, ...]) -> dict[str, Any]:
     x, y, tx, ty = data
     torch.set_num_threads(1)
     module = digits_mlp(0)
-    optimizer = OPTIMIZER(module.parameters())
-    order = torch.Generator().manual_seed(0)
-    start = time.perf_counter()
-    for _ in range(EPOCHS):
-        perm = torch.randperm(len(x), generator=order)
-        for i in range(0, len(x), BATCH):
-            at = perm[i : i + BATCH]
-            optimizer.zero_grad(set_to_none=True)
-            torch.nn.functional.cross_entropy(module(x[at]), y[at]).backward()
-            optimizer.step()
-    seconds = time.perf_counter() - start
+    seconds = plain_epochs(module, OPTIMIZER(module.parameters()), x, y, BATCH, EPOCHS)
     return {"examples_per_s": EPOCHS * len(x) / seconds, "seconds": seconds, "accuracy": accuracy(module, tx, ty)}
 
 

@@ -2,9 +2,9 @@
 
 On an embedded cluster (or any --master): export the bundled handwritten digits to minibatch files
 under demo/digits in the storage root, train a small CNN with parameter averaging from those files
-(ParameterAveragingTrainingMaster with its defaults: the fit measures its first rounds and chooses
-how often to average, and its closing line says what it chose, why, and the speedup it predicted
-and measured), evaluate it on the held-out files (accuracy, top-3
+(ParameterAveragingTrainingMaster with its defaults: the fit chooses how often to average, and its
+closing line says what it chose, why, and the speedup it predicted and measured), with a checkpoint
+every epoch written while the trainers go on, evaluate it on the held-out files (accuracy, top-3
 accuracy, F1, one-vs-all AUC), save it with its optimizer state, load it back, and run keyed
 inference over the test images, showing progress and printing a final report. The saved network
 names its model factory dlscale.demo:digits_cnn, however the job was started, so that

@@ -154,16 +154,26 @@ def test_a_retiring_trainer_leaves_between_settled_rounds_unless_it_is_the_last(
     assert s.leave("a", 0) == "stay"
 
 
+def test_the_last_round_of_an_epoch_a_checkpoint_wants_is_handed_out_to_be_kept() -> None:
+    """Rounds of 2 epochs of 8 items, 2 rounds each: only a round that ends an epoch in
+    ``snapshot_epochs`` says so as it is handed out."""
+    s = Rounds("s", plan_rounds(list(range(16)), ["a", "b"], 2, 8), ["a", "b"])
+    s.snapshot_epochs, s.per_epoch = {0}, 8
+    assert [bool(s.begin("a", k).get("snapshot")) for k in range(4)] == [False, True, False, False]
+    s.snapshot_epochs = {0, 1}
+    assert [bool(s.begin("b", k).get("snapshot")) for k in range(4)] == [False, True, False, True]
+
+
 def test_a_streaming_trainer_is_handed_the_next_round_with_each_commit() -> None:
     s = Rounds("s", plan_rounds(list(range(12)), ["a", "b"], 2, 12), ["a", "b"])
     first = s.begin("a", 0, ahead=1)
     assert (first["items"], first["next"]["items"]) == ([0, 1], [4, 5])
     s.begin("b", 0, ahead=1)
-    assert s.frontier() == 1 and s.unplanned() == 2
+    assert s.frontier() == 1 and s.first_stoppable() == 2
     report = [_report(t, s.rounds[0].shares[t]) for t in ("a", "b")]
     reply = s.commit("a", 0, 0, report, ahead=1)
     assert reply["items"] == [8, 9] and reply["current"] == s.sync("a", 1)
-    assert s.frontier() == 2 and s.unplanned() == 3
+    assert s.frontier() == 2 and s.first_stoppable() == 3
     assert s.commit("b", 0, 0, report, ahead=1)["items"] == [10, 11]
     assert s.commit("a", 1, 0, report, ahead=1)["end"]
 

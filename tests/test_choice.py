@@ -1,14 +1,13 @@
-"""The cost model a parameter-averaging fit chooses its frequency with, against a round's time worked
-out by hand and against choosing by trying every frequency in the bounds."""
+"""The cost model a parameter-averaging fit predicts its speedup with, against a round's time worked out
+by hand; the frequency it chooses, the longest rounds the bounds allow, against trying every one."""
 
 from __future__ import annotations
 
 import itertools
-import math
 
 import pytest
 
-from dlscale.training.averaging._choice import TOLERANCE, Choice, Measures, choose, fit_speedup, pace
+from dlscale.training.averaging._choice import Choice, Measures, choose, fit_speedup, pace
 
 
 def measures(
@@ -56,16 +55,15 @@ def test_a_round_measured_gives_back_its_overhead_and_the_next_fit_its_end() -> 
 
 
 @pytest.mark.parametrize(
-    ("step", "averaging", "overhead", "share"),
-    list(itertools.product((0.0003, 0.004, 0.04), (0.001, 0.05, 0.4, 2.0), (0.0, 0.003, 0.08), (45, 100, 7))),
+    ("step", "averaging", "overhead"),
+    list(itertools.product((0.0003, 0.004, 0.04), (0.001, 0.05, 0.4, 2.0), (0.0, 0.003, 0.08))),
 )
-def test_the_choice_is_the_smallest_frequency_within_tolerance_of_the_fastest(
-    step: float, averaging: float, overhead: float, share: int
+def test_no_shorter_round_is_faster_so_the_longest_the_bounds_allow_is_chosen(
+    step: float, averaging: float, overhead: float
 ) -> None:
-    """Tried one by one: the speed of every frequency in the bounds (capped at a trainer's share of an
-    epoch) from the round's time as the module's docstring states it; the smallest within 5% of the
-    fastest, then rounded up to split the share evenly (a contention of a tenth of the averaging)."""
-    low, high = 20, 50
+    """Tried one by one, from the round's time as the module's docstring states it (a contention of a
+    tenth of the averaging when streaming): the speed never falls as rounds grow, so the fastest in
+    the bounds is at their high end (or a trainer's share of an epoch), which the choice takes."""
     contention = averaging / 10
     for streaming in (False, True):
 
@@ -73,24 +71,27 @@ def test_the_choice_is_the_smallest_frequency_within_tolerance_of_the_fastest(
             exposed = max(0.0, averaging - h * step / 2) + contention if streaming else averaging
             return h / (h * step + overhead + exposed)
 
-        top = min(high, share)
-        candidates = range(min(low, top), top + 1)
-        fastest = max(speed(h) for h in candidates)
-        smallest = min(h for h in candidates if speed(h) >= (1 - TOLERANCE) * fastest)
-        expected = math.ceil(share / (share // smallest))
         m = measures(step, averaging, overhead, contention=contention)
-        assert choose(m, streaming, share, (low, high)) == expected
+        for h in range(1, 100):
+            assert m.speedup(h, streaming) == pytest.approx(2 * step * speed(h))
+            assert m.speedup(h + 1, streaming) >= m.speedup(h, streaming) * (1 - 1e-12)
+    for share in (45, 100, 7):
+        candidates = range(min(20, share), min(50, share) + 1)
+        assert max(candidates, key=speed) == min(50, share) and choose(share, (20, 50)) <= min(50, share)
 
 
-@pytest.mark.parametrize(("share", "bounds", "expected"), [(80, (4, 30), 27), (40, (4, 30), 20), (31, (20, 30), 29)])
-def test_even_rounds_never_pass_the_bounds(share: int, bounds: tuple[int, int], expected: int) -> None:
-    """Rounds of averaging whose cost only longer rounds pay (the fastest at the high end, nothing
-    shorter within the tolerance): split evenly, rounded up they would pass the high end (80 in 2
-    rounds of 40, 40 in 1 of 40), so they split into as many more rounds as keep them within it
-    (3 of 27, 2 of 20); where even rounds would fall below the low end (31 in 2 of 16, under 20),
-    the smallest frequency within the tolerance itself (29: rounds within 5% of 30's speed)."""
-    m = measures(0.0003, 2.0, 0.0)
-    assert choose(m, False, share, bounds) == expected
+@pytest.mark.parametrize(
+    ("share", "bounds", "expected"),
+    [(80, (4, 30), 27), (40, (4, 30), 20), (100, (20, 50), 50), (38, (20, 50), 38), (7, (20, 50), 7)]
+    + [(31, (20, 30), 30)],
+)
+def test_rounds_are_as_few_as_the_bounds_allow_and_about_even(
+    share: int, bounds: tuple[int, int], expected: int
+) -> None:
+    """A trainer's share of an epoch in as few rounds as keep each within the high end, about even: 80
+    in 3 rounds of 27 (not 30, 30 and 20), 40 in 2 of 20, 100 in 2 of 50, 38 and 7 once an epoch;
+    where even rounds would fall below the low end (31 in 2 of 16, under 20), the high end itself."""
+    assert choose(share, bounds) == expected
 
 
 def test_a_fit_predicted_from_its_start_counts_its_edges_and_from_its_middle_what_has_elapsed() -> None:

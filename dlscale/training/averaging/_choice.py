@@ -1,5 +1,5 @@
 """How a parameter-averaging fit that is not told its averaging frequency chooses it, and the receipt it
-shows: the choice, what it was chosen from, the predicted speedup and the measured one.
+shows: the choice, what it was measured from, the predicted speedup and the measured one.
 
 A round of ``H`` minibatches a trainer costs its steps, ``H * step`` (a step as long as it takes with
 no averaging in flight), what the round costs beyond its steps and its averaging (handing out shares,
@@ -9,12 +9,16 @@ round's steps (a trainer takes round ``k``'s average after half of round ``k + 1
 the CPU the averaging in flight takes from the steps it overlaps (``contention``: on cores shared by
 the trainers and their workers' comms, those steps are slower; a cost a round, however long). ``W``
 trainers then fit ``W * H`` minibatches in that time, against ``H`` for one trainer stepping alone at
-the undisturbed pace: the speedup over one trainer. The
-frequency chosen is the smallest within ``[low, high]`` (the quality guard: what ``benchmarks.quality``
-shows keeps the benchmark models within a point of one process) whose predicted speed is within
-:data:`TOLERANCE` of the fastest there, rounded up so that a trainer's minibatches of an epoch split
-into rounds of about even length (unless that would pass ``high``); a shorter round keeps the
-replicas closer (AdaComm's trade, made once from the measures).
+the undisturbed pace: the speedup over one trainer.
+
+In that model a longer round is never slower (its costs beyond the steps are paid once a round, and
+less of its averaging is waited for), so the fit trains the longest rounds the quality guard allows:
+the bounds' high end, at most a trainer's minibatches of an epoch, split into rounds of about even
+length (:func:`choose`). Taking instead the smallest frequency whose predicted speed came within 5% of
+the fastest put the rounds where the averaging only just fits in half a round, where the model's
+error costs most: at 1 Gbit/s a fit that chose 25 waited 2.5 s for averages where rounds of 50 waited
+0.34 s, and trained at 0.88 of their speed (``benchmarks.compare`` on 7421e17). The model predicts the
+fit's speedup for its receipt, and is what a choice among methods would compare.
 """
 
 from __future__ import annotations
@@ -24,8 +28,6 @@ import math
 from typing import Any
 
 from dask.utils import format_bytes
-
-TOLERANCE = 0.05  # the speed a shorter round may give up against the fastest frequency in bounds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,20 +127,14 @@ class Choice:
         return {**dataclasses.asdict(self), "line": self.line()}
 
 
-def choose(measures: Measures, streaming: bool, share: int, bounds: tuple[int, int]) -> int:
-    """The frequency for rounds of ``streaming`` (or not) given ``measures``: the smallest in ``bounds``
-    (and at most ``share``, a trainer's minibatches of an epoch) within :data:`TOLERANCE` of the
-    fastest there, rounded up to split ``share`` into rounds of about even length (down, where up
-    would pass ``high``; the smallest itself where even rounds do not fit the bounds)."""
+def choose(share: int, bounds: tuple[int, int]) -> int:
+    """The frequency for a trainer's ``share`` of minibatches an epoch within ``bounds``: as few rounds an
+    epoch as keep each within the high end (or the share), about even in length; the high end itself
+    where even rounds would fall below the low end (a share of 51 in bounds of ``[40, 50]``: 50, then 1)."""
     low, high = bounds
     high = max(1, min(high, share))
-    low = min(low, high)
-    best = measures.speedup(high, streaming)
-    smallest = next(h for h in range(low, high + 1) if measures.speedup(h, streaming) >= (1 - TOLERANCE) * best)
-    even = math.ceil(share / (share // smallest))  # as many rounds an epoch as it fits, about even
-    if even > high:  # rounds that long would pass the quality guard: as many more as keep them within it
-        even = math.ceil(share / math.ceil(share / high))
-    return even if even >= low else smallest
+    even = math.ceil(share / math.ceil(share / high))
+    return even if even >= min(low, high) else high
 
 
 def pace(stepped: float, steps: int, late_seconds: float, late_steps: int) -> tuple[float, float]:

@@ -132,7 +132,7 @@ class Rounds:
         return all(r.settled for r in self.rounds[:end])
 
     def frontier(self) -> int:
-        """The last round handed out to a trainer (``-1`` before any): rounds after it may be planned anew."""
+        """The last round handed out to a trainer (``-1`` before any): rounds after it may still change."""
         return max((k for k, r in enumerate(self.rounds) if r.handed), default=-1)
 
     def left(self) -> list[int]:
@@ -238,19 +238,8 @@ class Rounds:
         self._drop(trainer)
         return "left"
 
-    def replan(self, per_trainer: int, per_epoch: int, owner: dict[int, str] | None = None) -> None:
-        """Plan the rounds not yet handed out again with ``per_trainer`` items a trainer a round (from the
-        round after the open one at the earliest)."""
-        k = self.unplanned()
-        items = [i for r in self.rounds[k:] for i in r.items()]
-        plan = plan_rounds(items, sorted(self.alive), per_trainer, per_epoch, owner)
-        rounds = [Round(shares) for shares in plan]
-        for r in rounds:
-            r.members[0] = self._members(r)
-        self.rounds[k:] = rounds
-
-    def unplanned(self) -> int:
-        """The first round that may still be planned anew or stopped before: after the open round and
+    def first_stoppable(self) -> int:
+        """The first round that may still be stopped before: after the open round and
         after every round handed out."""
         return max(self.open_round(), self.frontier()) + 1
 

@@ -75,7 +75,7 @@ class AveragingSchedulerPlugin(SessionSchedulerPlugin[AveragingSession]):
     name = NAME
     prefix = "averaging"
     approach = "parameter averaging"
-    ops = ("stop", "replan", "join", "begin", "sync", "commit", "leave")
+    ops = ("stop", "join", "begin", "sync", "commit", "leave")
     logger = logger
 
     # -- the driver's calls --------------------------------------------------------------
@@ -107,13 +107,8 @@ class AveragingSchedulerPlugin(SessionSchedulerPlugin[AveragingSession]):
     def stop(self, session: str) -> None:
         """End the session at the next round's end (a checkpoint is due, or a worker joined)."""
         s = self.sessions[session]
-        at = s.unplanned()
+        at = s.first_stoppable()
         s.stop_at = at if s.stop_at is None else min(s.stop_at, at)
-
-    def replan(self, session: str, per_trainer: int, per_epoch: int, owner: dict[int, str] | None = None) -> None:
-        """Rounds of ``per_trainer`` minibatches a trainer from the first round not handed out on."""
-        owner = None if owner is None else {int(i): w for i, w in owner.items()}
-        self.sessions[session].replan(per_trainer, per_epoch, owner)
 
     # -- the trainers' calls -----------------------------------------------------------------
     def join(self, session: str, trainer: str) -> dict[str, Any]:

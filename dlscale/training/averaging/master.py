@@ -60,12 +60,13 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
     Each worker's trainer fits ``averaging_frequency`` minibatches per round, reading
     ``worker_prefetch_num_batches`` ahead; then the trainers average their states, weighted by examples
     (with the optimizer's state when ``save_updater``; without, the optimizer starts afresh every
-    round). Without an ``averaging_frequency`` (the default) the fit chooses it: its first rounds
-    measure a step, a round and its averaging, and a cost model of a round
-    (:mod:`~dlscale.training.averaging._choice`) picks the smallest frequency within
-    ``dlscale.training.averaging.frequency-bounds`` that trains within 5% of the fastest there; the
-    next fit of the same master starts from the last fit's measures. The choice, why, and its
-    predicted and measured speedups are the fit's closing line and ``TrainingStats.choice``.
+    round). Without an ``averaging_frequency`` (the default) the fit chooses it: the longest rounds
+    that ``dlscale.training.averaging.frequency-bounds`` (the quality guard) allow, at most once an
+    epoch and about even, since in the cost model of a round
+    (:mod:`~dlscale.training.averaging._choice`) longer rounds are never slower; its first averaged
+    round measures a step, a round and its averaging, from which the model predicts the fit's
+    speedup (the next fit of the same master predicts from the last fit's measures). The choice, why,
+    and its predicted and measured speedups are the fit's closing line and ``TrainingStats.choice``.
     ``averaging_frequency=5`` is DL4J's default. ``streaming=True`` overlaps
     each round's averaging with the next round's steps (Streaming DiLoCo, arXiv 2501.18512): a trainer
     fits round ``k + 1`` from its own state while round ``k``'s averaging is in flight, and takes round
@@ -187,9 +188,9 @@ class _Averaging(SessionRun):
         if self.streaming is None:  # rounds long enough that an average taken half a round late costs little
             self.streaming = (given or self.bounds[0]) >= self.bounds[0]
         self.choice: _choice.Choice | None = None  # the receipt of a chosen frequency
-        # chosen from this fit's first rounds (a lone trainer never averages: nothing to choose)
+        # predicted from this fit's first rounds (a lone trainer never averages: nothing to predict)
         self.measuring = given is None and master._measures is None and len(run.workers) > 1
-        self.frequency: int = given or self.bounds[0]
+        self.frequency: int = given or _choice.choose(math.ceil(self.n / max(1, len(run.workers))), self.bounds)
         # over every trainer's rounds: seconds stepping and minibatches fitted; of them, with the last
         # round's averaging in flight (streaming), and the trainers' rounds that had such steps
         self.steps = [0.0, 0]
@@ -197,8 +198,8 @@ class _Averaging(SessionRun):
         self.timed: list[tuple[float, int, float]] = []  # rounds after a segment's first: seconds, frequency, averaging
         self.first_start: float | None = None  # when the fit's first round began (time.time())
         self.state_bytes = master._measures.state_bytes if master._measures is not None else 0
-        if given is None and master._measures is not None and len(run.workers) > 1:  # the last fit's choose at once
-            self._choose(master._measures, "the last fit")
+        if given is None and master._measures is not None and len(run.workers) > 1:  # predicted at once
+            self._predict(master._measures, "the last fit")
         self.spec = _trainer.TrainerSpec(
             master.save_updater,
             master.worker_prefetch_num_batches,
@@ -262,9 +263,7 @@ class _Averaging(SessionRun):
         )
 
     def follow_every(self) -> float:
-        # a fit choosing its frequency looks at every poll until it chooses: the choice reaches the rounds
-        # not yet handed out
-        return self.config.poll_interval * (1 if self.measuring else 5)
+        return self.config.poll_interval * 5
 
     def progressed(self, progress: dict[str, Any], pending: bool) -> list[Any]:
         """Report the settled rounds, and stop the session at a round's end when a checkpoint by time is
@@ -379,7 +378,7 @@ class _Averaging(SessionRun):
             self.timed.append((seconds, max(len(m["items"]) for m in members), min(times)))
 
     def _measure(self, report: dict[str, Any], seconds: float) -> None:
-        """Choose the frequency from the first round whose members report their last averaging's time
+        """Predict the fit's speedup from the first round whose members report their last averaging's time
         (the one before it: NaN until a first averaging), timed by the member that came to it last
         (the others' include waiting for it); streaming, as long as its parts were in flight."""
         members = report["members"]
@@ -393,9 +392,7 @@ class _Averaging(SessionRun):
         measures = _choice.Measures.of_round(
             len(members), step, min(times), self.state_bytes, frequency, self.streaming, seconds, contention
         )
-        self._choose(measures, "this fit")
-        owner = None if self.owner is None else {str(i): w for i, w in self.owner.items()}
-        self.call("replan", per_trainer=self.frequency, per_epoch=self.n, owner=owner)
+        self._predict(measures, "this fit")
 
     def _state_bytes(self, members: list[dict[str, Any]]) -> int:
         """The bytes of a trainer's state as a round's averaging sends it."""
@@ -403,12 +400,10 @@ class _Averaging(SessionRun):
         width = {"float32": 4, "float16": 2, "bfloat16": 2}.get(self.master.exchange_dtype, 1 + 4 / 1024)
         return int(values * width)
 
-    def _choose(self, measures: _choice.Measures, source: str) -> None:
-        """Take the frequency the cost model chooses from ``measures`` (on as many trainers as this fit
-        has), and the fit's predicted speedup with it, for the receipt."""
+    def _predict(self, measures: _choice.Measures, source: str) -> None:
+        """The fit's speedup at the chosen frequency as the cost model predicts it from ``measures`` (on
+        as many trainers as this fit has), for the receipt."""
         measures = dataclasses.replace(measures, trainers=max(1, len(self.run.workers)))
-        share = math.ceil(self.n / measures.trainers)  # a trainer's minibatches an epoch
-        self.frequency = _choice.choose(measures, self.streaming, share, self.bounds)
         self.measuring = False
         items, remaining = len(self.planned) or self.n * self.run.epochs, sum(self.left.values())
         if source != "this fit":
