@@ -154,7 +154,8 @@ def _probe_parked(session: str, ref: Any, loader: Any) -> None:
 
 
 def _take_snapshot(session: str, round: int, dask_worker: Any = None) -> dict[str, Any] | None:
-    """Round ``round``'s averaged state, which this worker's trainer kept aside for a checkpoint."""
+    """Round ``round``'s averaged state, which this worker's trainer kept aside for a checkpoint, taken
+    away with any older one."""
     return plugin(dask_worker).take_snapshot(session, round)
 
 
@@ -329,10 +330,14 @@ class _Averaging(SessionRun):
         trainers kept aside, taken from one of them; returns whether one held it (a round that did not
         end an epoch a checkpoint wants, or one whose holders lag or were lost, did not keep it)."""
         session, k = self.session, report["round"]
-        for worker in dict.fromkeys(m["worker"] for m in report["members"]):
-            held = self.client.run(_take_snapshot, self.session, k, workers=[worker], on_error="return")
+        members = list(dict.fromkeys(m["worker"] for m in report["members"]))
+        for worker in members:
+            held = self.client.run(_take_snapshot, session, k, workers=[worker], on_error="return")
             state = held.get(worker)
             if isinstance(state, dict):
+                others = [w for w in members if w != worker]  # their copies dropped, without waiting
+                if others:
+                    self.client.run(_take_snapshot, session, k, workers=others, on_error="ignore", wait=False)
                 remaining = [i for i in self.segment_order if not self.fitted[i]]
                 epoch = min(remaining) // self.n if remaining else self.run.epochs
                 self.run.write_checkpoint(due, self.run.position(epoch, remaining=tuple(remaining)), state)
