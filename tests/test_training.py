@@ -750,6 +750,12 @@ def test_a_fit_not_told_its_frequency_chooses_it_and_shows_why(sc, tmp_path, cap
     assert all([len(w.batches) for w in r.workers] == [20, 20] for r in stats.rounds)
     fitted = collections.Counter(path for r in stats.rounds for w in r.workers for path in w.batches)
     assert len(fitted) == 80 and set(fitted.values()) == {7}
+    # a share of an epoch (40) under the bounds' low end: once an epoch, without streaming
+    with dask.config.set({"dlscale.training.averaging.frequency-bounds": [50, 60]}):
+        master = ParameterAveragingTrainingMaster(10, collect_training_stats=True, rng_seed=0)
+        spark_net = SparkNet(sc, mlp_network(MOMENTUM), master)
+        spark_net.fit(rdd, epochs=3)
+    assert not spark_net.training_stats.choice["streaming"] and spark_net.training_stats.choice["frequency"] == 40
 
 
 def test_frequency_bounds_that_are_not_two_ordered_counts_are_refused(sc) -> None:

@@ -73,8 +73,9 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
     ``k``'s average, keeping the progress made since, as soon as it is whole (after half of round
     ``k + 1`` at the latest), so a round costs its steps and not its communication; the last round's
     average is taken whole, every trainer ends with the same state. Without ``streaming`` (the
-    default) rounds stream when the frequency is chosen or at least the bounds' lower end (an average
-    taken half a round late costs little in rounds that long; in short ones it cost a point).
+    default) rounds stream when their frequency, given or chosen, is at least the bounds' lower end
+    (an average taken half a round late costs little in rounds that long; in short ones it cost a
+    point, and a chosen frequency is that short only where a trainer's share of an epoch is).
     ``outer_optimizer`` (DiLoCo, arXiv 2311.08105) is a factory of a torch optimizer, such as
     ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)``, stepped once a round
     with the averaged change of the parameters, negated, as their gradient; ``None`` (the default) moves
@@ -185,13 +186,13 @@ class _Averaging(SessionRun):
         self._fitted = 0  # minibatches reported in the current segment
         self.bounds = frequency_bounds()
         given = master.averaging_frequency
+        self.frequency: int = given or _choice.choose(math.ceil(self.n / max(1, len(run.workers))), self.bounds)
         self.streaming = master.streaming
         if self.streaming is None:  # rounds long enough that an average taken half a round late costs little
-            self.streaming = (given or self.bounds[0]) >= self.bounds[0]
+            self.streaming = self.frequency >= self.bounds[0]
         self.choice: _choice.Choice | None = None  # the receipt of a chosen frequency
         # predicted from this fit's first rounds (a lone trainer never averages: nothing to predict)
         self.measuring = given is None and master._measures is None and len(run.workers) > 1
-        self.frequency: int = given or _choice.choose(math.ceil(self.n / max(1, len(run.workers))), self.bounds)
         # over every trainer's rounds: seconds stepping and minibatches fitted; of them, with the last
         # round's averaging in flight (streaming), and the trainers' rounds that had such steps
         self.steps = [0.0, 0]
