@@ -214,8 +214,7 @@ class SessionRun:
                     self._go_on()
                 self.session = f"{self.fit}-{segment}"
                 remaining, due = self._segment(remaining)
-                epoch = min(remaining) // self.n if remaining else run.epochs
-                run.write_checkpoint(due, run.position(epoch, remaining=tuple(remaining)))
+                self.write_checkpoint(due, remaining)
                 segment += 1
             self._close(time.perf_counter() - started)
             if self.complete and self.config.keep_trainers:  # every trainer parked: the next fit goes on with them
@@ -233,6 +232,12 @@ class SessionRun:
             self.end()
             if self.held:
                 client.unpublish_dataset(self.batches.loader.dataset)
+
+    def write_checkpoint(self, due: list[Any], remaining: list[int], state: dict[str, Any] | None = None) -> None:
+        """Write the checkpoints ``due`` with the work items ``remaining`` (in order) left to train: the
+        driver's network as the last segment left it, or ``state`` (see ``FitRun.write_checkpoint``)."""
+        epoch = min(remaining) // self.n if remaining else self.run.epochs
+        self.run.write_checkpoint(due, self.run.position(epoch, remaining=tuple(remaining)), state)
 
     def _close(self, seconds: float) -> None:
         """The fit's closing line (its minibatches, seconds and trainers, all its segments; the receipt of

@@ -236,11 +236,8 @@ class _Averaging(SessionRun):
         # checkpoints at an epoch's end are written from the average its last round's trainers keep aside,
         # while they go on (a lone trainer averages nothing: its segment ends there)
         run = self.run
-        kept = [
-            e
-            for e in range(run.epochs)
-            if len(nodes) > 1 and any(c.wants_epoch_end(run.first_epoch + e + 1) for c in run.checkpointers)
-        ]
+        epochs = range(run.epochs) if len(nodes) > 1 else ()
+        kept = [e for e in epochs if any(c.wants_epoch_end(run.first_epoch + e + 1) for c in run.checkpointers)]
         return {"plan": plan, "stop_at": self._stop_before(plan, kept), "snapshot_epochs": kept, "per_epoch": self.n}
 
     def submit(self, trainer: str, worker: str, local: int, k: int) -> Future:
@@ -339,9 +336,7 @@ class _Averaging(SessionRun):
                 others = [w for w in members if w != worker]  # their copies dropped, without waiting
                 if others:
                     self.client.run(_take_snapshot, session, k, workers=others, on_error="ignore", wait=False)
-                remaining = [i for i in self.segment_order if not self.fitted[i]]
-                epoch = min(remaining) // self.n if remaining else self.run.epochs
-                self.run.write_checkpoint(due, self.run.position(epoch, remaining=tuple(remaining)), state)
+                self.write_checkpoint(due, [i for i in self.segment_order if not self.fitted[i]], state)
                 logger.debug("parameter averaging: a checkpoint from round %d of session %s", k, session)
                 return True
         return False
