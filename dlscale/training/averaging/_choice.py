@@ -149,8 +149,9 @@ def fit_speedup(
     measures: Measures, frequency: int, streaming: bool, items: int, remaining: int, elapsed: float
 ) -> float:
     """The fit's predicted speedup over one trainer: its ``items`` at the measured step, against the
-    ``elapsed`` seconds so far (or, from its start, the fit's measured start), the rounds of
-    ``frequency`` left for ``remaining`` items, and the fit's end."""
+    ``elapsed`` seconds in which the items fitted so far were (up to the end of the round reported
+    last: the rounds after it are the ``remaining`` items, not the time since; from its start, the
+    fit's measured start), the rounds of ``frequency`` left for ``remaining`` items, and the fit's end."""
     rounds = remaining / (measures.trainers * frequency)
     before = elapsed if remaining < items else measures.start
     seconds = before + rounds * measures.round_at(frequency, streaming) + measures.end

@@ -272,10 +272,10 @@ class _Averaging(SessionRun):
             end = max((m["end"] for m in report["members"]), default=self.last)
             seconds = max(0.0, end - self.last)
             self._time(report["members"], seconds)
-            if self.measuring and not self.stopped:
-                self._measure(report, seconds)
             done_before = self.epochs_done()
             self._report(report["members"], seconds, end)
+            if self.measuring and not self.stopped:  # from the round's end, its items fitted
+                self._measure(report, seconds, end)
             self.last = max(self.last, end)
             done_after = self.epochs_done()
             # an epoch's end seen in this batch of reports stays due
@@ -378,10 +378,12 @@ class _Averaging(SessionRun):
         if self._fitted and members and all(t == t for t in times):  # not a segment's first; NaN: no averaging yet
             self.timed.append((seconds, max(len(m["items"]) for m in members), min(times)))
 
-    def _measure(self, report: dict[str, Any], seconds: float) -> None:
+    def _measure(self, report: dict[str, Any], seconds: float, end: float) -> None:
         """Predict the fit's speedup from the first round whose members report their last averaging's time
         (the one before it: NaN until a first averaging), timed by the member that came to it last
-        (the others' include waiting for it); streaming, as long as its parts were in flight."""
+        (the others' include waiting for it); streaming, as long as its parts were in flight. The rest
+        of the fit is predicted from the round's ``end``: the rounds after it, not the time since, in
+        which the next ones went on and may be heard of with this one."""
         members = report["members"]
         fitted = [m for m in members if m["items"]]
         times = [m["last_exchange_seconds"] for m in members]
@@ -393,7 +395,7 @@ class _Averaging(SessionRun):
         measures = _choice.Measures.of_round(
             len(members), step, min(times), self.state_bytes, frequency, self.streaming, seconds, contention
         )
-        self._predict(measures, "this fit")
+        self._predict(measures, "this fit", end - self.run.began)
 
     def _state_bytes(self, members: list[dict[str, Any]]) -> int:
         """The bytes of a trainer's state as a round's averaging sends it."""
@@ -401,15 +403,14 @@ class _Averaging(SessionRun):
         width = {"float32": 4, "float16": 2, "bfloat16": 2}.get(self.master.exchange_dtype, 1 + 4 / 1024)
         return int(values * width)
 
-    def _predict(self, measures: _choice.Measures, source: str) -> None:
+    def _predict(self, measures: _choice.Measures, source: str, elapsed: float | None = None) -> None:
         """The fit's speedup at the chosen frequency as the cost model predicts it from ``measures`` (on
-        as many trainers as this fit has), for the receipt."""
+        as many trainers as this fit has), for the receipt: from the fit's start, or (``elapsed``) from
+        the seconds it took to fit the items reported so far."""
         measures = dataclasses.replace(measures, trainers=max(1, len(self.run.workers)))
         self.measuring = False
-        items, remaining = len(self.planned) or self.n * self.run.epochs, sum(self.left.values())
-        if source != "this fit":
-            remaining = items
-        elapsed = time.time() - self.run.began
+        items = len(self.planned) or self.n * self.run.epochs
+        remaining, elapsed = (items, 0.0) if elapsed is None else (sum(self.left.values()), elapsed)
         predicted = _choice.fit_speedup(measures, self.frequency, self.streaming, items, remaining, elapsed)
         self.choice = _choice.Choice(self.frequency, self.streaming, measures, source, predicted, self.bounds)
         if self.run.stats is not None:
