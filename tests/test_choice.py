@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from dlscale.training.averaging._choice import Choice, Measures, choose, fit_speedup, pace
+from dlscale.training.averaging._choice import Choice, Measures, choose, fit_speedup, pace, streams
 
 
 def measures(
@@ -40,6 +40,26 @@ def test_the_averaging_in_flight_costs_a_streaming_round_what_it_took_from_its_s
     assert m.speedup(50, True) / m.speedup(20, True) == pytest.approx(0.226 / 0.2 * 0.5 / 0.526)
     # its round measured gives back the overhead net of it
     assert Measures.of_round(2, 0.01, 0.1, 1 << 20, 20, True, 0.226, 0.024).overhead == pytest.approx(0.002)
+
+
+@pytest.mark.parametrize(
+    ("averaging", "contention", "expected"),
+    [
+        (0.1, 0.024, True),  # 0.1 s waited for without streaming, 0.024 s beside it
+        (0.002, 0.003, False),  # a state averaged in 2 ms: its 3 ms beside the steps cost more
+        (0.003, 0.003, True),  # as fast either way: streaming, as rounds that long do by default
+        (0.5, 0.05, True),  # 0.05 s beside it and 0.4 s shown past half a round (0.1 s), against 0.5 s
+        (0.3, 0.2, False),  # 0.2 s beside it and 0.2 s shown, against 0.3 s
+    ],
+)
+def test_rounds_stream_where_the_model_predicts_them_faster(
+    averaging: float, contention: float, expected: bool
+) -> None:
+    """Rounds of 20 steps of 10 ms stream where the contention and the averaging not hidden by half a
+    round cost at most the averaging plain rounds wait for, as round_at predicts."""
+    m = measures(0.01, averaging, overhead=0.002, contention=contention)
+    assert streams(m, 20) is expected
+    assert expected == (m.round_at(20, True) <= m.round_at(20, False))
 
 
 def test_a_round_measured_gives_back_its_overhead_and_the_next_fit_its_end() -> None:

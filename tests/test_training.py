@@ -758,6 +758,28 @@ def test_a_fit_not_told_its_frequency_chooses_it_and_shows_why(sc, tmp_path, cap
     assert not spark_net.training_stats.choice["streaming"] and spark_net.training_stats.choice["frequency"] == 40
 
 
+def test_the_next_fit_streams_only_where_the_last_fits_measures_predict_it_faster(sc) -> None:
+    """A master's next fit streams only if the cost model, from the last fit's measures, predicts
+    streaming rounds at least as fast as plain ones: given a last fit whose averaging in flight took
+    a second more from the steps than the averaging itself took, plain rounds, the receipt saying
+    what streaming cost; a fit that streamed no round keeps that cost for the next (no swing)."""
+    rdd = rdd_of(sc, 800, 10, 2)  # 40 minibatches a worker an epoch: rounds of 20
+    master = ParameterAveragingTrainingMaster(10, collect_training_stats=True, rng_seed=0)
+    spark_net = SparkNet(sc, mlp_network(MOMENTUM), master)
+    with dask.config.set({"dlscale.training.averaging.frequency-bounds": [4, 30]}):
+        spark_net.fit(rdd, epochs=2)
+        assert spark_net.training_stats.choice["streaming"]  # nothing measured before: the bounds decide
+        measured = master._measures
+        master._measures = dataclasses.replace(measured, contention=measured.averaging + 1.0)
+        spark_net.fit(rdd, epochs=2)
+        second = spark_net.training_stats.choice
+        spark_net.fit(rdd, epochs=2)
+        third = spark_net.training_stats.choice
+    assert not second["streaming"] and second["frequency"] == 20 and second["source"] == "the last fit"
+    assert "a round beside an averaging)" in second["line"]
+    assert not third["streaming"] and master._measures.contention == measured.averaging + 1.0
+
+
 def test_frequency_bounds_that_are_not_two_ordered_counts_are_refused(sc) -> None:
     spark_net = SparkNet(sc, mlp_network(), ParameterAveragingTrainingMaster(8))
     for bounds in ([20], [50, 20], [0, 5], "20-50"):

@@ -11,6 +11,11 @@ the trainers and their workers' comms, those steps are slower; a cost a round, h
 trainers then fit ``W * H`` minibatches in that time, against ``H`` for one trainer stepping alone at
 the undisturbed pace: the speedup over one trainer.
 
+Streaming pays where the contention and what is left of the averaging cost less than the averaging
+itself (:func:`streams`): a fit streams the rounds its bounds allow it to, and the next fit of its
+master streams only where the first one's measures say so (a fit that did not stream keeps the
+contention measured when one last did, so that the choice does not swing between fits).
+
 In that model a longer round is never slower (its costs beyond the steps are paid once a round, and
 less of its averaging is waited for), so the fit trains the longest rounds the quality guard allows:
 the bounds' high end, at most a trainer's minibatches of an epoch, split into rounds of about even
@@ -109,7 +114,7 @@ class Choice:
         m = self.measures
         rate = m.rate()
         link = f"{format_bytes(rate)}/s" if math.isfinite(rate) else "no averaging"
-        beside = f" (+{_seconds(m.contention)} a round beside an averaging)" if self.streaming and m.contention else ""
+        beside = f" (+{_seconds(m.contention)} a round beside an averaging)" if m.contention else ""
         return (
             f"a step {_seconds(m.step)}{beside}, an averaging {_seconds(m.averaging)} of "
             f"{format_bytes(m.state_bytes)} ({link}), {m.trainers} trainers, measured in {self.source}"
@@ -135,6 +140,15 @@ def choose(share: int, bounds: tuple[int, int]) -> int:
     high = max(1, min(high, share))
     even = math.ceil(share / math.ceil(share / high))
     return even if even >= min(low, high) else high
+
+
+def streams(measures: Measures, frequency: int) -> bool:
+    """Whether rounds of ``frequency`` should stream, as ``measures`` (a fit's, with its streaming
+    rounds' contention) predict: where what streaming costs a round (the contention, and the part of
+    the averaging still waited for) is at most the averaging that plain rounds wait for. A state
+    averaged in a few milliseconds (a small network on a fast link) can cost its steps more beside
+    them than it takes alone."""
+    return measures.round_at(frequency, True) <= measures.round_at(frequency, False)
 
 
 def pace(stepped: float, steps: int, late_seconds: float, late_steps: int) -> tuple[float, float]:

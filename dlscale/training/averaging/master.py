@@ -75,7 +75,9 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
     average is taken whole, every trainer ends with the same state. Without ``streaming`` (the
     default) rounds stream when their frequency, given or chosen, is at least the bounds' lower end
     (an average taken half a round late costs little in rounds that long; in short ones it cost a
-    point, and a chosen frequency is that short only where a trainer's share of an epoch is).
+    point, and a chosen frequency is that short only where a trainer's share of an epoch is), and,
+    once a fit of the master has measured what streaming costs, only where the cost model predicts
+    it faster than waiting for the averaging (:func:`~dlscale.training.averaging._choice.streams`).
     ``outer_optimizer`` (DiLoCo, arXiv 2311.08105) is a factory of a torch optimizer, such as
     ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)``, stepped once a round
     with the averaged change of the parameters, negated, as their gradient; ``None`` (the default) moves
@@ -190,6 +192,8 @@ class _Averaging(SessionRun):
         self.streaming = master.streaming
         if self.streaming is None:  # rounds long enough that an average taken half a round late costs little
             self.streaming = self.frequency >= self.bounds[0]
+            if self.streaming and master._measures is not None and len(run.workers) > 1:
+                self.streaming = _choice.streams(master._measures, self.frequency)
         self.choice: _choice.Choice | None = None  # the receipt of a chosen frequency
         # predicted from this fit's first rounds (a lone trainer never averages: nothing to predict)
         self.measuring = given is None and master._measures is None and len(run.workers) > 1
@@ -424,6 +428,9 @@ class _Averaging(SessionRun):
         spent, fitted = self.steps
         step, contention = _choice.pace(spent, fitted, self.late[0], self.late[1])
         contention /= max(1, self.late[2])
+        last = self.master._measures
+        if not self.late[2] and last is not None:  # no round streamed: what streaming cost when it last did
+            contention = last.contention
         seconds = time.time() - self.run.began
         if self.timed and fitted and self.first_start is not None and len(self.run.workers) > 1:
             averaging = float(np.median([a for _, _, a in self.timed]))
