@@ -132,3 +132,9 @@ def test_the_receipt_says_what_was_chosen_why_and_both_speedups() -> None:
     choice.measures = measures(0.035, 0.21, contention=0.066)
     assert "(a step 35 ms (+66 ms a round beside an averaging), an averaging 210 ms" in choice.line()
     assert choice.to_dict()["line"] == choice.line() and choice.to_dict()["measures"]["step"] == 0.035
+    choice.alone, choice.predicted = 0.62, 1.0  # its trainers predicted slower than one: one trains
+    assert choice.line().startswith(
+        "one trainer, since 2 trainers averaging every 40 minibatches in streaming rounds were predicted 0.62x "
+        "(a step 35 ms (+66 ms a round beside an averaging)"
+    )
+    assert choice.line().endswith("predicted 1.00x, measured 1.70x one trainer")

@@ -780,6 +780,32 @@ def test_the_next_fit_streams_only_where_the_last_fits_measures_predict_it_faste
     assert not third["streaming"] and master._measures.contention == measured.averaging + 1.0
 
 
+def test_a_fit_trains_on_one_worker_where_the_last_fits_measures_predict_more_slower(sc) -> None:
+    """Where the last fit's measures predict its trainers slower than one (here an averaging of 30 s a
+    round), the next fit of the master trains on one worker: every minibatch once, the receipt saying
+    why and predicting one trainer's pace; it keeps those measures, so the fit after does the same."""
+    rdd = rdd_of(sc, 800, 10, 2)  # 40 minibatches a worker an epoch: rounds of 20
+    master = ParameterAveragingTrainingMaster(10, collect_training_stats=True, rng_seed=0)
+    spark_net = SparkNet(sc, mlp_network(MOMENTUM), master)
+    with dask.config.set({"dlscale.training.averaging.frequency-bounds": [4, 30]}):
+        spark_net.fit(rdd, epochs=1)
+        slow = dataclasses.replace(master._measures, averaging=30.0)
+        master._measures = slow
+        first = len(spark_net.training_stats.rounds)  # the statistics of a SparkNet's fits, appended
+        spark_net.fit(rdd, epochs=2)
+        choice, rounds = spark_net.training_stats.choice, spark_net.training_stats.rounds[first:]
+        spark_net.fit(rdd, epochs=1)
+    assert choice["alone"] < 1 and choice["predicted"] == 1.0 and choice["measured"] > 0
+    how = "streaming rounds" if choice["streaming"] else "rounds"
+    assert choice["line"].startswith(
+        f"one trainer, since 2 trainers averaging every 20 minibatches in {how} were predicted {choice['alone']:.2f}x"
+    ), choice["line"]
+    assert len({w.worker for r in rounds for w in r.workers}) == 1
+    fitted = collections.Counter(path for r in rounds for w in r.workers for path in w.batches)
+    assert len(fitted) == 80 and set(fitted.values()) == {2}
+    assert master._measures == slow and spark_net.training_stats.choice["alone"] is not None
+
+
 def test_frequency_bounds_that_are_not_two_ordered_counts_are_refused(sc) -> None:
     spark_net = SparkNet(sc, mlp_network(), ParameterAveragingTrainingMaster(8))
     for bounds in ([20], [50, 20], [0, 5], "20-50"):

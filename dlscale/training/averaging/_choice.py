@@ -16,6 +16,10 @@ itself (:func:`streams`): a fit streams the rounds its bounds allow it to, and t
 master streams only where the first one's measures say so (a fit that did not stream keeps the
 contention measured when one last did, so that the choice does not swing between fits).
 
+Where the last fit's measures predict the fit's trainers slower than one trainer (a large state on a
+slow link, steps too short to hide it), the fit trains on one worker alone: a second cannot pay. It
+keeps those measures (it averages nothing to measure anew), so the master's later fits do the same.
+
 In that model a longer round is never slower (its costs beyond the steps are paid once a round, and
 less of its averaging is waited for), so the fit trains the longest rounds the quality guard allows:
 the bounds' high end, at most a trainer's minibatches of an epoch, split into rounds of about even
@@ -99,7 +103,9 @@ class Measures:
 class Choice:
     """The receipt of a chosen frequency: ``frequency`` and ``streaming``, the :class:`Measures` it was
     chosen from (``source``: "this fit" or "the last fit"), the fit's ``predicted`` speedup over one
-    trainer when chosen, and the ``measured`` one when the fit ended (``None`` until then)."""
+    trainer when chosen, and the ``measured`` one when the fit ended (``None`` until then). ``alone``:
+    the speedup predicted for the fit's trainers where it was under 1, so that one trainer trains
+    (predicted at 1.0: one trainer at its step)."""
 
     frequency: int
     streaming: bool
@@ -108,6 +114,7 @@ class Choice:
     predicted: float
     bounds: tuple[int, int]
     measured: float | None = None
+    alone: float | None = None
 
     def why(self) -> str:
         """The measures behind the choice, in a few words."""
@@ -123,7 +130,12 @@ class Choice:
     def line(self) -> str:
         """The choice, why, and the speedups: what the fit's closing line says."""
         how = "streaming rounds" if self.streaming else "rounds"
-        said = f"averaging every {self.frequency} minibatches in {how} ({self.why()}): predicted {self.predicted:.2f}x"
+        rounds = f"averaging every {self.frequency} minibatches in {how}"
+        if self.alone is not None:
+            trainers = f"{self.measures.trainers} trainers {rounds} were predicted {self.alone:.2f}x"
+            said = f"one trainer, since {trainers} ({self.why()}): predicted {self.predicted:.2f}x"
+        else:
+            said = f"{rounds} ({self.why()}): predicted {self.predicted:.2f}x"
         if self.measured is not None:
             said += f", measured {self.measured:.2f}x"
         return said + " one trainer"

@@ -40,7 +40,7 @@ from dlscale.training._config import setting
 from dlscale.training._driver import FitRun
 from dlscale.training._errors import TrainingConfigError
 from dlscale.training._parking import Warm
-from dlscale.training._session import SessionRun
+from dlscale.training._session import Placement, SessionRun
 from dlscale.training.averaging import _choice, _trainer
 from dlscale.training.averaging._exchange import DTYPES
 from dlscale.training.averaging._extension import AVERAGING
@@ -65,8 +65,9 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
     epoch and about even, since in the cost model of a round
     (:mod:`~dlscale.training.averaging._choice`) longer rounds are never slower; its first averaged
     round measures a step, a round and its averaging, from which the model predicts the fit's
-    speedup (the next fit of the same master predicts from the last fit's measures). The choice, why,
-    and its predicted and measured speedups are the fit's closing line and ``TrainingStats.choice``.
+    speedup (the next fit of the same master predicts from the last fit's measures, and trains on one
+    worker alone where they predict its trainers slower than one). The choice, why, and its predicted
+    and measured speedups are the fit's closing line and ``TrainingStats.choice``.
     ``averaging_frequency=5`` is DL4J's default. ``streaming=True`` overlaps
     each round's averaging with the next round's steps (Streaming DiLoCo, arXiv 2501.18512): a trainer
     fits round ``k + 1`` from its own state while round ``k``'s averaging is in flight, and takes round
@@ -204,8 +205,12 @@ class _Averaging(SessionRun):
         self.timed: list[tuple[float, int, float]] = []  # rounds after a segment's first: seconds, frequency, averaging
         self.first_start: float | None = None  # when the fit's first round began (time.time())
         self.state_bytes = master._measures.state_bytes if master._measures is not None else 0
+        self.alone = False  # one trainer, where the last fit's measures predict more of them slower
         if given is None and master._measures is not None and len(run.workers) > 1:  # predicted at once
             self._predict(master._measures, "the last fit")
+            if self.choice.predicted < 1:
+                self.alone, self.seen = True, set(run.workers[:1])  # the other workers are not lost: unused
+                self.choice.alone, self.choice.predicted = self.choice.predicted, 1.0
         self.spec = _trainer.TrainerSpec(
             master.save_updater,
             master.worker_prefetch_num_batches,
@@ -217,6 +222,10 @@ class _Averaging(SessionRun):
             keep_loaded(),
             self.streaming,
         )
+
+    def place(self, nodes: list[str]) -> Placement:
+        """A trainer a worker; one in all (on the first) where the fit chose to train :attr:`alone`."""
+        return super().place(nodes[:1] if self.alone else nodes)
 
     def begin(self, probe: bool, left: Warm | None) -> None:
         b = self.batches
@@ -432,7 +441,7 @@ class _Averaging(SessionRun):
         if not self.late[2] and last is not None:  # no round streamed: what streaming cost when it last did
             contention = last.contention
         seconds = time.time() - self.run.began
-        if self.timed and fitted and self.first_start is not None and len(self.run.workers) > 1:
+        if self.timed and fitted and self.first_start is not None and len(self.nodes()) > 1:
             averaging = float(np.median([a for _, _, a in self.timed]))
             m = _choice.Measures(len(self.run.workers), step, averaging, self.state_bytes, 0.0, 0.0, 0.0, contention)
             overhead = [s - m.round_at(h, self.streaming) for s, h, _ in self.timed]  # m's overhead is 0
