@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from dlscale.training.averaging._choice import Choice, Measures, choose, fit_speedup, pace, streams
+from dlscale.training.averaging._choice import Choice, Measures, alone_faster, choose, fit_speedup, pace, streams
 
 
 def measures(
@@ -60,6 +60,19 @@ def test_rounds_stream_where_the_model_predicts_them_faster(
     m = measures(0.01, averaging, overhead=0.002, contention=contention)
     assert streams(m, 20) is expected
     assert expected == (m.round_at(20, True) <= m.round_at(20, False))
+
+
+def test_one_trainer_is_chosen_where_it_would_fit_sooner_than_the_trainers() -> None:
+    """400 items of 10 ms steps: one trainer takes 4 s; 2 trainers in rounds of 20 take 10 rounds of
+    0.2 s + 0.002 s + what of the averaging shows, and the fit's end (0.3 s): with an averaging of
+    0.1 s hidden, 2.32 s; of 0.5 s, streaming, 10 x 0.602 + 0.3 = 6.32 s; both pay the fit's start."""
+    m = Measures(2, 0.01, 0.1, 1 << 20, 0.002, start=5.0, end=0.3)
+    assert not alone_faster(m, 20, True, 400)
+    slow = Measures(2, 0.01, 0.5, 1 << 20, 0.002, start=5.0, end=0.3)
+    assert alone_faster(slow, 20, True, 400)
+    # just under one trainer's 4 s: 10 rounds of 0.372 s (0.17 s of the averaging shown) and an end of 0.25 s
+    assert not alone_faster(Measures(2, 0.01, 0.27, 1 << 20, 0.002, start=5.0, end=0.25), 20, True, 400)
+    assert alone_faster(Measures(2, 0.01, 0.27, 1 << 20, 0.002, start=5.0, end=0.31), 20, True, 400)
 
 
 def test_a_round_measured_gives_back_its_overhead_and_the_next_fit_its_end() -> None:

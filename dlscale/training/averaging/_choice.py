@@ -171,6 +171,13 @@ def pace(stepped: float, steps: int, late_seconds: float, late_steps: int) -> tu
     return max(0.0, free), max(0.0, late_seconds - late_steps * free)
 
 
+def alone_faster(measures: Measures, frequency: int, streaming: bool, items: int) -> bool:
+    """Whether one trainer at the measured step would fit ``items`` sooner than ``measures.trainers``
+    in rounds of ``frequency``: both pay the fit's start, the trainers their rounds and its end."""
+    rounds = items / (measures.trainers * frequency)
+    return rounds * measures.round_at(frequency, streaming) + measures.end > items * measures.step
+
+
 def fit_speedup(
     measures: Measures, frequency: int, streaming: bool, items: int, remaining: int, elapsed: float
 ) -> float:

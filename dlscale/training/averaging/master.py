@@ -208,7 +208,8 @@ class _Averaging(SessionRun):
         self.alone = False  # one trainer, where the last fit's measures predict more of them slower
         if given is None and master._measures is not None and len(run.workers) > 1:  # predicted at once
             self._predict(master._measures, "the last fit")
-            if self.choice.predicted < 1:
+            measures = dataclasses.replace(master._measures, trainers=len(run.workers))
+            if _choice.alone_faster(measures, self.frequency, self.streaming, self.n * run.epochs):
                 self.alone, self.seen = True, set(run.workers[:1])  # the other workers are not lost: unused
                 self.choice.alone, self.choice.predicted = self.choice.predicted, 1.0
         self.spec = _trainer.TrainerSpec(
