@@ -190,11 +190,13 @@ class _Averaging(SessionRun):
         self.bounds = frequency_bounds()
         given = master.averaging_frequency
         self.frequency: int = given or _choice.choose(math.ceil(self.n / max(1, len(run.workers))), self.bounds)
+        # the last fit's measures, what this fit's choices are predicted from (a lone trainer averages nothing)
+        last = master._measures if len(run.workers) > 1 else None
         self.streaming = master.streaming
         if self.streaming is None:  # rounds long enough that an average taken half a round late costs little
             self.streaming = self.frequency >= self.bounds[0]
-            if self.streaming and master._measures is not None and len(run.workers) > 1:
-                self.streaming = _choice.streams(master._measures, self.frequency)
+            if self.streaming and last is not None:
+                self.streaming = _choice.streams(last, self.frequency)
         self.choice: _choice.Choice | None = None  # the receipt of a chosen frequency
         # predicted from this fit's first rounds (a lone trainer never averages: nothing to predict)
         self.measuring = given is None and master._measures is None and len(run.workers) > 1
@@ -206,10 +208,9 @@ class _Averaging(SessionRun):
         self.first_start: float | None = None  # when the fit's first round began (time.time())
         self.state_bytes = master._measures.state_bytes if master._measures is not None else 0
         self.alone = False  # one trainer, where the last fit's measures predict more of them slower
-        if given is None and master._measures is not None and len(run.workers) > 1:  # predicted at once
-            self._predict(master._measures, "the last fit")
-            measures = dataclasses.replace(master._measures, trainers=len(run.workers))
-            if _choice.alone_faster(measures, self.frequency, self.streaming, self.n * run.epochs):
+        if given is None and last is not None:  # predicted at once
+            self._predict(last, "the last fit")
+            if _choice.alone_faster(self.choice.measures, self.frequency, self.streaming, self.n * run.epochs):
                 self.alone, self.seen = True, set(run.workers[:1])  # the other workers are not lost: unused
                 self.choice.alone, self.choice.predicted = self.choice.predicted, 1.0
         self.spec = _trainer.TrainerSpec(
