@@ -400,9 +400,9 @@ class _Averaging(SessionRun):
         of the fit is predicted from the round's ``end``: the rounds after it, not the time since, in
         which the next ones went on and may be heard of with this one. The round's overhead leaves out
         what the member that ended it waited for minibatches: an early round reads minibatches that
-        later ones find kept loaded (in three fits of the small model, the second round's overhead was
-        6.5-27 ms of its 42-91 ms, and its members waited 4.4-27 ms for minibatches in it); what
-        reading costs every round stays in the overhead the whole fit measures for the next."""
+        later ones find kept loaded (by hand, in three fits of the small model, the second round's
+        overhead was 6.5-27 ms of its 42-91 ms, and its members waited 4.4-27 ms for minibatches in
+        it); what reading costs every round stays in the overhead the whole fit measures for the next."""
         members = report["members"]
         fitted = [m for m in members if m["items"]]
         times = [m["last_exchange_seconds"] for m in members]
