@@ -163,6 +163,12 @@ def _take_snapshot(session: str, round: int, dask_worker: Any = None) -> dict[st
     return plugin(dask_worker).take_snapshot(session, round)
 
 
+async def _drop_snapshot(session: str, round: int, dask_worker: Any = None) -> None:
+    """Drop round ``round``'s kept average (with any older) on this worker once another worker's was
+    taken: a coroutine, since Dask's ``run`` goes on without waiting only for those."""
+    plugin(dask_worker).take_snapshot(session, round)
+
+
 def _stepping(member: dict[str, Any]) -> float:
     """The seconds a round's member spent in its steps: fitting, neither reading minibatches (the
     first epoch's, before they are kept loaded) nor taking an average."""
@@ -350,7 +356,7 @@ class _Averaging(SessionRun):
             if isinstance(state, dict):
                 others = [w for w in members if w != worker]  # their copies dropped, without waiting
                 if others:
-                    self.client.run(_take_snapshot, session, k, workers=others, on_error="ignore", wait=False)
+                    self.client.run(_drop_snapshot, session, k, workers=others, on_error="ignore", wait=False)
                 self.write_checkpoint(due, [i for i in self.segment_order if not self.fitted[i]], state)
                 logger.debug("parameter averaging: a checkpoint from round %d of session %s", k, session)
                 return True
