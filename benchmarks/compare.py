@@ -106,6 +106,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 AVERAGING = (
     "defaults",
     "defaults_rdd",
+    "defaults_unread",
     "averaging_f5",
     "averaging_f10",
     "averaging_f50",
@@ -120,7 +121,8 @@ AVERAGING = (
     "streaming_f50_onefit",
 )
 """dlscale's parameter averaging: with its defaults (the frequency and streaming chosen by the fit, a
-receipt of the choice recorded), also by ``fit(rdd)``, as a user calls it; every 5 (DL4J's), 10 or 50
+receipt of the choice recorded), also by ``fit(rdd)``, as a user calls it, and in DL4J's example loop
+(``_unread``: a fit an epoch, the network read after the last only); every 5 (DL4J's), 10 or 50
 minibatches, the states exchanged in 16 bits, DiLoCo's
 Nesterov outer step (lr 0.7, momentum 0.9), ``fit(rdd)`` (the default export, its first
 epoch exporting) in place of ``fit_paths``, and streaming rounds (``streaming=True``), their states
@@ -136,6 +138,7 @@ RUNNER_HELP = {
     "torch_distributor": "PySpark's TorchDistributor in local mode (DDP over gloo)",
     "defaults": "ParameterAveragingTrainingMaster(64), its defaults (frequency, streaming chosen), fit_paths per epoch",
     "defaults_rdd": "the same, fit(rdd) per epoch in place of fit_paths (its first epoch exporting the RDD)",
+    "defaults_unread": "the defaults, fit_paths per epoch with the network read after the last fit only",
     "averaging_f5": "ParameterAveragingTrainingMaster averaging every 5 minibatches (DL4J's default), no streaming",
     "averaging_f10": "ParameterAveragingTrainingMaster averaging every 10 minibatches, a fit_paths per epoch",
     "averaging_f50": "the same, averaging every 50 minibatches",
@@ -389,7 +392,9 @@ def run_dlscale(
 ) -> None:
     """A SparkNet on ``local[workers]`` (one thread each, training on ``device``) fitting minibatch
     files exported before timing, one ``fit_paths`` per epoch so that the network can be evaluated
-    between epochs (one for them all with ``_onefit``)."""
+    between epochs (one for them all with ``_onefit``). A fit's time includes its state's arrival on
+    the driver (``Network.settle``) where the network is read after it: after every fit, or after the
+    last alone with ``_unread`` and ``_onefit``."""
     from dlscale import (
         ParameterAveragingTrainingMaster,
         SharedTrainingMaster,
@@ -418,17 +423,23 @@ def run_dlscale(
         elapsed, curve, edges, rounds, choices = 0.0, [], [], [], []
         rdd = sc.parallelize(DataSet(x, y).batch_by(BATCH), workers) if master_name.endswith("_rdd") else None
         fits, per_fit = (1, epochs) if master_name.endswith("_onefit") else (epochs, 1)
+        unread = master_name.endswith("_unread")
         with measured(out):
-            for _ in range(fits):
+            for fit in range(fits):
                 start, wall = time.perf_counter(), time.time()
                 if rdd is None:
                     spark_net.fit_paths(paths, epochs=per_fit)
                 else:
                     spark_net.fit(rdd)
+                returned = time.time()
+                read = not unread or fit == fits - 1
+                if read:
+                    net.settle()  # the state on the driver, as the evaluation reads it
                 elapsed += time.perf_counter() - start
-                edges.append(_edges(spark_net.training_stats, wall, time.time()))
+                edges.append(_edges(spark_net.training_stats, wall, returned))
                 rounds.append(spark_net.training_stats.rounds[sum(map(len, rounds)) :])  # this fit's
-                curve.append((elapsed, accuracy(net.module, tx, ty)))
+                if read:
+                    curve.append((elapsed, accuracy(net.module, tx, ty)))
                 choices.append(spark_net.training_stats.choice)
     stats = spark_net.training_stats  # of every epoch's fit
     out["fit_edges_seconds"] = edges
@@ -511,7 +522,7 @@ def _edges(stats: Any, start: float, end: float) -> list[float]:
     """A fit's fixed costs, from its trainers' timelines (gradient sharing) or rounds (parameter
     averaging): seconds from the call of ``fit_paths`` to the first trainer's first step (the network
     sent, or the last fit's trainers taken back), and from the last trainer's last step to the
-    call's return (the last round's averaging, the states gathered)."""
+    call's return (the last round's averaging; the state's arrival on the driver is not in it)."""
     spans = [(p[1], p[1] + p[2]) for t in stats.trainers if t.phases for p in t.phases]
     spans += [(w.start, w.end) for r in stats.rounds for w in r.workers]
     spans = [s for s in spans if start <= s[0] <= end]

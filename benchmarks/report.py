@@ -37,6 +37,7 @@ LABELS = {
     "ceiling": "ceiling: 2 independent processes",
     "defaults": "parameter averaging, its defaults (chosen)",
     "defaults_rdd": "parameter averaging, its defaults, `fit(rdd)`",
+    "defaults_unread": "parameter averaging, its defaults, nothing read between fits",
     "averaging_f5": "averaging every 5 (DL4J's default)",
     "ddp": "DDP (gloo)",
     "ddp_powersgd": "DDP + PowerSGD",

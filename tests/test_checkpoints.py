@@ -162,6 +162,38 @@ def test_checkpoints_at_epochs_ends_are_written_while_the_trainers_go_on(
             assert torch.equal(resumed.params(), whole.params()), checkpoint
 
 
+def test_a_checkpoint_from_a_kept_average_drops_the_other_workers_copies(
+    sc: SparkContext, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once a checkpoint is written from the average one worker kept aside at an epoch's end, no worker
+    holds that average any longer: the others drop their copies while the fit goes on."""
+    from dlscale.training.averaging._worker_plugin import plugin
+    from dlscale.training.averaging.master import _Averaging
+
+    def kept(dask_worker: Any = None) -> list[int]:
+        return sorted(r for rounds in plugin(dask_worker).snapshots.values() for r in rounds)
+
+    left: list[dict[str, list[int]]] = []
+    write = _Averaging._write_snapshot
+
+    def written(run: _Averaging, report: dict[str, Any], due: list[Any]) -> bool:
+        wrote = write(run, report, due)
+        if wrote:  # the fit's session is open until the driver closes it, after this
+            deadline, held = time.monotonic() + 5, sc.client.run(kept)
+            while any(report["round"] in r for r in held.values()) and time.monotonic() < deadline:
+                time.sleep(0.02)
+                held = sc.client.run(kept)
+            left.append({w: [r for r in rounds if r <= report["round"]] for w, rounds in held.items()})
+        return wrote
+
+    monkeypatch.setattr(_Averaging, "_write_snapshot", written)
+    spark_net = SparkNet(sc, _net(), ParameterAveragingTrainingMaster(16, averaging_frequency=4, rng_seed=1))
+    spark_net.set_listeners(CheckpointListener(str(tmp_path), save_every_n_epochs=1))
+    spark_net.fit(_rdd(sc), epochs=3)
+    assert len(left) == 3  # a checkpoint from a kept average at each epoch's end
+    assert all(held == {w: [] for w in held} for held in left)
+
+
 def test_a_checkpoint_of_another_fit_is_refused(sc: SparkContext, tmp_path: Path) -> None:
     rdd = _rdd(sc)
     listener = CheckpointListener(str(tmp_path), save_every_n_epochs=1)

@@ -247,7 +247,8 @@ class _SentNetworks(TrainingListener):
 
 def test_a_fit_loop_goes_on_with_the_last_fits_trainers_unless_the_network_changed(sc: SparkContext) -> None:
     """One ``fit`` per epoch, as DL4J's examples train: the second fit's trainers are the first's,
-    parked on their workers (the same replicas: the network is not sent again). A network changed
+    parked on their workers (the same replicas: the network is not sent again, nor its state read
+    on the driver in between). A network changed
     on the driver in between is sent again and trained from where the driver left it."""
     x, y, _, _ = digits()
     rdd = sc.parallelize([DataSet(x[i : i + 16], y[i : i + 16]) for i in range(0, len(x), 16)], 2)
@@ -261,9 +262,11 @@ def test_a_fit_loop_goes_on_with_the_last_fits_trainers_unless_the_network_chang
         spark_net.fit(rdd)
 
     fit()
+    assert net.pending() is not None  # the combined state arrives when the network is read
     first = _parked(sc)
     assert all(len(sessions) == 1 and len(next(iter(sessions.values()))) == 1 for sessions in first.values())
     fit()
+    assert net.pending() is not None  # not read since the first fit: its trainers went on
     second = _parked(sc)
     for w in first:
         (a,), (b,) = first[w].items(), second[w].items()

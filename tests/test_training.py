@@ -932,6 +932,76 @@ def test_a_fit_loop_goes_on_with_the_last_fits_replicas_unless_the_network_chang
     assert all(torch.equal(state[i]["momentum_buffer"], other[i]["momentum_buffer"]) for i in other)
 
 
+def test_a_loop_that_reads_nothing_between_fits_takes_the_state_once_read(sc, tmp_path) -> None:
+    """The state a parameter-averaging fit ends with arrives in the background: the network takes it
+    when first read. Fits that read nothing between them go on with the parked trainers (nothing
+    sent) and end exactly where a loop that reads the network after every fit ends."""
+    rdd = rdd_of(sc, 96, 8, 2)
+
+    def loop(read: bool) -> tuple[Network, list[bool], list[bool]]:
+        master = ParameterAveragingTrainingMaster(
+            16, averaging_frequency=2, rng_seed=3, export_directory=str(tmp_path / f"export-{read}")
+        )
+        spark_net = SparkNet(sc, mlp_network(MOMENTUM, norm=True), master)
+        sent = _SentNetworks(sc)
+        spark_net.set_listeners(sent)
+        arriving = []
+        for _ in range(3):
+            sent.before = _networks_held(sc)
+            spark_net.fit(rdd)
+            arriving.append(spark_net.network.pending() is not None)
+            if read:
+                spark_net.network.params()
+        return spark_net.network, arriving, sent.held
+
+    lazy, arriving, held = loop(read=False)
+    assert arriving == [True, True, True]  # not one fit's state taken before the network was read
+    assert held == [True, False, False]  # the second and third fits went on with the parked trainers
+    read, _, held = loop(read=True)
+    assert held == [True, False, False]  # reading the state does not change it: the trainers go on
+    assert torch.equal(lazy.params(), read.params())
+    assert lazy.pending() is None
+    assert torch.equal(lazy.module[1].running_mean, read.module[1].running_mean)
+    state, other = lazy.optimizer_state()["state"], read.optimizer_state()["state"]
+    assert all(torch.equal(state[i]["momentum_buffer"], other[i]["momentum_buffer"]) for i in other)
+
+
+def test_a_state_still_arriving_reaches_the_network_as_the_context_stops(tmp_path) -> None:
+    """A context stopped right after a fit whose state no one read yet: the network has it after the
+    stop, the same state a network read before the stop has."""
+    nets = []
+    for read in (True, False):
+        with SparkContext("local[2]", "arriving") as sc:
+            spark_net = SparkNet(
+                sc, mlp_network(MOMENTUM), ParameterAveragingTrainingMaster(16, averaging_frequency=2, rng_seed=5)
+            )
+            spark_net.fit(rdd_of(sc, 64, 8, 2))
+            if read:
+                spark_net.network.params()
+            else:
+                assert spark_net.network.pending() is not None
+        nets.append(spark_net.network)
+    assert nets[1].pending() is None
+    assert not torch.equal(nets[1].params(), mlp_network(MOMENTUM).params())
+    assert torch.equal(nets[0].params(), nets[1].params())
+
+
+def test_a_state_lost_with_every_worker_that_held_it_is_an_error_when_read(sc) -> None:
+    """An arriving state whose every holder failed (as a worker lost before the driver took it) raises
+    when the network is read, naming what was lost, and the network keeps the state it had."""
+    from dlscale.training._parking import Arrival
+
+    def lost() -> dict[str, Any]:
+        raise OSError("worker gone")
+
+    net = mlp_network(MOMENTUM)
+    before = net.params().clone()
+    net.arriving(Arrival([sc.client.submit(lost, pure=False)], "fit dlscale-averaging-x"))
+    with pytest.raises(RuntimeError, match=r"fit dlscale-averaging-x trained was lost .*worker gone"):
+        net.params()
+    assert net.pending() is None and torch.equal(net.params(), before)
+
+
 @pytest.mark.parametrize("master_name", ["averaging", "sharing"])
 def test_a_fit_going_on_with_the_last_fits_trainers_probes_no_minibatch_they_trained_on(
     sc, tmp_path, master_name

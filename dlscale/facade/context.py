@@ -305,6 +305,7 @@ class SparkContext:
         self._spark_user = os.environ.get("SPARK_USER") or getpass.getuser()
         self._files = Files(self.applicationId)
         self._stopped = False
+        self._stopping: list[Callable[[], None]] = []  # what must reach the driver before the cluster goes
         with SparkContext._lock:
             SparkContext._running.append(self)
             SparkContext._active_spark_context = self
@@ -409,6 +410,8 @@ class SparkContext:
         and close the client and cluster this context created."""
         if self._stopped:
             return
+        for fetch in self._stopping:
+            fetch()
         for rdd in list(self._persisted.values()):
             rdd.unpersist()
         self._disk_blocks.close()
@@ -429,6 +432,11 @@ class SparkContext:
             SparkContext._running.remove(self)
             if SparkContext._active_spark_context is self:  # as PySpark: none until a context starts
                 SparkContext._active_spark_context = None
+
+    def _on_stop(self, fetch: Callable[[], None]) -> None:
+        """Call ``fetch`` as the context stops, before anything is released: what a library built on the
+        context keeps on the cluster for the driver (a fit's trained state) reaches the driver first."""
+        self._stopping.append(fetch)
 
     def __reduce__(self) -> NoReturn:
         """A context cannot be pickled: it belongs to the driver. A function given to an RDD operation, or a

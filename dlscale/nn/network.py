@@ -7,11 +7,17 @@ so that backward writes them without a zeroing and an accumulating pass over the
 
 A network computes on its :attr:`~Network.device` but takes and returns CPU tensors, and pickles as
 CPU tensors: a driver without a GPU can send it to GPU workers and read what they send back.
+
+A network's state may be *arriving* (:meth:`Network.arriving`): a fit on the cluster leaves its
+trained state on the workers, on its way to the driver, and the network takes it when first read
+(its module, parameters or optimizer), so that a loop of fits that reads nothing between them does
+not wait for the state at every fit's end.
 """
 
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -51,10 +57,32 @@ def _as_list(value: Any) -> list[torch.Tensor]:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
+_SETTLING = threading.RLock()  # an arriving state is set on one network at a time, by one thread
+
+
+def _settled(name: str) -> property:
+    """An attribute kept in the instance's ``__dict__`` under ``name`` (so that pickling sees it as
+    any other), read only once an arriving state has been taken (:meth:`Network.arriving`)."""
+
+    def get(self: Network) -> Any:
+        if "_arriving" in self.__dict__:
+            self.settle()
+        return self.__dict__[name]
+
+    def set(self: Network, value: Any) -> None:
+        self.__dict__[name] = value
+
+    return property(get, set)
+
+
 class Network:
     """A module, its loss (a name from :data:`dlscale.nn.losses.LOSSES` or a callable
     ``loss(outputs, labels)``) and an optimizer factory such as
     ``functools.partial(torch.optim.SGD, lr=0.1)`` (``None`` for a network that only infers)."""
+
+    module = _settled("module")
+    optimizer = _settled("optimizer")
+    _flat = _settled("_flat")
 
     def __init__(
         self,
@@ -76,6 +104,33 @@ class Network:
         self.metadata: dict[str, Any] = {}  # saved with the archive
         self._flatten()
         self.optimizer = optimizer(self.module.parameters()) if optimizer is not None else None
+
+    # -- an arriving state ------------------------------------------------------------------
+    def arriving(self, take: Callable[[Network], None]) -> None:
+        """Let the state this network is to have arrive later: ``take(self)`` sets it (parameters, buffers
+        and optimizer state) when the network is first read, and any state that was arriving is
+        dropped (``take`` supersedes it). The counters (:attr:`iteration`, :attr:`epoch`) are not part
+        of it."""
+        self.__dict__["_arriving"] = take
+
+    def pending(self) -> Callable[[Network], None] | None:
+        """The arriving state's ``take``, if the network has not been read since it was set."""
+        return self.__dict__.get("_arriving")
+
+    def settle(self) -> None:
+        """Take the arriving state now, if one is (reading the network does it). Another thread that
+        reads the network meanwhile waits until the state is whole."""
+        with _SETTLING:
+            take = self.__dict__.get("_arriving")
+            if take is None or self.__dict__.get("_settling"):  # none, or this thread is setting it
+                return
+            self.__dict__["_settling"] = True
+            try:
+                take(self)
+            finally:
+                del self.__dict__["_settling"]
+                if self.__dict__.get("_arriving") is take:
+                    del self.__dict__["_arriving"]
 
     # -- the flat buffer -------------------------------------------------------------------
     def _flatten(self) -> None:
@@ -303,6 +358,7 @@ class Network:
 
     # -- pickling (networks travel to the workers) ----------------------------------------
     def __getstate__(self) -> dict[str, Any]:
+        self.settle()
         state = {
             k: v
             for k, v in self.__dict__.items()

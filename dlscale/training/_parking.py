@@ -6,30 +6,82 @@ takes them back instead of sending the network again, if nothing changed in betw
 network object, its state unchanged (:func:`fingerprint`), the master's same settings and the same
 trainers on the same workers (:class:`Warm`). Otherwise the parked trainers are forgotten and the
 network is sent as for a first fit. ``dlscale.training.keep-trainers`` turns parking off.
+
+The driver's copy of the state a fit ends with is an :class:`Arrival`: fetched from a trainer's result
+in the background as the fit returns and taken by the network when it is first read
+(``Network.arriving``), so that neither the fit's end nor the next fit's start waits for it; a network
+not read since is the one its parked trainers hold, with no digest to compare.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import weakref
 from typing import Any
 
 import cloudpickle
 import crc32c
 import torch
+from distributed import Future
+
+from dlscale.training import _worker
+
+
+class Arrival:
+    """A fit's trained state on its way to the driver's network (``network.arriving(arrival)``): fetched
+    at once, in a thread of its own, from the first of ``futures`` (trainers' results on their
+    workers, each holding the whole state), and set on the network when it is first read; its
+    :attr:`fingerprint` is kept then. ``what`` names the fit in the error of a state lost with every
+    worker that held it."""
+
+    def __init__(self, futures: list[Future], what: str) -> None:
+        self.fingerprint: tuple[int, str] | None = None  # the network's, once it took the state
+        self._futures, self._what = futures, what
+        self._state: dict[str, Any] | None = None
+        self._error: BaseException | None = None
+        self._fetched = threading.Event()
+        threading.Thread(target=self._fetch, name="dlscale-arrival", daemon=True).start()
+
+    def _fetch(self) -> None:
+        errors = []
+        for future in self._futures:
+            try:
+                result = future.result()
+            except Exception as e:  # its worker was lost: another trainer's result holds the same state
+                errors.append(e)
+                continue
+            self._state = {k: result[k] for k in ("params", "buffers", "optimizer")}
+            break
+        else:
+            self._error = RuntimeError(
+                f"the state {self._what} trained was lost with every worker that held it before the driver "
+                f"took it ({'; '.join(map(str, errors))}); the network keeps the state it had before that fit"
+            )
+        self._futures = []  # the workers' copies released
+        self._fetched.set()
+
+    def __call__(self, network: Any) -> None:
+        self._fetched.wait()
+        if self._error is not None:
+            raise self._error
+        state, self._state = self._state, None
+        _worker.apply_state(network, state, copy=False)
+        self.fingerprint = fingerprint(network)
 
 
 @dataclasses.dataclass(frozen=True)
 class Warm:
     """A fit's trainers, parked on their workers under its last ``session``, and what the next fit must
-    match to take them back: the same ``network`` (a weak reference), unchanged since (its
-    ``fingerprint``), the master's same ``settings`` and the same ``trainers`` (where each is); and
-    the first minibatch that fit trained on (``first``: its reference and its loader, pickled), if it
-    trained on every one (:meth:`trained_on`)."""
+    match to take them back: the same ``network`` (a weak reference), unchanged since (not read since
+    its ``arrival``, or with the same ``fingerprint`` as it had then), the master's same ``settings``
+    and the same ``trainers`` (where each is); and the first minibatch that fit trained on (``first``:
+    its reference and its loader, pickled), if it trained on every one (:meth:`trained_on`)."""
 
     session: str
     network: weakref.ref[Any]
-    fingerprint: tuple[int, str]
+    fingerprint: tuple[int, str] | None
+    arrival: Arrival | None
     settings: str
     trainers: tuple[Any, ...]
     first: tuple[Any, bytes] | None = None
@@ -42,7 +94,10 @@ class Warm:
         ``first``: the reference and loader of the fit's first minibatch when it trained on every one
         (it began at its first epoch's start), else ``None``."""
         loaded = None if first is None else (first[0], cloudpickle.dumps(first[1]))
-        return cls(session, weakref.ref(network), fingerprint(network), settings, trainers, loaded)
+        arrival = network.pending()
+        if isinstance(arrival, Arrival):  # the state the trainers hold, not yet on the driver
+            return cls(session, weakref.ref(network), None, arrival, settings, trainers, loaded)
+        return cls(session, weakref.ref(network), fingerprint(network), None, settings, trainers, loaded)
 
     def trained_on(self, ref: Any, loader: Any) -> bool:
         """Whether the fit that left these trainers trained on minibatch ``ref`` read by ``loader`` (equal
@@ -52,7 +107,12 @@ class Warm:
 
     def same(self, network: Any, settings: str) -> bool:
         """Whether ``network``, trained with ``settings``, is the one these trainers left, unchanged."""
-        return self.network() is network and self.settings == settings and self.fingerprint == fingerprint(network)
+        if self.network() is not network or self.settings != settings:
+            return False
+        if self.arrival is not None and network.pending() is self.arrival:  # not read since
+            return True
+        printed = self.fingerprint if self.arrival is None else self.arrival.fingerprint
+        return printed is not None and printed == fingerprint(network)
 
 
 def fingerprint(network: Any) -> tuple[int, str]:

@@ -90,7 +90,7 @@ class TrainingMaster(abc.ABC):
     def _blob(self, network: Network) -> bytes | None:
         """``network`` pickled for the workers, or ``None`` when the last fit's trainers, parked, may go on
         with it (it is unchanged since: see ``_parking``); the fit pickles it then only if they cannot."""
-        if network.optimizer is not None and self._warm is not None and self._warm.same(network, repr(self)):
+        if network.optimizer_factory is not None and self._warm is not None and self._warm.same(network, repr(self)):
             return None
         return serialise(network)
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +35,9 @@ DEFAULT_BATCH_SIZE_PER_WORKER = 32
 class SparkNet:
     """Trains ``network`` on the cluster of ``sc`` with ``training_master`` (by default parameter
     averaging with 32 examples per worker minibatch). The trained network is :attr:`network`, on the
-    driver, after every ``fit``."""
+    driver, after every ``fit``: parameter averaging's state arrives in the background and is taken
+    when the network is first read (or as ``sc`` stops), so a loop of fits that reads nothing between
+    them does not wait for it (``Network.arriving``)."""
 
     def __init__(self, sc: SparkContext, network: Network, training_master: TrainingMaster | None = None) -> None:
         if not isinstance(network, Network):
@@ -48,6 +51,8 @@ class SparkNet:
         self.training_master = training_master
         self.listeners: list[TrainingListener] = []
         self.training_stats: TrainingStats | None = None
+        held = weakref.ref(network)  # a fit's state arrives when the network is read: at the latest as sc stops
+        sc._on_stop(lambda: (n := held()) is not None and n.settle())
 
     def fit(
         self,

@@ -35,11 +35,11 @@ from dlscale.monitor.stats import RoundStats, WorkerRound
 from dlscale.runtime.cluster import cluster_workers
 from dlscale.runtime.retirement import retired
 from dlscale.runtime.tasks import check_count
-from dlscale.training import _sources, _worker
+from dlscale.training import _sources
 from dlscale.training._config import setting
 from dlscale.training._driver import FitRun
 from dlscale.training._errors import TrainingConfigError
-from dlscale.training._parking import Warm
+from dlscale.training._parking import Arrival, Warm
 from dlscale.training._session import Placement, SessionRun
 from dlscale.training.averaging import _choice, _trainer
 from dlscale.training.averaging._exchange import DTYPES
@@ -175,8 +175,9 @@ def _stepping(member: dict[str, Any]) -> float:
     return max(0.0, member["fit_seconds"] - member["averaging_seconds"] - member["wait_seconds"])
 
 
-def _network_state(result: dict[str, Any]) -> dict[str, Any]:
-    return {k: result[k] for k in ("params", "buffers", "optimizer")}
+def _holds_state(result: dict[str, Any]) -> bool:
+    """Whether a trainer's result holds the session's state (told on its worker, not fetched)."""
+    return "params" in result
 
 
 class _Averaging(SessionRun):
@@ -313,15 +314,22 @@ class _Averaging(SessionRun):
         return self.due
 
     def conclude(self, futures: dict[str, Future], closed: Any, seconds: float) -> list[int]:
-        """The trainers' common state onto the driver's network, from the first trainer that ended with it
-        (one that left, was stopped or was lost returns a few fields: the driver fetches one state only);
-        the segment is complete when every trainer finished (and so parked its replica)."""
-        finished = [f for f in futures.values() if f.status == "finished"]
-        result = next((r for f in finished if "params" in (r := f.result())), None)
-        if result is None:
+        """The trainers' common state on its way to the driver's network (``_parking.Arrival``: fetched in
+        the background from the trainers that ended with it, taken when the network is read; one that
+        left, was stopped or was lost returns a few fields, told apart on its worker); the segment is
+        complete when every trainer finished (and so parked its replica)."""
+        finished = {t: f for t, f in futures.items() if f.status == "finished"}
+        told = self.client.gather(
+            [
+                self.client.submit(_holds_state, f, workers=[self.trainers[t][0]], allow_other_workers=True, pure=False)
+                for t, f in finished.items()
+            ]
+        )
+        holding = [f for f, held in zip(finished.values(), told, strict=True) if held]
+        if not holding:
             raise RuntimeError("every parameter-averaging trainer was lost; the network is unchanged")
         self.complete = len(finished) == len(futures)
-        _worker.apply_state(self.run.network, _network_state(result), copy=False)
+        self.run.network.arriving(Arrival(holding, f"fit {self.fit}"))
         logger.debug(
             "parameter averaging: %d minibatches in %.2f s on %d trainers",
             self._fitted,

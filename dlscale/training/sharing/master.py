@@ -27,7 +27,7 @@ from dlscale.nn.listeners import SentUpdate
 from dlscale.runtime.tasks import check_count
 from dlscale.training import _sources, _worker
 from dlscale.training._driver import FitRun
-from dlscale.training._parking import Warm
+from dlscale.training._parking import Arrival, Warm
 from dlscale.training._session import SessionRun
 from dlscale.training.master import TrainingMaster
 from dlscale.training.sharing import _mesh, _trainer
@@ -223,15 +223,15 @@ class _Session(SessionRun):
 
     def conclude(self, futures: dict[str, Future], closed: Any, seconds: float) -> list[int]:
         """The trainers' states made one on a worker beside them (the driver takes one state, not one per
-        trainer) onto the driver's network, with their statistics; returns the items taken back."""
+        trainer), on its way to the driver's network (``_parking.Arrival``: fetched in the background,
+        taken when the network is read), and their statistics; returns the items taken back."""
         finished = [f for f in futures.values() if f.status == "finished"]
-        combined = (
-            self.run.pauses.result(self.client.submit(_combine, *finished, pure=False)) if finished else _combine()
-        )
-        states = combined["trainers"]
+        combined = self.client.submit(_combine, *finished, pure=False) if finished else None
+        told = _told(_combine()) if combined is None else self.run.pauses.result(self.client.submit(_told, combined))
+        states = told["trainers"]
         self.complete = len(states) == len(self.trainers)  # and so parked, every one
         lost = self.progress["lost"]
-        if combined["state"] is None:
+        if told["dense_bytes"] is None:
             raise RuntimeError(f"every gradient-sharing trainer was lost ({', '.join(lost)}); the network is unchanged")
         if lost:
             warnings.warn(
@@ -240,11 +240,10 @@ class _Session(SessionRun):
                 TrainerLostWarning,
                 stacklevel=6,
             )
-        _worker.apply_state(self.run.network, combined["state"], copy=False)
+        self.run.network.arriving(Arrival([self.client.submit(_state, combined)], f"fit {self.fit}"))
         if self.run.stats is not None:  # a fit of several segments (checkpoints) has a record per trainer and segment
             self.run.stats.trainers.extend(TrainerStats(**s) for s in [r["stats"] for r in states] + self.retired)
-            params = self.run.network.params()
-            self.run.stats.dense_bytes = params.numel() * params.element_size()
+            self.run.stats.dense_bytes = told["dense_bytes"]
         minibatches = sum(r["batches"] for r in states) + sum(s["minibatches"] for s in self.retired)
         logger.debug(  # a segment's: the fit's closing line is SessionRun's
             "gradient sharing: %d minibatches in %.2f s on %d trainers",
@@ -275,6 +274,19 @@ def _combine(*results: dict[str, Any]) -> dict[str, Any]:
         "state": {"params": params, "buffers": state["buffers"], "optimizer": state["optimizer"]},
         "trainers": [{k: v for k, v in s.items() if k not in kept} for s in states],
     }
+
+
+def _told(combined: dict[str, Any]) -> dict[str, Any]:
+    """What the driver reads of the combined results at once (on their worker): what each trainer
+    reports of itself, and the bytes of the parameters (``None`` when no trainer returned a state)."""
+    state = combined["state"]
+    dense = None if state is None else state["params"].numel() * state["params"].element_size()
+    return {"trainers": combined["trainers"], "dense_bytes": dense}
+
+
+def _state(combined: dict[str, Any]) -> dict[str, Any]:
+    """The combined state alone: what the driver's network takes when read."""
+    return combined["state"]
 
 
 def _log_debug(event: tuple[float, dict[str, Any]]) -> None:
