@@ -63,6 +63,7 @@ def child() -> dict[str, float]:
             master = ParameterAveragingTrainingMaster(32, averaging_frequency=1, export_directory=export)
             t = time.perf_counter()
             SparkNet(sc, net, master).fit(rdd, epochs=1)
+            net.settle()  # the trained state on the driver, as reading the network takes it
             fits.append(time.perf_counter() - t)
     return {
         "context_start": start,

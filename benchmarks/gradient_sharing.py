@@ -80,7 +80,7 @@ def dlscale_sharing(x: torch.Tensor, y: torch.Tensor, tx: torch.Tensor, ty: torc
         SparkNet(sc, network(), SharedTrainingMaster(BATCH)).fit_paths(sc.parallelize(paths.take(20)))  # warm-up
         net = network()
         spark_net = SparkNet(sc, net, SharedTrainingMaster(BATCH, rng_seed=0, collect_training_stats=True))
-        seconds = timed(lambda: spark_net.fit_paths(paths))
+        seconds = timed(lambda: (spark_net.fit_paths(paths), net.settle()))  # the state on the driver too
         trainers = spark_net.training_stats.trainers
     steps = sum(t.minibatches for t in trainers)
     sent = sum(t.bytes_sent for t in trainers)

@@ -97,6 +97,7 @@ def distributed(
     spark_net = SparkNet(sc, net, master)
     start = time.perf_counter()
     spark_net.fit_paths(paths, epochs=epochs)
+    net.settle()  # the trained state on the driver, as reading the network takes it
     seconds = time.perf_counter() - start
     stats = spark_net.training_stats
     shares = [w for r in stats.rounds for w in r.workers]

@@ -219,6 +219,7 @@ def shared(
     spark_net = SparkNet(sc, net, master)
     start = time.perf_counter()
     spark_net.fit_paths(sc.parallelize(paths, len(paths)), epochs=epochs)
+    net.settle()  # the trained state on the driver, as reading the network takes it
     seconds = time.perf_counter() - start
     trainers = spark_net.training_stats.trainers
     dense = 4 * net.num_params()  # a dense float32 update
@@ -257,6 +258,7 @@ def averaged(
     spark_net = SparkNet(sc, net, master)
     start = time.perf_counter()
     spark_net.fit_paths(sc.parallelize(paths, len(paths)), epochs=epochs)
+    net.settle()  # the trained state on the driver, as reading the network takes it
     seconds = time.perf_counter() - start
     stats = spark_net.training_stats
     workers = len(cluster_workers(sc.client))

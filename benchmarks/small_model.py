@@ -137,6 +137,7 @@ def sharing(sc: SparkContext, paths: Any, data: tuple[torch.Tensor, ...], **opti
     spark_net = SparkNet(sc, net, master)
     start = time.perf_counter()
     spark_net.fit_paths(paths, epochs=EPOCHS)
+    net.settle()  # the trained state on the driver, as reading the network takes it
     seconds = time.perf_counter() - start
     trainers = spark_net.training_stats.trainers
     steps = sum(t.minibatches for t in trainers)
@@ -172,6 +173,7 @@ def averaging(
         start, wall = time.perf_counter(), time.time()
         for _ in range(fits):
             spark_net.fit_paths(paths, epochs=EPOCHS // fits)
+        net.settle()  # the trained state on the driver, as reading the network takes it
         seconds = time.perf_counter() - start
     stats = spark_net.training_stats
     return {
