@@ -107,6 +107,7 @@ AVERAGING = (
     "defaults",
     "defaults_rdd",
     "defaults_unread",
+    "defaults_evaluated",
     "averaging_f5",
     "averaging_f10",
     "averaging_f50",
@@ -121,8 +122,9 @@ AVERAGING = (
     "streaming_f50_onefit",
 )
 """dlscale's parameter averaging: with its defaults (the frequency and streaming chosen by the fit, a
-receipt of the choice recorded), also by ``fit(rdd)``, as a user calls it, and in DL4J's example loop
-(``_unread``: a fit an epoch, the network read after the last only); every 5 (DL4J's), 10 or 50
+receipt of the choice recorded), also by ``fit(rdd)``, as a user calls it, in DL4J's example loop
+(``_unread``: a fit an epoch, the network read after the last only) and with ``SparkNet.evaluate``
+between the fits (``_evaluated``, timed with them); every 5 (DL4J's), 10 or 50
 minibatches, the states exchanged in 16 bits, DiLoCo's
 Nesterov outer step (lr 0.7, momentum 0.9), ``fit(rdd)`` (the default export, its first
 epoch exporting) in place of ``fit_paths``, and streaming rounds (``streaming=True``), their states
@@ -139,6 +141,7 @@ RUNNER_HELP = {
     "defaults": "ParameterAveragingTrainingMaster(64), its defaults (frequency, streaming chosen), fit_paths per epoch",
     "defaults_rdd": "the same, fit(rdd) per epoch in place of fit_paths (its first epoch exporting the RDD)",
     "defaults_unread": "the defaults, fit_paths per epoch with the network read after the last fit only",
+    "defaults_evaluated": "the defaults, fit_paths per epoch and SparkNet.evaluate after each, timed with the fits",
     "averaging_f5": "ParameterAveragingTrainingMaster averaging every 5 minibatches (DL4J's default), no streaming",
     "averaging_f10": "ParameterAveragingTrainingMaster averaging every 10 minibatches, a fit_paths per epoch",
     "averaging_f50": "the same, averaging every 50 minibatches",
@@ -394,7 +397,9 @@ def run_dlscale(
     files exported before timing, one ``fit_paths`` per epoch so that the network can be evaluated
     between epochs (one for them all with ``_onefit``). A fit's time includes its state's arrival on
     the driver (``Network.settle``) where the network is read after it: after every fit, or after the
-    last alone with ``_unread`` and ``_onefit``."""
+    last alone with ``_unread`` and ``_onefit``; with ``_evaluated`` it includes the test set's
+    evaluation on the cluster (``SparkNet.evaluate``, of an RDD persisted on the workers before
+    timing) in place of the driver's."""
     from dlscale import (
         ParameterAveragingTrainingMaster,
         SharedTrainingMaster,
@@ -423,7 +428,11 @@ def run_dlscale(
         elapsed, curve, edges, rounds, choices = 0.0, [], [], [], []
         rdd = sc.parallelize(DataSet(x, y).batch_by(BATCH), workers) if master_name.endswith("_rdd") else None
         fits, per_fit = (1, epochs) if master_name.endswith("_onefit") else (epochs, 1)
-        unread = master_name.endswith("_unread")
+        unread, evaluated = master_name.endswith("_unread"), master_name.endswith("_evaluated")
+        test = None
+        if evaluated:  # on the workers before timing, as a persisted test set is
+            test = sc.parallelize(DataSet(tx, ty).batch_by(BATCH), workers).persist()
+            test.count()
         with measured(out):
             for fit in range(fits):
                 start, wall = time.perf_counter(), time.time()
@@ -433,12 +442,16 @@ def run_dlscale(
                     spark_net.fit(rdd)
                 returned = time.time()
                 read = not unread or fit == fits - 1
-                if read:
+                if test is not None:
+                    score = spark_net.evaluate(test).accuracy()  # on the state the workers hold
+                elif read:
                     net.settle()  # the state on the driver, as the evaluation reads it
                 elapsed += time.perf_counter() - start
                 edges.append(_edges(spark_net.training_stats, wall, returned))
                 rounds.append(spark_net.training_stats.rounds[sum(map(len, rounds)) :])  # this fit's
-                if read:
+                if test is not None:
+                    curve.append((elapsed, score))
+                elif read:
                     curve.append((elapsed, accuracy(net.module, tx, ty)))
                 choices.append(spark_net.training_stats.choice)
     stats = spark_net.training_stats  # of every epoch's fit

@@ -38,6 +38,7 @@ LABELS = {
     "defaults": "parameter averaging, its defaults (chosen)",
     "defaults_rdd": "parameter averaging, its defaults, `fit(rdd)`",
     "defaults_unread": "parameter averaging, its defaults, nothing read between fits",
+    "defaults_evaluated": "parameter averaging, its defaults, `SparkNet.evaluate` between fits (timed)",
     "averaging_f5": "averaging every 5 (DL4J's default)",
     "ddp": "DDP (gloo)",
     "ddp_powersgd": "DDP + PowerSGD",

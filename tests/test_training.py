@@ -966,6 +966,40 @@ def test_a_loop_that_reads_nothing_between_fits_takes_the_state_once_read(sc, tm
     assert all(torch.equal(state[i]["momentum_buffer"], other[i]["momentum_buffer"]) for i in other)
 
 
+def _one_hot(d: DataSet) -> DataSet:
+    return DataSet(d.features, torch.nn.functional.one_hot(d.labels, 3).float())
+
+
+def test_an_evaluation_between_fits_runs_on_the_state_the_workers_hold(sc, tmp_path) -> None:
+    """An evaluation between two fits of a loop that has not read the network is sent the network from a
+    replica its trainers parked, worker to worker: the state does not reach the driver, the next fit
+    still goes on with the parked trainers, and the evaluation equals one of the network as the
+    driver takes it (a batch-norm network, the running statistics the parked replicas hold). Once a
+    fit has taken the replicas back, the driver takes the state and sends it."""
+    rdd, test = rdd_of(sc, 96, 8, 2), rdd_of(sc, 48, 16, 2)
+    master = ParameterAveragingTrainingMaster(16, averaging_frequency=2, rng_seed=4, export_directory=str(tmp_path))
+    spark_net = SparkNet(sc, mlp_network(MOMENTUM, norm=True), master)
+    sent = _SentNetworks(sc)
+    spark_net.set_listeners(sent)
+    evaluations = []
+    for _ in range(2):
+        sent.before = _networks_held(sc)
+        spark_net.fit(rdd)
+        evaluations.append(spark_net.evaluate_regression(test.map(_one_hot)))  # reads every output exactly
+        assert spark_net.network.pending() is not None  # evaluated without taking the state to the driver
+    assert sent.held == [True, False]  # the second fit went on with the parked trainers
+    spark_net.network.params()  # the state taken: the driver sends the network
+    assert spark_net.evaluate_regression(test.map(_one_hot)) == evaluations[-1]
+    assert evaluations[0] != evaluations[1]
+
+    spark_net.fit(rdd)
+    sc.client.run(lambda dask_worker: plugin(dask_worker).parked.clear())  # as workers that forgot them
+    arriving = spark_net.network.pending()
+    assert arriving is not None and arriving.ship(sc.client) is None  # nowhere to send it from
+    spark_net.evaluate(test)
+    assert spark_net.network.pending() is None  # the driver took the state to send it
+
+
 def test_a_state_still_arriving_reaches_the_network_as_the_context_stops(tmp_path) -> None:
     """A context stopped right after a fit whose state no one read yet: the network has it after the
     stop, the same state a network read before the stop has."""

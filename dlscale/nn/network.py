@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -55,6 +55,18 @@ def _consecutive_parts(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> b
 
 def _as_list(value: Any) -> list[torch.Tensor]:
     return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+class ArrivingState(Protocol):
+    """A state on its way to a network (:meth:`Network.arriving`), from where it is held (the workers)."""
+
+    def __call__(self, network: Network) -> None:
+        """Set the state on ``network`` (it is being read)."""
+
+    def ship(self, client: Any) -> Any | None:
+        """The network with this state, without its optimizer, pickled and held on the workers (a
+        future, as :func:`dlscale.nn.shipping.ship` returns) from where the state is, without the
+        driver; ``None`` where that cannot be: the driver then takes the state and sends it."""
 
 
 _SETTLING = threading.RLock()  # an arriving state is set on one network at a time, by one thread
@@ -106,15 +118,15 @@ class Network:
         self.optimizer = optimizer(self.module.parameters()) if optimizer is not None else None
 
     # -- an arriving state ------------------------------------------------------------------
-    def arriving(self, take: Callable[[Network], None]) -> None:
+    def arriving(self, take: ArrivingState) -> None:
         """Let the state this network is to have arrive later: ``take(self)`` sets it (parameters, buffers
         and optimizer state) when the network is first read, and any state that was arriving is
         dropped (``take`` supersedes it). The counters (:attr:`iteration`, :attr:`epoch`) are not part
         of it."""
         self.__dict__["_arriving"] = take
 
-    def pending(self) -> Callable[[Network], None] | None:
-        """The arriving state's ``take``, if the network has not been read since it was set."""
+    def pending(self) -> ArrivingState | None:
+        """The arriving state, if the network has not been read since it was set."""
         return self.__dict__.get("_arriving")
 
     def settle(self) -> None:

@@ -55,7 +55,14 @@ def serialise(network: Network, with_optimizer: bool = True) -> bytes:
 
 def ship(client: Client, network: Network, with_optimizer: bool = False, *, waiting: str) -> Future:
     """``network`` pickled (see :func:`serialise`) and held on every worker, those joining later
-    included; the future's key names it in :func:`borrow`. ``waiting``: see :func:`ship_blob`."""
+    included; the future's key names it in :func:`borrow`. ``waiting``: see :func:`ship_blob`. A
+    network whose state is still arriving from the workers (:meth:`Network.arriving`) is pickled
+    there, where it can be, and copied from worker to worker: its state never crosses to the driver."""
+    arriving = network.pending()
+    if arriving is not None and not with_optimizer:
+        shipped = arriving.ship(client)
+        if shipped is not None:
+            return shipped
     return ship_blob(client, serialise(network, with_optimizer), waiting=waiting)
 
 

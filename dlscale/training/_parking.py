@@ -23,8 +23,10 @@ from typing import Any
 import cloudpickle
 import crc32c
 import torch
-from distributed import Future
+from distributed import Client, Future, get_worker, wait
 
+from dlscale.runtime.cluster import cluster_workers
+from dlscale.runtime.replicas import EVERY_WORKER, set_replication
 from dlscale.training import _worker
 
 
@@ -35,9 +37,10 @@ class Arrival:
     :attr:`fingerprint` is kept then. ``what`` names the fit in the error of a state lost with every
     worker that held it."""
 
-    def __init__(self, futures: list[Future], what: str) -> None:
+    def __init__(self, futures: list[Future], what: str, parked: tuple[str, str, list[str]] | None = None) -> None:
         self.fingerprint: tuple[int, str] | None = None  # the network's, once it took the state
         self._futures, self._what = futures, what
+        self._parked = parked  # where replicas equal to the state are parked: plugin, session, workers
         self._state: dict[str, Any] | None = None
         self._error: BaseException | None = None
         self._fetched = threading.Event()
@@ -61,6 +64,24 @@ class Arrival:
         self._futures = []  # the workers' copies released
         self._fetched.set()
 
+    def ship(self, client: Client) -> Future | None:
+        """The network with this state, without its optimizer, pickled on a worker from a replica
+        parked with it (``parked``) and held on every worker: copied from worker to worker, so that an
+        evaluation or inference between fits neither takes the state to the driver nor sends it back.
+        ``None`` where no replica is parked with it any longer (a fit took it back, or its worker was
+        lost or forgot it)."""
+        if self._parked is None:
+            return None
+        name, session, nodes = self._parked
+        alive = set(cluster_workers(client))
+        for worker in [w for w in nodes if w in alive]:
+            blob = client.submit(_parked_blob, name, session, workers=[worker], allow_other_workers=True, pure=False)
+            wait([blob])
+            if blob.status == "finished":
+                set_replication(client, [blob], EVERY_WORKER)
+                return blob
+        return None
+
     def __call__(self, network: Any) -> None:
         self._fetched.wait()
         if self._error is not None:
@@ -68,6 +89,12 @@ class Arrival:
         state, self._state = self._state, None
         _worker.apply_state(network, state, copy=False)
         self.fingerprint = fingerprint(network)
+
+
+def _parked_blob(name: str, session: str) -> bytes:
+    """The replica that ``session``'s trainer parked on this worker, pickled without its optimizer (see
+    ``SessionWorkerPlugin.serialised``); an error where none is."""
+    return get_worker().plugins[name].serialised(session)
 
 
 @dataclasses.dataclass(frozen=True)

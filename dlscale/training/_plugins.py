@@ -221,6 +221,11 @@ class SessionWorkerPlugin(WorkerPlugin):
         with self._parking:
             self.parked.pop(session, None)
 
+    def serialised(self, session: str) -> bytes:
+        """The network ``session``'s trainer parked here, pickled without its optimizer, if it holds the
+        state its fit ended with (a master whose replicas do); a ``LookupError`` otherwise."""
+        raise LookupError(f"the {self.approach} trainers of session {session} park no copy of the fit's state")
+
     def parked_trainers(self, session: str) -> list[int]:
         """The local trainers of ``session`` parked here."""
         with self._parking:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.protocol import to_serialize
 
+from dlscale.nn import shipping
 from dlscale.training._plugins import SessionWorkerPlugin
 from dlscale.training.averaging._comms import Outbox
 from dlscale.training.averaging._exchange import Mailbox
@@ -79,6 +80,16 @@ class AveragingWorkerPlugin(SessionWorkerPlugin):
         nothing); any other session's is forgotten."""
         with self._parking:
             self.parked = {} if network is None else {session: network}
+
+    def serialised(self, session: str) -> bytes:
+        """The replica ``session``'s trainer parked here (the state its fit ended with, as every trainer
+        of the fit), pickled without its optimizer; a ``LookupError`` where it is not parked (any
+        more: a fit took it back)."""
+        with self._parking:  # not while a fit takes it back and trains it
+            network = self.parked.get(session)
+            if network is None:
+                raise LookupError(f"no replica of session {session} is parked on this worker")
+            return shipping.serialise(network, with_optimizer=False)
 
     def unpark(self, session: str) -> Any | None:
         """The replica parked by ``session``'s trainer, taken away (``None`` if none is)."""

@@ -329,7 +329,9 @@ class _Averaging(SessionRun):
         if not holding:
             raise RuntimeError("every parameter-averaging trainer was lost; the network is unchanged")
         self.complete = len(finished) == len(futures)
-        self.run.network.arriving(Arrival(holding, f"fit {self.fit}"))
+        # every trainer that parks its replica parks this state: an evaluation before the next fit is sent it from there
+        parked = (self.extension.name, self.session, self.nodes())
+        self.run.network.arriving(Arrival(holding, f"fit {self.fit}", parked))
         logger.debug(
             "parameter averaging: %d minibatches in %.2f s on %d trainers",
             self._fitted,
