@@ -434,9 +434,19 @@ PICKS = (
         ("mlp", "loopback", "defaults"),
     ),
     (
-        "the same on a slow link (1 Gbit/s, shared), a fit per epoch (an evaluation between)",
+        "the same on a slow link (1 Gbit/s, shared), a fit per epoch, the network read between (on the driver)",
         "the same",
         ("mlp", "1gbit", "defaults"),
+    ),
+    (
+        "the same, a fit per epoch with `spark_net.evaluate(test)` between (DL4J's loop; timed with the fits)",
+        "the same: the evaluation runs on the state the workers hold",
+        ("mlp", "1gbit", "defaults_evaluated"),
+    ),
+    (
+        "the same, a fit per epoch, the network read after the last (DL4J's example loop)",
+        "the same: the state reaches the driver once",
+        ("mlp", "1gbit", "defaults_unread"),
     ),
     (
         "the same, nothing needed between epochs",

@@ -932,6 +932,20 @@ def test_a_fit_loop_goes_on_with_the_last_fits_replicas_unless_the_network_chang
     assert all(torch.equal(state[i]["momentum_buffer"], other[i]["momentum_buffer"]) for i in other)
 
 
+def _watched(sc: SparkContext, export: Path, seed: int) -> tuple[SparkNet, _SentNetworks]:
+    """The batch-norm MLP averaging every 2 minibatches, with a listener that tells whether each fit
+    (:func:`_fit_watched`) was sent the network."""
+    master = ParameterAveragingTrainingMaster(16, averaging_frequency=2, rng_seed=seed, export_directory=str(export))
+    spark_net, sent = SparkNet(sc, mlp_network(MOMENTUM, norm=True), master), _SentNetworks(sc)
+    spark_net.set_listeners(sent)
+    return spark_net, sent
+
+
+def _fit_watched(spark_net: SparkNet, sent: _SentNetworks, rdd: Any) -> None:
+    sent.before = _networks_held(spark_net.sc)
+    spark_net.fit(rdd)
+
+
 def test_a_loop_that_reads_nothing_between_fits_takes_the_state_once_read(sc, tmp_path) -> None:
     """The state a parameter-averaging fit ends with arrives in the background: the network takes it
     when first read. Fits that read nothing between them go on with the parked trainers (nothing
@@ -939,16 +953,10 @@ def test_a_loop_that_reads_nothing_between_fits_takes_the_state_once_read(sc, tm
     rdd = rdd_of(sc, 96, 8, 2)
 
     def loop(read: bool) -> tuple[Network, list[bool], list[bool]]:
-        master = ParameterAveragingTrainingMaster(
-            16, averaging_frequency=2, rng_seed=3, export_directory=str(tmp_path / f"export-{read}")
-        )
-        spark_net = SparkNet(sc, mlp_network(MOMENTUM, norm=True), master)
-        sent = _SentNetworks(sc)
-        spark_net.set_listeners(sent)
+        spark_net, sent = _watched(sc, tmp_path / f"export-{read}", 3)
         arriving = []
         for _ in range(3):
-            sent.before = _networks_held(sc)
-            spark_net.fit(rdd)
+            _fit_watched(spark_net, sent, rdd)
             arriving.append(spark_net.network.pending() is not None)
             if read:
                 spark_net.network.params()
@@ -977,14 +985,10 @@ def test_an_evaluation_between_fits_runs_on_the_state_the_workers_hold(sc, tmp_p
     driver takes it (a batch-norm network, the running statistics the parked replicas hold). Once a
     fit has taken the replicas back, the driver takes the state and sends it."""
     rdd, test = rdd_of(sc, 96, 8, 2), rdd_of(sc, 48, 16, 2)
-    master = ParameterAveragingTrainingMaster(16, averaging_frequency=2, rng_seed=4, export_directory=str(tmp_path))
-    spark_net = SparkNet(sc, mlp_network(MOMENTUM, norm=True), master)
-    sent = _SentNetworks(sc)
-    spark_net.set_listeners(sent)
+    spark_net, sent = _watched(sc, tmp_path, 4)
     evaluations = []
     for _ in range(2):
-        sent.before = _networks_held(sc)
-        spark_net.fit(rdd)
+        _fit_watched(spark_net, sent, rdd)
         evaluations.append(spark_net.evaluate_regression(test.map(_one_hot)))  # reads every output exactly
         assert spark_net.network.pending() is not None  # evaluated without taking the state to the driver
     assert sent.held == [True, False]  # the second fit went on with the parked trainers
