@@ -445,7 +445,7 @@ PICKS = (
     ),
     (
         "the same, a fit per epoch, the network read after the last (DL4J's example loop)",
-        "the same: the state reaches the driver once",
+        "the same",
         ("mlp", "1gbit", "defaults_unread"),
     ),
     (
